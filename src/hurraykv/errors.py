@@ -1,0 +1,82 @@
+"""The HurrayError hierarchy: every rejection hurraykv makes is one of these.
+
+A message names the field, where it sits (a byte offset in a descriptor, or an
+index into a buffer), the value found and the rule it breaks, so that a user can
+find the bad byte without a debugger.  The same facts are kept as attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HurrayError(Exception):
+    """Base class of every error hurraykv raises on bad input or misuse."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        offset: int | None = None,
+        value: Any = None,
+        rule: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.offset = offset
+        self.value = value
+        self.rule = rule
+
+    @classmethod
+    def at(
+        cls,
+        field: str,
+        offset: int | None,
+        value: Any,
+        rule: str,
+        *,
+        where: str = "byte",
+    ) -> HurrayError:
+        """Build an error with the house message: field, position, value found, rule."""
+        place = "" if offset is None else f" at {where} {offset}"
+        shown = f"{value} (0x{value:x})" if type(value) is int and value >= 0 else repr(value)
+        return cls(
+            f"{field}{place}: found {shown}; {rule}",
+            field=field,
+            offset=offset,
+            value=value,
+            rule=rule,
+        )
+
+
+class DescriptorError(HurrayError):
+    """Framing of a descriptor: magic, version, lengths, flags, rank, truncation, sections."""
+
+
+class ElementTypeError(HurrayError):
+    """An element type tag that is invalid, reserved, unknown or unusable here."""
+
+
+class LayoutError(HurrayError):
+    """Layout fields and the structural invariants of a layout (block-paged included)."""
+
+
+class BufferError(HurrayError):  # noqa: A001 - the spec's own name for the family
+    """Buffer table entries and buffer contents: sizes, alignment, devices, placement."""
+
+
+class QuantizationError(HurrayError):
+    """Quantization section: scheme tags, payload fields, composition, parameter buffers."""
+
+
+class SeqLensRequiredError(LayoutError):
+    """Per-sequence token counts are not on the wire and cannot be derived (decision D6)."""
+
+
+class PermissiveAccessError(HurrayError):
+    """A descriptor decoded in permissive mode relaxed a rule, so its data must not be touched."""
+
+
+class UnsupportedError(HurrayError):
+    """Valid Hurray that this implementation does not handle (e.g. sub-byte pages, D11)."""

@@ -1,0 +1,191 @@
+"""Descriptor-level rules of the block-paged layout (tag 0x0A, block-paged.md).
+
+Buffers: 0 ``page_pool`` (num_pages*page_size*num_heads*head_dim elements),
+1 ``block_table`` and 2 ``seq_ptr`` (uint32 or uint64 per block_table_index_type;
+``seq_ptr[num_seqs]`` and ``num_seqs + 1`` entries), then quantization parameter
+buffers from index 3, present only with HAS_QUANTIZATION.
+
+This module checks everything that can be known from the descriptor alone (the
+rows of the reject checklist in wire-notes §9 that need no buffer contents).  The
+index invariants that need ``seq_ptr``/``block_table`` contents live with the data,
+in ``hurraykv.paged``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import BufferError, LayoutError, QuantizationError, UnsupportedError
+from .cursor import Cursor
+from .dtypes import ELEMENT_TYPES
+from .layouts import BlockPaged
+from .quantization import (
+    MXFP,
+    NF4,
+    PerBlockAffine,
+    PerChannel,
+    PerTensor,
+    check_in_context,
+    check_param_sizes,
+    scheme_name,
+)
+
+if TYPE_CHECKING:
+    from .descriptor import TensorDescriptor
+
+DYNAMIC = 0xFFFFFFFFFFFFFFFF
+U32_MAX = 0xFFFFFFFF
+SCALE_WIDTH = {1: 2, 2: 2, 3: 4}
+
+
+def pool_nbytes(d: TensorDescriptor, elements: int) -> int | None:
+    """Bytes of ``elements`` pool elements, or None when the type cannot be sized."""
+    et = d.element_type
+    if et is not None:
+        return et.nbytes(elements)
+    if d.extension_type is not None:
+        return d.extension_type.nbytes(elements)
+    return None
+
+
+def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
+    L: BlockPaged = d.layout  # type: ignore[assignment]
+    at = cur.at
+    table = at("buffer_count") or 0
+
+    def handle_off(i: int) -> int:
+        return table + 1 + 16 * i
+
+    if d.rank != 3:
+        raise LayoutError.at("rank", 16, d.rank, "a block-paged tensor MUST have rank 3")
+    if d.composite_member is not None:
+        raise LayoutError.at("flags", 10, d.flags,
+                             "HAS_COMPOSITE_MEMBER: a block-paged tensor can only be a group "
+                             "member, and group members MUST NOT carry that section")
+    if d.shard is not None:
+        raise LayoutError.at("flags", 10, d.flags,
+                             "HAS_SHARD: a shard descriptor MUST NOT be applied to a "
+                             "block-paged tensor")
+    if d.byte_offset != 0:
+        raise LayoutError.at("byte_offset", at("byte_offset"), d.byte_offset,
+                             "byte_offset MUST be 0 for block-paged")
+    if L.page_size == 0:
+        raise LayoutError.at("layout.page_size", at("layout.page_size"), 0,
+                             "page_size MUST be >= 1")
+    if L.paged_axis != 0:
+        cur.relax(LayoutError.at("layout.paged_axis", at("layout.paged_axis"), L.paged_axis,
+                                 "paged_axis MUST be 0 (invariant 6)"))
+    total, heads, dim = d.shape
+    for axis, name in ((1, "num_heads"), (2, "head_dim"), (0, "total_tokens")):
+        if d.shape[axis] == DYNAMIC:
+            raise LayoutError.at(f"shape[{axis}]", 20 + 8 * axis, DYNAMIC,
+                                 f"{name} MUST NOT be the dynamic sentinel: the pool and "
+                                 "sequences cannot be sized from it")
+    nbuf = len(d.buffers)
+    if nbuf < 3:
+        raise BufferError.at("buffer_count", table, nbuf,
+                             "a block-paged tensor MUST have buffers 0-2 (page_pool, "
+                             "block_table, seq_ptr)")
+    if nbuf > 3 and d.quantization is None:
+        raise BufferError.at("buffer_count", table, nbuf,
+                             "buffers 3 and up exist only with HAS_QUANTIZATION")
+    slot_elems = heads * dim
+    page_elems = L.page_size * slot_elems
+    et = d.element_type
+    if et is not None and et.sub_byte and not et.whole_bytes(page_elems):
+        raise UnsupportedError.at(
+            "layout.page_size", at("layout.page_size"), L.page_size,
+            f"unsupported: a {et.name} page of {page_elems} elements does not end on a byte "
+            "boundary; hurraykv needs byte-aligned pages (decision D11)")
+    want = pool_nbytes(d, L.num_pages * page_elems)
+    if want is not None and d.buffers[0].byte_size != want:
+        raise BufferError.at(
+            "buffers[0].byte_size", handle_off(0), d.buffers[0].byte_size,
+            f"page_pool MUST hold num_pages*page_size*num_heads*head_dim = "
+            f"{L.num_pages}*{L.page_size}*{heads}*{dim} {d.element_type_name} elements "
+            f"= {want} bytes (invariant 4)")
+    w = L.index_width
+    bt, sp = d.buffers[1].byte_size, d.buffers[2].byte_size
+    for i, size, name in ((1, bt, "block_table"), (2, sp, "seq_ptr")):
+        if size % w:
+            raise BufferError.at(f"buffers[{i}].byte_size", handle_off(i), size,
+                                 f"{name} holds {L.index_type_name} entries, so its size MUST "
+                                 f"be a multiple of {w}")
+    if sp != (L.num_seqs + 1) * w:
+        cur.relax(BufferError.at(
+            "buffers[2].byte_size", handle_off(2), sp,
+            f"seq_ptr MUST hold num_seqs + 1 = {L.num_seqs + 1} {L.index_type_name} entries "
+            f"= {(L.num_seqs + 1) * w} bytes"))
+    if L.num_seqs == 0 and bt != 0:
+        cur.relax(BufferError.at("buffers[1].byte_size", handle_off(1), bt,
+                                 "an empty batch (num_seqs 0) has an empty block_table "
+                                 "(invariant 1)"))
+    logical_pages = bt // w
+    if L.index_type == 0 and L.num_pages > U32_MAX:
+        raise LayoutError.at("layout.block_table_index_type", at("layout.block_table_index_type"),
+                             0, f"num_pages {L.num_pages} exceeds what uint32 page IDs address; "
+                             "larger pools MUST use uint64 (0x01)")
+    if L.index_type == 0 and logical_pages > U32_MAX:
+        raise LayoutError.at("layout.block_table_index_type", at("layout.block_table_index_type"),
+                             0, f"the block table has {logical_pages} entries, more than "
+                             "uint32 seq_ptr offsets address; it MUST use uint64 (0x01)")
+    if total > logical_pages * L.page_size:
+        raise LayoutError.at(
+            "shape[0]", 20, total,
+            f"total_tokens MUST NOT exceed the capacity of the block table's pages "
+            f"({logical_pages} pages * page_size {L.page_size} = "
+            f"{logical_pages * L.page_size} tokens)")
+    if d.quantization is not None:
+        _check_quantization(d, cur, L, handle_off)
+
+
+def _check_quantization(d: TensorDescriptor, cur: Cursor, L: BlockPaged, handle_off) -> None:
+    q = d.quantization
+    at = cur.at
+    if isinstance(q, NF4 | MXFP):  # MXFP subclasses NF4
+        cur.relax(QuantizationError.at(
+            "q.scheme_tag", at("q.scheme_tag"), q.TAG,
+            f"{scheme_name(q.TAG)} has no composition rule with block-paged; rejected in "
+            "strict mode (decision D3)"))
+        return
+    if not isinstance(q, PerTensor | PerChannel | PerBlockAffine):
+        return  # unknown scheme, already relaxed by the decoder
+    params = q.buffers
+    for i in params:
+        if i < 3:
+            raise QuantizationError.at(
+                "q.scale_buffer_index" if i == q.scale_buffer else "q.zero_point_buffer_index",
+                at("q.scale_buffer_index" if i == q.scale_buffer else
+                   "q.zero_point_buffer_index"), i,
+                "block-paged quantization parameters MUST live at buffer index >= 3 "
+                "(0-2 are page_pool, block_table, seq_ptr)")
+    if isinstance(q, PerChannel) and q.axis == 0:
+        raise QuantizationError.at("q.axis", at("q.axis"), 0,
+                                   "per-channel MUST NOT quantize the paged axis 0; use "
+                                   "per-block-affine with block_size == page_size")
+    if isinstance(q, PerBlockAffine):
+        if q.axis != 0:
+            raise QuantizationError.at("q.axis", at("q.axis"), q.axis,
+                                       "per-block-affine on block-paged MUST use axis 0")
+        if q.block_size != L.page_size:
+            raise QuantizationError.at("q.block_size", at("q.block_size"), q.block_size,
+                                       f"per-block-affine on block-paged MUST have block_size "
+                                       f"== page_size ({L.page_size})")
+    check_in_context(q, d, cur, paged=True)
+    expected = sorted(set(params))
+    present = list(range(3, len(d.buffers)))
+    if expected != present:
+        raise BufferError.at(
+            "buffer_count", at("buffer_count"), len(d.buffers),
+            f"buffers 3 and up MUST be exactly the parameter buffers the "
+            f"{scheme_name(q.TAG)} section names ({expected or 'none'})")
+    if isinstance(q, PerBlockAffine):
+        slots = L.num_pages * L.page_size
+        check_param_sizes(q, d.buffers, slots, SCALE_WIDTH[q.scale_type], cur)
+
+
+def index_dtype(layout: BlockPaged) -> str:
+    return "<u8" if layout.index_type == 1 else "<u4"
+
+
+__all__ = ["ELEMENT_TYPES", "check_descriptor", "index_dtype", "pool_nbytes"]
