@@ -1,0 +1,619 @@
+"""BlockPagedTensor: one block-paged KV tensor (one kv_role of one layer) in memory.
+
+Storage is the spec's: ``page_pool`` ``[num_pages, page_size, num_heads, head_dim]``,
+``block_table`` (physical page per logical page, sequences back to back) and
+``seq_ptr`` (``num_seqs + 1`` offsets into the block table), plus ``seq_lens``,
+the per-sequence token counts that are not on the wire (decision D6).
+
+Element lookup, exactly as block-paged.md § Element Lookup::
+
+    phys_page = block_table[seq_ptr[s] + t // page_size]
+    flat      = ((phys_page * page_size + t % page_size) * num_heads + h) * head_dim + d
+
+Every data path treats the pool as rows: one row per page (``page_size*H*D``
+elements) or, for token-granular copies, one row per page *slot* (``H*D``
+elements), and moves rows with ``np.take(..., out=...)``; index arithmetic is
+vectorised over tokens, never looped in Python.  Sub-byte pools (int4, int2, ...)
+are held packed, one byte-aligned row per page (decision D11).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    BufferError,
+    HurrayError,
+    LayoutError,
+    QuantizationError,
+    SeqLensRequiredError,
+    UnsupportedError,
+)
+from .wire.block_paged import U32_MAX
+from .wire.buffers import BufferHandle
+from .wire.descriptor import TensorDescriptor
+from .wire.dtypes import ElementType, element_type, pack, unpack
+from .wire.layouts import KV_ROLES, BlockPaged
+from .wire.quantization import PerBlockAffine, PerChannel, Quantization, storage_range
+
+_ROLE_CODES = {v: k for k, v in KV_ROLES.items()}
+_INDEX_NAMES = {"uint32": 0, "uint64": 1}
+_SCALE_DTYPES = {1: "float16", 2: "bfloat16", 3: "float32"}
+
+
+def _role_code(kv_role: str | int) -> int:
+    if isinstance(kv_role, str) and kv_role in _ROLE_CODES:
+        return _ROLE_CODES[kv_role]
+    if isinstance(kv_role, int) and kv_role in KV_ROLES:
+        return kv_role
+    raise LayoutError.at("kv_role", None, kv_role, "kv_role is 'key', 'value' or 'fused'")
+
+
+def _as_index(values: Any, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise LayoutError.at(f"{name}.shape", None, arr.shape, f"{name} is one-dimensional")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise LayoutError.at(f"{name}.dtype", None, str(arr.dtype), f"{name} holds integers")
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise LayoutError.at(f"{name}[{i}]", i, int(arr[i]), f"{name} entries are >= 0",
+                             where="index")
+    return arr
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+class BlockPagedTensor:
+    """A block-paged tensor: ``[total_tokens, num_heads, head_dim]`` over a page pool."""
+
+    # ------------------------------------------------------------------ construction
+    def __init__(
+        self,
+        page_pool: np.ndarray,
+        block_table: Any,
+        seq_ptr: Any,
+        seq_lens: Any = None,
+        *,
+        kv_role: str | int = "key",
+        layer_index: int | None = None,
+        index_type: str | None = None,
+        element_type: str | ElementType | None = None,
+    ) -> None:
+        pool = np.asarray(page_pool)
+        if pool.ndim != 4:
+            raise LayoutError.at("page_pool.shape", None, pool.shape,
+                                 "page_pool is [num_pages, page_size, num_heads, head_dim]")
+        et = _resolve_type(pool, element_type)
+        num_pages, page_size, heads, dim = (int(x) for x in pool.shape)
+        if page_size < 1:
+            raise LayoutError.at("page_size", None, page_size, "page_size MUST be >= 1")
+        if et.sub_byte:
+            _check_subbyte_pages(et, page_size * heads * dim)
+            rows = np.frombuffer(pack(pool, et), np.uint8).reshape(num_pages, -1)
+        else:
+            rows = np.ascontiguousarray(pool, dtype=et.numpy).reshape(num_pages, -1)
+        self._setup(rows, et, page_size, heads, dim, _as_index(block_table, "block_table"),
+                    _as_index(seq_ptr, "seq_ptr"), seq_lens, _role_code(kv_role), layer_index,
+                    index_type, None, ())
+        self.validate()
+
+    def _setup(self, rows: np.ndarray, et: ElementType, page_size: int, heads: int, dim: int,
+               block_table: np.ndarray, seq_ptr: np.ndarray, seq_lens: Any, role: int,
+               layer_index: int | None, index_type: str | None, quantization: Quantization | None,
+               params: tuple[np.ndarray, ...], total_tokens: int | None = None) -> None:
+        self._rows = rows
+        self.element_type = et
+        self.page_size = page_size
+        self.num_heads = heads
+        self.head_dim = dim
+        self.kv_role = KV_ROLES[role]
+        if layer_index is not None and not 0 <= int(layer_index) < U32_MAX:
+            raise LayoutError.at("layer_index", None, layer_index,
+                                 "layer_index is None or in [0, 0xFFFFFFFE]")
+        self.layer_index = None if layer_index is None else int(layer_index)
+        if len(seq_ptr) == 0:
+            raise LayoutError.at("seq_ptr", None, "[]", "seq_ptr holds num_seqs + 1 >= 1 entries")
+        need64 = self.num_pages > U32_MAX or len(block_table) > U32_MAX
+        if index_type is None:
+            index_type = "uint64" if need64 else "uint32"
+        if index_type not in _INDEX_NAMES:
+            raise LayoutError.at("index_type", None, index_type, "index_type is uint32 or uint64")
+        if index_type == "uint32" and need64:
+            raise LayoutError.at("index_type", None, index_type,
+                                 f"{self.num_pages} pages / {len(block_table)} block-table "
+                                 "entries need uint64 indices")
+        self.index_type = index_type
+        idx = np.dtype("<u8" if index_type == "uint64" else "<u4")
+        self.block_table = block_table.astype(idx, copy=False)
+        self.seq_ptr = seq_ptr.astype(idx, copy=False)
+        self.quantization = quantization
+        self.quant_params = params
+        if seq_lens is None:
+            self.seq_lens = None
+            self._total_tokens = total_tokens
+        else:
+            lens = _as_index(seq_lens, "seq_lens").astype(np.int64)
+            self.seq_lens = lens
+            self._total_tokens = int(lens.sum()) if total_tokens is None else total_tokens
+
+    @classmethod
+    def from_sequences(
+        cls,
+        seqs: Sequence[np.ndarray],
+        page_size: int,
+        *,
+        share_prefix: bool = True,
+        kv_role: str | int = "key",
+        layer_index: int | None = None,
+        index_type: str | None = None,
+        element_type: str | ElementType | None = None,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> BlockPagedTensor:
+        """Page a batch of dense ``[T_i, H, D]`` sequences.
+
+        With ``share_prefix``, a full page is stored once and aliased when every page
+        before it, and the page itself, are identical in the sequences that share it -
+        the prefix sharing of a paged-attention engine.  Partial last pages are never
+        shared.  Found with one sort of the page-content ids (no per-page Python loop).
+        """
+        arrays = [np.asarray(x) for x in seqs]
+        if page_size < 1:
+            raise LayoutError.at("page_size", None, page_size, "page_size MUST be >= 1")
+        if not arrays and (num_heads is None or head_dim is None or element_type is None):
+            raise LayoutError("an empty batch needs num_heads, head_dim and element_type")
+        heads = num_heads if num_heads is not None else arrays[0].shape[1]
+        dim = head_dim if head_dim is not None else arrays[0].shape[2]
+        et = _resolve_type(arrays[0] if arrays else np.empty(0), element_type)
+        dtype = et.numpy
+        for i, a in enumerate(arrays):
+            if a.ndim != 3 or a.shape[1:] != (heads, dim):
+                raise LayoutError.at(f"seqs[{i}].shape", i, a.shape,
+                                     f"every sequence is [T, {heads}, {dim}]", where="index")
+        n = len(arrays)
+        row = page_size * heads * dim
+        lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+        npages = -(-lens // page_size)
+        maxp = int(npages.max()) if n else 0
+        valid = np.arange(maxp)[None, :] < npages[:, None]
+        # Content id per full page (partial pages and padding get -1: never equal).
+        content = np.full((n, maxp), -1, dtype=np.int64)
+        full = np.arange(maxp)[None, :] < (lens // page_size)[:, None]
+        if share_prefix and full.any():
+            pages = np.concatenate([
+                np.ascontiguousarray(a[: (len(a) // page_size) * page_size], dtype=dtype)
+                .reshape(-1, row) for a in arrays])
+            void = pages.view(np.dtype((np.void, pages.dtype.itemsize * row))).reshape(-1)
+            _, ids = np.unique(void, return_inverse=True)
+            content[full] = ids.reshape(-1)
+            owner = _prefix_owners(content)
+        else:
+            owner = np.broadcast_to(np.arange(n)[:, None], (n, maxp))
+        is_new = valid & (owner == np.arange(n)[:, None])
+        new_id = np.cumsum(is_new.reshape(-1)).reshape(n, maxp) - 1
+        table = new_id[owner, np.arange(maxp)[None, :]]
+        num_pages = int(is_new.sum())
+        pool = np.zeros((num_pages, page_size, heads, dim), dtype=dtype)
+        flat_pool = pool.reshape(num_pages, -1)
+        for s, a in enumerate(arrays):  # one vectorised copy per sequence
+            own = np.flatnonzero(is_new[s])
+            if own.size == 0:
+                continue
+            padded = np.zeros((int(npages[s]) * page_size, heads, dim), dtype=dtype)
+            padded[: len(a)] = a
+            flat_pool[new_id[s, own]] = padded.reshape(-1, row)[own]
+        seq_ptr = np.concatenate([[0], np.cumsum(npages)])
+        return cls(pool, table[valid], seq_ptr, lens, kv_role=kv_role, layer_index=layer_index,
+                   index_type=index_type, element_type=et)
+
+    @classmethod
+    def from_descriptor(cls, desc: TensorDescriptor, buffers: Sequence[Any],
+                        seq_lens: Any = None) -> BlockPagedTensor:
+        """Wrap decoded buffers without copying them; validate sizes and index invariants.
+
+        Without ``seq_lens`` the per-sequence token counts are derived only where
+        unambiguous (decision D6); otherwise reading sequence data raises
+        :class:`SeqLensRequiredError`.
+        """
+        desc.permissively_decoded_check()
+        layout = desc.layout
+        if not isinstance(layout, BlockPaged):
+            raise LayoutError.at("layout_tag", 15, desc.layout_tag,
+                                 "a BlockPagedTensor needs a block-paged (0x0A) descriptor")
+        if len(buffers) != len(desc.buffers):
+            raise BufferError.at("buffers", None, len(buffers),
+                                 f"the descriptor declares {len(desc.buffers)} buffers")
+        views = []
+        for i, (buf, h) in enumerate(zip(buffers, desc.buffers, strict=True)):
+            mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(
+                np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+            if mv.nbytes != h.byte_size:
+                raise BufferError.at(f"buffers[{i}]", i, mv.nbytes,
+                                     f"the descriptor declares byte_size {h.byte_size}",
+                                     where="buffer")
+            views.append(mv)
+        et = desc.element_type
+        if et is None or et.numpy is None:
+            raise UnsupportedError.at("type_tag", 14, desc.type_tag,
+                                      f"hurraykv holds no data of element type "
+                                      f"{desc.element_type_name}")
+        total, heads, dim = desc.shape
+        ps = layout.page_size
+        if et.sub_byte:
+            rows = np.frombuffer(views[0], np.uint8).reshape(layout.num_pages, -1)
+        else:
+            rows = np.frombuffer(views[0], et.numpy).reshape(layout.num_pages, ps * heads * dim)
+        idx = np.dtype("<u8" if layout.index_type == 1 else "<u4")
+        bt = np.frombuffer(views[1], idx)
+        sp = np.frombuffer(views[2], idx)
+        params = tuple(np.frombuffer(v, np.uint8) for v in views[3:])
+        self = cls.__new__(cls)
+        self._setup(rows, et, ps, heads, dim, bt, sp, None, layout.kv_role,
+                    layout.layer_index, layout.index_type_name, desc.quantization, params,
+                    total_tokens=total)
+        self._check_index_buffers()
+        self.seq_lens = self._derive_seq_lens() if seq_lens is None else _as_index(
+            seq_lens, "seq_lens").astype(np.int64)
+        self._check_seq_lens()
+        self._check_quant_params()
+        return self
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def num_pages(self) -> int:
+        return int(self._rows.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ptr) - 1
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self._total_tokens or 0)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.total_tokens, self.num_heads, self.head_dim)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.element_type.numpy
+
+    @property
+    def page_pool(self) -> np.ndarray:
+        """``[num_pages, page_size, H, D]``: a view, or an unpacked copy for sub-byte types."""
+        shape = (self.num_pages, self.page_size, self.num_heads, self.head_dim)
+        if self.element_type.sub_byte:
+            return unpack(self._rows, self.element_type, int(np.prod(shape))).reshape(shape)
+        return self._rows.reshape(shape)
+
+    @property
+    def pages_per_seq(self) -> np.ndarray:
+        return np.diff(self.seq_ptr.astype(np.int64))
+
+    @property
+    def referenced_pages(self) -> np.ndarray:
+        """Sorted physical page IDs named by the block table."""
+        return np.unique(self.block_table)
+
+    @property
+    def shared_pages(self) -> np.ndarray:
+        """Sorted physical page IDs named more than once (aliased prefixes)."""
+        counts = np.bincount(self.block_table.astype(np.int64), minlength=self.num_pages)
+        return np.flatnonzero(counts > 1)
+
+    def __repr__(self) -> str:
+        layer = "-" if self.layer_index is None else self.layer_index
+        return (f"BlockPagedTensor({self.kv_role}, layer={layer}, shape={self.shape}, "
+                f"{self.element_type.name}, page_size={self.page_size}, "
+                f"num_pages={self.num_pages}, num_seqs={self.num_seqs}, "
+                f"index_type={self.index_type})")
+
+    # ------------------------------------------------------------------ validation
+    def _check_index_buffers(self) -> None:
+        """Storage invariants (1)-(3): seq_ptr starts at 0, never decreases, ends at the
+        block table's length; every page ID is below num_pages."""
+        sp, bt = self.seq_ptr, self.block_table
+        if sp[0] != 0:
+            raise LayoutError.at("seq_ptr[0]", 0, int(sp[0]), "seq_ptr[0] MUST be 0 (invariant 1)",
+                                 where="index")
+        if len(sp) > 1:
+            dec = sp[1:] < sp[:-1]
+            if dec.any():
+                i = _first(dec) + 1
+                raise LayoutError.at(f"seq_ptr[{i}]", i, int(sp[i]),
+                                     f"seq_ptr MUST be non-decreasing; seq_ptr[{i - 1}] is "
+                                     f"{int(sp[i - 1])} (invariant 2)", where="index")
+        if int(sp[-1]) != len(bt):
+            raise LayoutError.at(f"seq_ptr[{len(sp) - 1}]", len(sp) - 1, int(sp[-1]),
+                                 f"seq_ptr[num_seqs] MUST equal the block table's length "
+                                 f"{len(bt)} (invariant 1)", where="index")
+        if len(bt):
+            hi = int(bt.max())
+            if hi >= self.num_pages:
+                i = _first(bt >= self.num_pages)
+                raise LayoutError.at(f"block_table[{i}]", i, int(bt[i]),
+                                     f"page IDs MUST be < num_pages ({self.num_pages}) "
+                                     "(invariant 3)", where="index")
+
+    def validate(self) -> BlockPagedTensor:
+        """Storage invariants (1)-(3), (6) and the token counts (D6); O(n), vectorised."""
+        self._check_index_buffers()
+        self._check_seq_lens()
+        return self
+
+    def _check_seq_lens(self) -> None:
+        lens = self.seq_lens
+        if lens is None:
+            return
+        if len(lens) != self.num_seqs:
+            raise LayoutError.at("seq_lens", None, len(lens),
+                                 f"seq_lens holds one count per sequence ({self.num_seqs})")
+        cap = self.pages_per_seq * self.page_size
+        over = lens > cap
+        if over.any():
+            s = _first(over)
+            raise LayoutError.at(f"seq_lens[{s}]", s, int(lens[s]),
+                                 f"sequence {s} has {int(self.pages_per_seq[s])} pages of "
+                                 f"{self.page_size} slots: at most {int(cap[s])} tokens",
+                                 where="index")
+        total = int(lens.sum())
+        if total != self.total_tokens:
+            raise LayoutError.at("seq_lens", None, total,
+                                 f"sum(seq_lens) MUST equal shape[0] = total_tokens "
+                                 f"({self.total_tokens})")
+
+    def _derive_seq_lens(self) -> np.ndarray | None:
+        """D6: lengths are known only for one sequence, or when every page is full."""
+        if self.num_seqs == 0:
+            return np.zeros(0, np.int64)
+        if self.num_seqs == 1:
+            return np.array([self.total_tokens], np.int64)
+        full = self.pages_per_seq * self.page_size
+        return full if int(full.sum()) == self.total_tokens else None
+
+    def _check_quant_params(self) -> None:
+        q = self.quantization
+        if not isinstance(q, PerChannel | PerBlockAffine):
+            return
+        count = (self.shape[q.axis] if isinstance(q, PerChannel)
+                 else self.num_pages * self.page_size)
+        stype = element_type(_SCALE_DTYPES[q.scale_type])
+        shared = q.zero_point_buffer == q.scale_buffer
+        sbuf = self.quant_params[q.scale_buffer - 3]
+        scales = sbuf[: count * stype.itemsize].view(stype.numpy).astype(np.float32)
+        bad = ~np.isfinite(scales) | (scales == 0)
+        if bad.any():
+            i = _first(bad)
+            raise QuantizationError.at(f"scales[{i}]", i, float(scales[i]),
+                                       "every scale MUST be finite and non-zero", where="index")
+        if q.zero_point_buffer is not None:
+            zbuf = self.quant_params[q.zero_point_buffer - 3]
+            zps = (zbuf[count * stype.itemsize:] if shared else zbuf).view("<i4")
+            lo, hi = storage_range(self.element_type.name)
+            out = (zps < lo) | (zps > hi)
+            if out.any():
+                i = _first(out)
+                raise QuantizationError.at(f"zero_points[{i}]", i, int(zps[i]),
+                                           f"zero-points MUST lie in [{lo}, {hi}]",
+                                           where="index")
+
+    def _lens(self) -> np.ndarray:
+        if self.seq_lens is None:
+            raise SeqLensRequiredError(
+                f"per-sequence token counts are not on the wire and cannot be derived: "
+                f"{self.num_seqs} sequences share {self.total_tokens} tokens in "
+                f"{len(self.block_table)} pages of {self.page_size}; supply seq_lens "
+                "(decision D6)", field="seq_lens", rule="D6")
+        return self.seq_lens
+
+    # ------------------------------------------------------------------ data paths
+    def _slots(self, seqs: np.ndarray) -> np.ndarray:
+        """Pool slot (phys_page*page_size + t%page_size) of every valid token of ``seqs``."""
+        lens = self._lens()[seqs]
+        n = int(lens.sum())
+        starts = self.seq_ptr[seqs].astype(np.int64)
+        first_tok = np.cumsum(lens) - lens
+        t = np.arange(n, dtype=np.int64) - np.repeat(first_tok, lens)
+        ps = self.page_size
+        pages = self.block_table[np.repeat(starts, lens) + t // ps].astype(np.int64)
+        return pages * ps + t % ps
+
+    def _take_slots(self, slots: np.ndarray) -> np.ndarray:
+        n = len(slots)
+        out_shape = (n, self.num_heads, self.head_dim)
+        if self.element_type.sub_byte:
+            # Packed pages are byte-aligned, slots may not be: unpack the pages touched.
+            ps = self.page_size
+            pages, inv = np.unique(slots // ps, return_inverse=True)
+            rows = np.take(self._rows, pages, axis=0)
+            vals = unpack(rows, self.element_type, rows.shape[0] * ps * self.num_heads
+                          * self.head_dim).reshape(-1, self.num_heads, self.head_dim)
+            return vals[inv * ps + slots % ps].reshape(out_shape)
+        out = np.empty(out_shape, dtype=self.dtype)
+        slot_rows = self._rows.reshape(self.num_pages * self.page_size, -1)
+        np.take(slot_rows, slots, axis=0, out=out.reshape(n, -1), mode="clip")
+        return out
+
+    def gather(self, s: int) -> np.ndarray:
+        """Sequence ``s`` as a dense ``[T_s, H, D]`` array (a copy; never reads past T_s)."""
+        if not 0 <= s < self.num_seqs:
+            raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
+        return self._take_slots(self._slots(np.array([s])))
+
+    def to_dense(self) -> np.ndarray:
+        """The logical tensor ``[total_tokens, H, D]``, sequences back to back."""
+        return self._take_slots(self._slots(np.arange(self.num_seqs)))
+
+    def element(self, s: int, t: int, h: int, d: int) -> Any:
+        """The value at token ``t`` of sequence ``s``, head ``h``, dim ``d`` (spec formula)."""
+        lens = self._lens()
+        for name, v, hi in (("s", s, self.num_seqs), ("h", h, self.num_heads),
+                            ("d", d, self.head_dim)):
+            if not 0 <= v < hi:
+                raise LayoutError.at(name, None, v, f"{name} in [0, {hi})")
+        if not 0 <= t < lens[s]:
+            raise LayoutError.at("t", None, t,
+                                 f"sequence {s} has {int(lens[s])} valid tokens; a reader "
+                                 "MUST NOT read past them")
+        ps, H, D = self.page_size, self.num_heads, self.head_dim
+        phys = int(self.block_table[int(self.seq_ptr[s]) + t // ps])
+        flat = ((phys * ps + t % ps) * H + h) * D + d
+        if self.element_type.sub_byte:
+            per = self.element_type.packing if self.element_type.bits != 6 else 4
+            start = flat - flat % per
+            nbytes = self.element_type.nbytes(per)
+            raw = self._rows.reshape(-1)[self.element_type.nbytes(start):][:nbytes]
+            return unpack(raw, self.element_type, per)[flat % per]
+        return self._rows.reshape(-1)[flat]
+
+    # ------------------------------------------------------------------ maintenance
+    def used_slots(self) -> np.ndarray:
+        """Boolean mask over the ``num_pages*page_size`` slots that hold a valid token."""
+        mask = np.zeros(self.num_pages * self.page_size, dtype=bool)
+        mask[self._slots(np.arange(self.num_seqs))] = True
+        return mask
+
+    def zero_unused_slots(self) -> int:
+        """Zero every slot no sequence reads (partial-page tails, unreferenced pages), in
+        place, before the pool crosses a trust boundary.  Returns the number of slots
+        zeroed."""
+        if not self._rows.flags.writeable:
+            raise BufferError("page_pool is read-only (e.g. memory-mapped); copy() first",
+                              field="page_pool", rule="zeroing needs a writable pool")
+        unused = ~self.used_slots()
+        if self.element_type.sub_byte:
+            pool = self.page_pool.reshape(len(unused), -1)
+            pool[unused] = 0
+            self._rows[...] = np.frombuffer(pack(pool, self.element_type),
+                                            np.uint8).reshape(self._rows.shape)
+        else:
+            self._rows.reshape(len(unused), -1)[unused] = 0
+        return int(unused.sum())
+
+    def compact(self) -> BlockPagedTensor:
+        """A copy holding only referenced pages, renumbered in ascending order; aliasing
+        (shared prefixes) is preserved."""
+        keep = self.referenced_pages.astype(np.int64)
+        remap = np.searchsorted(keep, self.block_table)
+        out = self.__class__.__new__(self.__class__)
+        out._setup(np.take(self._rows, keep, axis=0), self.element_type,
+                   self.page_size, self.num_heads, self.head_dim, remap, self.seq_ptr.copy(),
+                   None if self.seq_lens is None else self.seq_lens.copy(),
+                   _ROLE_CODES[self.kv_role], self.layer_index, None,
+                   self.quantization, self._page_params(keep), total_tokens=self._total_tokens)
+        return out
+
+    def _page_params(self, keep: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Quantization parameters of the kept pages: per-page-slot arrays (per-block
+        affine, D4) follow their page; per-tensor and per-channel ones are unchanged."""
+        q = self.quantization
+        if not isinstance(q, PerBlockAffine):
+            return tuple(p.copy() for p in self.quant_params)
+        out = []
+        for i, p in enumerate(self.quant_params, start=3):
+            parts = 2 if i == q.scale_buffer == q.zero_point_buffer else 1
+            halves = p.reshape(parts, self.num_pages, -1)  # [scales | zero_points]
+            out.append(np.take(halves, keep, axis=1).reshape(-1))
+        return tuple(out)
+
+    def copy(self) -> BlockPagedTensor:
+        out = self.__class__.__new__(self.__class__)
+        out._setup(self._rows.copy(), self.element_type, self.page_size, self.num_heads,
+                   self.head_dim, self.block_table.copy(), self.seq_ptr.copy(),
+                   None if self.seq_lens is None else self.seq_lens.copy(),
+                   _ROLE_CODES[self.kv_role], self.layer_index, self.index_type,
+                   self.quantization, tuple(p.copy() for p in self.quant_params),
+                   total_tokens=self._total_tokens)
+        return out
+
+    # ------------------------------------------------------------------ wire
+    def layout(self) -> BlockPaged:
+        return BlockPaged(page_size=self.page_size, num_pages=self.num_pages,
+                          num_seqs=self.num_seqs, kv_role=_ROLE_CODES[self.kv_role],
+                          layer_index=self.layer_index, index_type=_INDEX_NAMES[self.index_type])
+
+    def descriptor(self, *, alignment: int = 64, device_tag: int = 0,
+                   memory_class: int = 0) -> TensorDescriptor:
+        """The tensor's Hurray descriptor.  ``alignment`` is what the carrier of the
+        buffers guarantees (a file or IPC segment declares its own, >= 4096)."""
+        handles = tuple(BufferHandle(len(b), alignment, device_tag, 0, memory_class)
+                        for b in self.buffers())
+        return TensorDescriptor(self.element_type.tag, self.shape, self.layout(), handles,
+                                quantization=self.quantization)
+
+    def buffers(self) -> tuple[memoryview, ...]:
+        """Zero-copy byte views: page_pool, block_table, seq_ptr, then quantization params."""
+        return tuple(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                     for a in (self._rows, self.block_table, self.seq_ptr, *self.quant_params))
+
+    def equal(self, other: BlockPagedTensor) -> bool:
+        """Same descriptor and the same bytes in every buffer."""
+        return (self.descriptor() == other.descriptor()
+                and all(a == b for a, b in zip(self.buffers(), other.buffers(), strict=True))
+                and (self.seq_lens is None) == (other.seq_lens is None)
+                and (self.seq_lens is None or np.array_equal(self.seq_lens, other.seq_lens)))
+
+
+def _resolve_type(sample: np.ndarray, name: str | ElementType | None) -> ElementType:
+    if name is not None:
+        et = element_type(name)
+    else:
+        try:
+            et = element_type(sample.dtype)
+        except HurrayError:
+            raise UnsupportedError.at("page_pool.dtype", None, str(sample.dtype),
+                                      "pass element_type= for a pool NumPy cannot name") from None
+    if et.numpy is None:
+        raise UnsupportedError.at("element_type", None, et.name,
+                                  "hurraykv holds no data of this element type")
+    return et
+
+
+def _check_subbyte_pages(et: ElementType, page_elems: int) -> None:
+    if not et.whole_bytes(page_elems):
+        raise UnsupportedError.at("page_size", None, page_elems,
+                                  f"a {et.name} page of {page_elems} elements does not end on a "
+                                  "byte boundary (decision D11)")
+
+
+def _prefix_owners(content: np.ndarray) -> np.ndarray:
+    """For each (sequence, page position), the first sequence whose pages up to and
+    including that position are identical: that sequence's page is the one stored.
+
+    Sequences are sorted by their content-id rows; equal prefixes become adjacent,
+    and the longest common prefix with the previous row says which positions alias.
+    """
+    n, maxp = content.shape
+    if n == 0 or maxp == 0:
+        return np.zeros((n, maxp), dtype=np.int64)
+    order = np.lexsort(content.T[::-1])
+    srt = content[order]
+    same = (srt[1:] == srt[:-1]) & (srt[1:] >= 0)
+    lcp = np.concatenate([[0], np.cumprod(same, axis=1).sum(axis=1)])
+    pos = np.arange(n)[:, None]
+    start = np.where(lcp[:, None] > np.arange(maxp)[None, :], 0, pos)
+    rep_sorted = np.maximum.accumulate(start, axis=0)
+    owners = np.empty_like(rep_sorted)
+    owners[order] = order[rep_sorted]
+    return _lowest_owner(owners, order, rep_sorted)
+
+
+def _lowest_owner(owners: np.ndarray, order: np.ndarray, rep_sorted: np.ndarray) -> np.ndarray:
+    """Re-point each group of aliasing sequences at its lowest sequence index."""
+    n, maxp = owners.shape
+    cols = np.broadcast_to(np.arange(maxp), (n, maxp))
+    key = rep_sorted * maxp + cols  # group id per (sorted row, position)
+    lowest = np.full(n * maxp, n, dtype=np.int64)
+    np.minimum.at(lowest, key.reshape(-1), order[:, None].repeat(maxp, 1).reshape(-1))
+    out = np.empty_like(owners)
+    out[order] = lowest[key].reshape(n, maxp)
+    return out
