@@ -65,6 +65,10 @@ class PerTensor:
     padding: bytes = b""
     TAG: ClassVar[int] = 0x01
 
+    def __post_init__(self) -> None:
+        # The wire holds a float32: keep the value it round-trips to, so equality holds.
+        object.__setattr__(self, "scale", struct.unpack("<f", struct.pack("<f", self.scale))[0])
+
     def encode(self) -> bytes:
         return struct.pack("<BBHfi4x", self.TAG, 1, 0, self.scale, self.zero_point) + self.padding
 
