@@ -62,7 +62,7 @@ class LayoutError(HurrayError):
     """Layout fields and the structural invariants of a layout (block-paged included)."""
 
 
-class BufferError(HurrayError):  # noqa: A001 - the spec's own name for the family
+class BufferError(HurrayError):
     """Buffer table entries and buffer contents: sizes, alignment, devices, placement."""
 
 

@@ -97,9 +97,11 @@ class BlockPagedTensor:
             raise LayoutError.at("page_size", None, page_size, "page_size MUST be >= 1")
         if et.sub_byte:
             _check_subbyte_pages(et, page_size * heads * dim)
-            rows = np.frombuffer(pack(pool, et), np.uint8).reshape(num_pages, -1)
+            rows = np.frombuffer(pack(pool, et), np.uint8).reshape(
+                num_pages, et.nbytes(page_size * heads * dim))
         else:
-            rows = np.ascontiguousarray(pool, dtype=et.numpy).reshape(num_pages, -1)
+            rows = np.ascontiguousarray(pool, dtype=et.numpy).reshape(
+                num_pages, page_size * heads * dim)
         self._setup(rows, et, page_size, heads, dim, _as_index(block_table, "block_table"),
                     _as_index(seq_ptr, "seq_ptr"), seq_lens, _role_code(kv_role), layer_index,
                     index_type, None, ())
@@ -202,7 +204,7 @@ class BlockPagedTensor:
         table = new_id[owner, np.arange(maxp)[None, :]]
         num_pages = int(is_new.sum())
         pool = np.zeros((num_pages, page_size, heads, dim), dtype=dtype)
-        flat_pool = pool.reshape(num_pages, -1)
+        flat_pool = pool.reshape(num_pages, row)
         for s, a in enumerate(arrays):  # one vectorised copy per sequence
             own = np.flatnonzero(is_new[s])
             if own.size == 0:
@@ -248,7 +250,8 @@ class BlockPagedTensor:
         total, heads, dim = desc.shape
         ps = layout.page_size
         if et.sub_byte:
-            rows = np.frombuffer(views[0], np.uint8).reshape(layout.num_pages, -1)
+            rows = np.frombuffer(views[0], np.uint8).reshape(
+                layout.num_pages, et.nbytes(ps * heads * dim))
         else:
             rows = np.frombuffer(views[0], et.numpy).reshape(layout.num_pages, ps * heads * dim)
         idx = np.dtype("<u8" if layout.index_type == 1 else "<u4")
@@ -430,7 +433,7 @@ class BlockPagedTensor:
     def _take_slots(self, slots: np.ndarray) -> np.ndarray:
         n = len(slots)
         out_shape = (n, self.num_heads, self.head_dim)
-        if self.element_type.sub_byte:
+        if self.element_type.sub_byte and n:
             # Packed pages are byte-aligned, slots may not be: unpack the pages touched.
             ps = self.page_size
             pages, inv = np.unique(slots // ps, return_inverse=True)
@@ -439,8 +442,12 @@ class BlockPagedTensor:
                           * self.head_dim).reshape(-1, self.num_heads, self.head_dim)
             return vals[inv * ps + slots % ps].reshape(out_shape)
         out = np.empty(out_shape, dtype=self.dtype)
-        slot_rows = self._rows.reshape(self.num_pages * self.page_size, -1)
-        np.take(slot_rows, slots, axis=0, out=out.reshape(n, -1), mode="clip")
+        if n == 0:
+            return out
+        slot_rows = self._rows.reshape(self.num_pages * self.page_size,
+                                       self.num_heads * self.head_dim)
+        np.take(slot_rows, slots, axis=0, out=out.reshape(n, self.num_heads * self.head_dim),
+                mode="clip")
         return out
 
     def gather(self, s: int) -> np.ndarray:
@@ -491,12 +498,12 @@ class BlockPagedTensor:
                               field="page_pool", rule="zeroing needs a writable pool")
         unused = ~self.used_slots()
         if self.element_type.sub_byte:
-            pool = self.page_pool.reshape(len(unused), -1)
+            pool = self.page_pool.reshape(len(unused), self.num_heads * self.head_dim)
             pool[unused] = 0
             self._rows[...] = np.frombuffer(pack(pool, self.element_type),
                                             np.uint8).reshape(self._rows.shape)
         else:
-            self._rows.reshape(len(unused), -1)[unused] = 0
+            self._rows.reshape(len(unused), self.num_heads * self.head_dim)[unused] = 0
         return int(unused.sum())
 
     def compact(self) -> BlockPagedTensor:
@@ -516,7 +523,7 @@ class BlockPagedTensor:
         """Quantization parameters of the kept pages: per-page-slot arrays (per-block
         affine, D4) follow their page; per-tensor and per-channel ones are unchanged."""
         q = self.quantization
-        if not isinstance(q, PerBlockAffine):
+        if not isinstance(q, PerBlockAffine) or self.num_pages == 0:
             return tuple(p.copy() for p in self.quant_params)
         out = []
         for i, p in enumerate(self.quant_params, start=3):

@@ -108,10 +108,7 @@ def check_handle(h: BufferHandle, index: int, base: int) -> None:
         raise BufferError.at(
             f"{name}.memory_class", base + 14, mc, "memory classes 0x04-0xEF and 0xFF are reserved"
         )
-    if _private(dev):
-        ok = mc == 0 or _private(mc)
-    else:
-        ok = mc in VALID_CLASSES[dev]
+    ok = (mc == 0 or _private(mc)) if _private(dev) else mc in VALID_CLASSES[dev]
     if not ok:
         raise BufferError.at(
             f"{name}.memory_class", base + 14, mc,

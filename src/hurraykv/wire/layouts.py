@@ -350,7 +350,7 @@ class PrivateLayout:
     data: bytes = b""
 
     @property
-    def TAG(self) -> int:  # noqa: N802 - mirrors the class constant of public layouts
+    def TAG(self) -> int:
         return self.tag
 
     def encode(self, rank: int) -> bytes:

@@ -41,8 +41,8 @@ SCALE_TYPES = {0x01: "float16", 0x02: "bfloat16", 0x03: "float32"}
 
 _INT_STORAGE = ("int8", "uint8", "int4", "uint4", "int2", "uint2")
 VALID_STORAGE = {
-    0x01: _INT_STORAGE + ("int16", "uint16", "int32", "uint32"),
-    0x02: _INT_STORAGE + ("int16", "uint16", "int32", "uint32"),
+    0x01: (*_INT_STORAGE, "int16", "uint16", "int32", "uint32"),
+    0x02: (*_INT_STORAGE, "int16", "uint16", "int32", "uint32"),
     0x03: _INT_STORAGE,
     0x04: ("uint4",),
     0x05: ("float8_e4m3", "float8_e5m2", "float4_e2m1", "float6_e2m3", "float6_e3m2", "int8",
@@ -155,7 +155,7 @@ class RawQuantization:
     payload: bytes  # the whole section, header included
 
     @property
-    def TAG(self) -> int:  # noqa: N802 - mirrors the class constant of parsed schemes
+    def TAG(self) -> int:
         return self.scheme_tag
 
     @property
