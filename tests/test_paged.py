@@ -272,3 +272,17 @@ def test_quantized_descriptor_and_params_survive_the_round_trip():
     assert c.num_pages == 2
     kept = np.frombuffer(bytes(c.buffers()[3]), "<f4")
     np.testing.assert_array_equal(kept, scales[:8])  # pages 0 and 1 keep their slot scales
+
+
+def test_gather_into_a_reused_buffer():
+    rng = np.random.default_rng(11)
+    seqs = [rng.standard_normal((n, 2, 8)).astype(np.float16) for n in (5, 9)]
+    t = BlockPagedTensor.from_sequences(seqs, 4)
+    buf = np.empty((9, 2, 8), np.float16)
+    assert t.gather(1, out=buf) is buf
+    np.testing.assert_array_equal(buf, seqs[1])
+    dense = np.empty((14, 2, 8), np.float16)
+    t.to_dense(out=dense)
+    np.testing.assert_array_equal(dense, np.concatenate(seqs))
+    with pytest.raises(hk.LayoutError, match="out must be"):
+        t.gather(0, out=buf)

@@ -430,9 +430,13 @@ class BlockPagedTensor:
         pages = self.block_table[np.repeat(starts, lens) + t // ps].astype(np.int64)
         return pages * ps + t % ps
 
-    def _take_slots(self, slots: np.ndarray) -> np.ndarray:
+    def _take_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         n = len(slots)
         out_shape = (n, self.num_heads, self.head_dim)
+        if out is not None and (out.shape != out_shape or out.dtype != self.dtype
+                                or not out.flags.c_contiguous):
+            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
+                                 f"out must be a C-contiguous {out_shape} {self.dtype} array")
         if self.element_type.sub_byte and n:
             # Packed pages are byte-aligned, slots may not be: unpack the pages touched.
             ps = self.page_size
@@ -440,8 +444,13 @@ class BlockPagedTensor:
             rows = np.take(self._rows, pages, axis=0)
             vals = unpack(rows, self.element_type, rows.shape[0] * ps * self.num_heads
                           * self.head_dim).reshape(-1, self.num_heads, self.head_dim)
-            return vals[inv * ps + slots % ps].reshape(out_shape)
-        out = np.empty(out_shape, dtype=self.dtype)
+            res = vals[inv * ps + slots % ps].reshape(out_shape)
+            if out is None:
+                return res
+            out[...] = res
+            return out
+        if out is None:
+            out = np.empty(out_shape, dtype=self.dtype)
         if n == 0:
             return out
         slot_rows = self._rows.reshape(self.num_pages * self.page_size,
@@ -450,15 +459,17 @@ class BlockPagedTensor:
                 mode="clip")
         return out
 
-    def gather(self, s: int) -> np.ndarray:
-        """Sequence ``s`` as a dense ``[T_s, H, D]`` array (a copy; never reads past T_s)."""
+    def gather(self, s: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Sequence ``s`` as a dense ``[T_s, H, D]`` array (a copy; never reads past T_s).
+
+        ``out`` lets a caller reuse one buffer across calls instead of allocating."""
         if not 0 <= s < self.num_seqs:
             raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
-        return self._take_slots(self._slots(np.array([s])))
+        return self._take_slots(self._slots(np.array([s])), out)
 
-    def to_dense(self) -> np.ndarray:
+    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
         """The logical tensor ``[total_tokens, H, D]``, sequences back to back."""
-        return self._take_slots(self._slots(np.arange(self.num_seqs)))
+        return self._take_slots(self._slots(np.arange(self.num_seqs)), out)
 
     def element(self, s: int, t: int, h: int, d: int) -> Any:
         """The value at token ``t`` of sequence ``s``, head ``h``, dim ``d`` (spec formula)."""

@@ -268,23 +268,29 @@ class BlockPaged:
 
     @classmethod
     def decode(cls, cur: Cursor, rank: int, depth: int = 0) -> BlockPaged:
-        page_size = cur.u32("layout.page_size")
-        num_pages = cur.u64("layout.num_pages")
-        paged_axis = cur.u32("layout.paged_axis")
-        num_seqs = cur.u32("layout.num_seqs")
-        role = cur.u8("layout.kv_role")
+        # One unpack for the whole payload: this decoder sits on every tensor's hot path.
+        base = cur.pos
+        raw = cur.take(_BP_RAW.size, "layout")
+        page_size, num_pages, paged_axis, num_seqs, role, layer, itype, rsv = _BP_RAW.unpack(raw)
+        cur.offsets.update({f"layout.{name}": base + rel for name, rel in _BP_OFFSETS})
         if role not in KV_ROLES:
-            raise LayoutError.at("layout.kv_role", cur.at("layout.kv_role"), role,
+            raise LayoutError.at("layout.kv_role", base + 20, role,
                                  "kv_role MUST be 0x00 key, 0x01 value or 0x02 fused")
-        layer = cur.u32("layout.layer_index")
-        itype = cur.u8("layout.block_table_index_type")
         if itype not in INDEX_TYPES:
-            raise LayoutError.at("layout.block_table_index_type",
-                                 cur.at("layout.block_table_index_type"), itype,
+            raise LayoutError.at("layout.block_table_index_type", base + 25, itype,
                                  "block_table_index_type MUST be 0x00 uint32 or 0x01 uint64")
-        cur.zeros(6, "layout._reserved", LayoutError)
+        if any(rsv):
+            i = next(k for k, b in enumerate(rsv) if b)
+            raise LayoutError.at(f"layout._reserved[{i}]", base + 26 + i, rsv[i],
+                                 "reserved bytes MUST be 0")
         return cls(page_size, num_pages, num_seqs, role, None if layer == NO_LAYER else layer,
                    itype, paged_axis)
+
+
+_BP_RAW = struct.Struct("<IQIIBIB6s")
+_BP_OFFSETS = (("page_size", 0), ("num_pages", 4), ("paged_axis", 12), ("num_seqs", 16),
+               ("kv_role", 20), ("layer_index", 21), ("block_table_index_type", 25),
+               ("_reserved", 26))
 
 
 @dataclass(frozen=True)
