@@ -77,52 +77,56 @@ class PerTensor:
         return ()
 
 
+class _Affine:
+    """What per-channel and per-block affine share: optional zero-points (None: SYMMETRIC)."""
+
+    scale_buffer: int
+    zero_point_buffer: int | None
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero_point_buffer is None
+
+    @property
+    def buffers(self) -> tuple[int, ...]:
+        zp = self.zero_point_buffer
+        return (self.scale_buffer,) if zp is None else (self.scale_buffer, zp)
+
+    def _head(self, tag: int) -> tuple[int, int, int]:
+        return tag, 1, SYMMETRIC if self.symmetric else 0
+
+    @property
+    def _zp_field(self) -> int:
+        return NO_BUFFER if self.zero_point_buffer is None else self.zero_point_buffer
+
+
 @dataclass(frozen=True)
-class PerChannel:
+class PerChannel(_Affine):
     axis: int
     scale_buffer: int
-    zero_point_buffer: int | None = None  # None: SYMMETRIC
+    zero_point_buffer: int | None = None
     scale_type: int = 0x03
     padding: bytes = b""
     TAG: ClassVar[int] = 0x02
 
-    @property
-    def symmetric(self) -> bool:
-        return self.zero_point_buffer is None
-
-    @property
-    def buffers(self) -> tuple[int, ...]:
-        return (self.scale_buffer,) + (() if self.symmetric else (self.zero_point_buffer,))
-
     def encode(self) -> bytes:
-        zp = NO_BUFFER if self.zero_point_buffer is None else self.zero_point_buffer
-        return struct.pack("<BBHIIIB3x", self.TAG, 1, SYMMETRIC if self.symmetric else 0,
-                           self.axis, self.scale_buffer, zp, self.scale_type) + self.padding
+        return struct.pack("<BBHIIIB3x", *self._head(self.TAG), self.axis, self.scale_buffer,
+                           self._zp_field, self.scale_type) + self.padding
 
 
 @dataclass(frozen=True)
-class PerBlockAffine:
+class PerBlockAffine(_Affine):
     axis: int
     block_size: int
     scale_buffer: int
-    zero_point_buffer: int | None = None  # None: SYMMETRIC
+    zero_point_buffer: int | None = None
     scale_type: int = 0x03
     padding: bytes = b""
     TAG: ClassVar[int] = 0x03
 
-    @property
-    def symmetric(self) -> bool:
-        return self.zero_point_buffer is None
-
-    @property
-    def buffers(self) -> tuple[int, ...]:
-        return (self.scale_buffer,) + (() if self.symmetric else (self.zero_point_buffer,))
-
     def encode(self) -> bytes:
-        zp = NO_BUFFER if self.zero_point_buffer is None else self.zero_point_buffer
-        return struct.pack("<BBHIIIIB3x", self.TAG, 1, SYMMETRIC if self.symmetric else 0,
-                           self.axis, self.block_size, self.scale_buffer, zp,
-                           self.scale_type) + self.padding
+        return struct.pack("<BBHIIIIB3x", *self._head(self.TAG), self.axis, self.block_size,
+                           self.scale_buffer, self._zp_field, self.scale_type) + self.padding
 
 
 @dataclass(frozen=True)
