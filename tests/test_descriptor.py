@@ -70,15 +70,15 @@ def block_paged(draw) -> TensorDescriptor:
             axis = draw(st.sampled_from([1, 2]))
             sym = draw(st.booleans())
             quant = PerChannel(axis, 3, None if sym else 4)
-            hs += [replace(hs[0], byte_size=4 * (heads, dim)[axis - 1])] * (1 if sym else 2)
+            hs += [hs[0]._replace(byte_size=4 * (heads, dim)[axis - 1])] * (1 if sym else 2)
         else:
             sym = draw(st.booleans())
             stype = draw(st.sampled_from([1, 2, 3]))
             quant = PerBlockAffine(0, ps, 3, None if sym else 4, stype)
             slots = pages * ps
-            hs.append(replace(hs[0], byte_size=slots * (4 if stype == 3 else 2)))
+            hs.append(hs[0]._replace(byte_size=slots * (4 if stype == 3 else 2)))
             if not sym:
-                hs.append(replace(hs[0], byte_size=slots * 4))
+                hs.append(hs[0]._replace(byte_size=slots * 4))
     stats = Statistics(0x3F, total, 0.0, -1.0, 1.0, 1.0, 0.0, 0.5) if draw(st.booleans()) \
         else None
     return TensorDescriptor(tag, (total, heads, dim), layout, tuple(hs), quantization=quant,

@@ -17,7 +17,7 @@ memory_class.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import BufferError
 
@@ -52,8 +52,9 @@ def memory_class_name(v: int) -> str:
     return MEMORY_CLASSES.get(v, f"private_0x{v:02x}" if _private(v) else f"0x{v:02x}")
 
 
-@dataclass(frozen=True)
-class BufferHandle:
+class BufferHandle(NamedTuple):
+    """One buffer-table entry.  A NamedTuple: decoding builds one per buffer, cheaply."""
+
     byte_size: int
     alignment: int = 64
     device_tag: int = 0

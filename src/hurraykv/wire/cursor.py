@@ -26,6 +26,9 @@ class Cursor:
         self.strict = strict
         self.offsets: dict[str, int] = {}
         self.relaxed: list[str] = []
+        # (base, ((field, relative offset), ...)) of fixed structs read in one unpack;
+        # resolved only when asked, which is mostly on the error path.
+        self._blocks: list[tuple[int, tuple[tuple[str, int], ...]]] = []
 
     def take(self, n: int, field: str) -> memoryview:
         if n > self.limit - self.pos:
@@ -76,5 +79,15 @@ class Cursor:
             raise err
         self.relaxed.append(str(err))
 
+    def block(self, base: int, fields: tuple[tuple[str, int], ...]) -> None:
+        """Record the offsets of a fixed struct read in one piece at ``base``."""
+        self._blocks.append((base, fields))
+
     def at(self, field: str) -> int | None:
-        return self.offsets.get(field)
+        off = self.offsets.get(field)
+        if off is None:
+            for base, fields in self._blocks:
+                for name, rel in fields:
+                    if name == field:
+                        return base + rel
+        return off

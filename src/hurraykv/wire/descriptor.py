@@ -212,7 +212,7 @@ def decode_descriptor(data: bytes | bytearray | memoryview, *, strict: bool = Tr
     count = cur.u8("buffer_count")
     table = cur.pos
     raw = cur.take(16 * count, "buffers")
-    handles = tuple(BufferHandle(*HANDLE.unpack_from(raw, 16 * i)) for i in range(count))
+    handles = tuple(map(BufferHandle._make, HANDLE.iter_unpack(raw)))
     for i, h in enumerate(handles):
         check_handle(h, i, table + 16 * i)
     quant = shard = stats = ext = member = None

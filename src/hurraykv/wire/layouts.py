@@ -272,7 +272,7 @@ class BlockPaged:
         base = cur.pos
         raw = cur.take(_BP_RAW.size, "layout")
         page_size, num_pages, paged_axis, num_seqs, role, layer, itype, rsv = _BP_RAW.unpack(raw)
-        cur.offsets.update({f"layout.{name}": base + rel for name, rel in _BP_OFFSETS})
+        cur.block(base, _BP_OFFSETS)
         if role not in KV_ROLES:
             raise LayoutError.at("layout.kv_role", base + 20, role,
                                  "kv_role MUST be 0x00 key, 0x01 value or 0x02 fused")
@@ -288,9 +288,9 @@ class BlockPaged:
 
 
 _BP_RAW = struct.Struct("<IQIIBIB6s")
-_BP_OFFSETS = (("page_size", 0), ("num_pages", 4), ("paged_axis", 12), ("num_seqs", 16),
-               ("kv_role", 20), ("layer_index", 21), ("block_table_index_type", 25),
-               ("_reserved", 26))
+_BP_OFFSETS = tuple((f"layout.{name}", rel) for name, rel in (
+    ("page_size", 0), ("num_pages", 4), ("paged_axis", 12), ("num_seqs", 16), ("kv_role", 20),
+    ("layer_index", 21), ("block_table_index_type", 25), ("_reserved", 26)))
 
 
 @dataclass(frozen=True)
