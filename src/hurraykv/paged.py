@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from . import quant as _quant
 from .errors import (
     BufferError,
     HurrayError,
@@ -41,7 +42,6 @@ from .wire.quantization import PerBlockAffine, PerChannel, Quantization, storage
 
 _ROLE_CODES = {v: k for k, v in KV_ROLES.items()}
 _INDEX_NAMES = {"uint32": 0, "uint64": 1}
-_SCALE_DTYPES = {1: "float16", 2: "bfloat16", 3: "float32"}
 
 
 def _role_code(kv_role: str | int) -> int:
@@ -86,6 +86,7 @@ class BlockPagedTensor:
         layer_index: int | None = None,
         index_type: str | None = None,
         element_type: str | ElementType | None = None,
+        fp8_scale: float | None = None,
     ) -> None:
         pool = np.asarray(page_pool)
         if pool.ndim != 4:
@@ -105,6 +106,7 @@ class BlockPagedTensor:
         self._setup(rows, et, page_size, heads, dim, _as_index(block_table, "block_table"),
                     _as_index(seq_ptr, "seq_ptr"), seq_lens, _role_code(kv_role), layer_index,
                     index_type, None, ())
+        self.fp8_scale = _check_fp8_scale(et, fp8_scale)
         self.validate()
 
     def _setup(self, rows: np.ndarray, et: ElementType, page_size: int, heads: int, dim: int,
@@ -138,6 +140,7 @@ class BlockPagedTensor:
         self.seq_ptr = seq_ptr.astype(idx, copy=False)
         self.quantization = quantization
         self.quant_params = params
+        self.fp8_scale: float | None = None
         if seq_lens is None:
             self.seq_lens = None
             self._total_tokens = total_tokens
@@ -159,6 +162,7 @@ class BlockPagedTensor:
         element_type: str | ElementType | None = None,
         num_heads: int | None = None,
         head_dim: int | None = None,
+        fp8_scale: float | None = None,
     ) -> BlockPagedTensor:
         """Page a batch of dense ``[T_i, H, D]`` sequences.
 
@@ -214,11 +218,12 @@ class BlockPagedTensor:
             flat_pool[new_id[s, own]] = padded.reshape(-1, row)[own]
         seq_ptr = np.concatenate([[0], np.cumsum(npages)])
         return cls(pool, table[valid], seq_ptr, lens, kv_role=kv_role, layer_index=layer_index,
-                   index_type=index_type, element_type=et)
+                   index_type=index_type, element_type=et, fp8_scale=fp8_scale)
 
     @classmethod
     def from_descriptor(cls, desc: TensorDescriptor, buffers: Sequence[Any],
-                        seq_lens: Any = None) -> BlockPagedTensor:
+                        seq_lens: Any = None, *, fp8_scale: float | None = None
+                        ) -> BlockPagedTensor:
         """Wrap decoded buffers without copying them; validate sizes and index invariants.
 
         Without ``seq_lens`` the per-sequence token counts are derived only where
@@ -267,6 +272,7 @@ class BlockPagedTensor:
             seq_lens, "seq_lens").astype(np.int64)
         self._check_seq_lens()
         self._check_quant_params()
+        self.fp8_scale = _check_fp8_scale(et, fp8_scale)
         return self
 
     # ------------------------------------------------------------------ geometry
@@ -384,23 +390,17 @@ class BlockPagedTensor:
         return full if int(full.sum()) == self.total_tokens else None
 
     def _check_quant_params(self) -> None:
+        """Row 31 and the zero-point range, on the parameter arrays themselves."""
         q = self.quantization
         if not isinstance(q, PerChannel | PerBlockAffine):
             return
-        count = (self.shape[q.axis] if isinstance(q, PerChannel)
-                 else self.num_pages * self.page_size)
-        stype = element_type(_SCALE_DTYPES[q.scale_type])
-        shared = q.zero_point_buffer == q.scale_buffer
-        sbuf = self.quant_params[q.scale_buffer - 3]
-        scales = sbuf[: count * stype.itemsize].view(stype.numpy).astype(np.float32)
+        scales, zps = _quant.params_arrays(q, self.quant_params, self._param_count())
         bad = ~np.isfinite(scales) | (scales == 0)
         if bad.any():
             i = _first(bad)
             raise QuantizationError.at(f"scales[{i}]", i, float(scales[i]),
                                        "every scale MUST be finite and non-zero", where="index")
-        if q.zero_point_buffer is not None:
-            zbuf = self.quant_params[q.zero_point_buffer - 3]
-            zps = (zbuf[count * stype.itemsize:] if shared else zbuf).view("<i4")
+        if zps is not None:
             lo, hi = storage_range(self.element_type.name)
             out = (zps < lo) | (zps > hi)
             if out.any():
@@ -408,6 +408,12 @@ class BlockPagedTensor:
                 raise QuantizationError.at(f"zero_points[{i}]", i, int(zps[i]),
                                            f"zero-points MUST lie in [{lo}, {hi}]",
                                            where="index")
+
+    def _param_count(self) -> int:
+        q = self.quantization
+        if isinstance(q, PerChannel):
+            return self.shape[q.axis]
+        return self.num_pages * self.page_size
 
     def _lens(self) -> np.ndarray:
         if self.seq_lens is None:
@@ -459,17 +465,42 @@ class BlockPagedTensor:
                 mode="clip")
         return out
 
-    def gather(self, s: int, out: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, s: int, out: np.ndarray | None = None, *,
+               dequantize: bool = False) -> np.ndarray:
         """Sequence ``s`` as a dense ``[T_s, H, D]`` array (a copy; never reads past T_s).
 
-        ``out`` lets a caller reuse one buffer across calls instead of allocating."""
+        ``dequantize=True`` returns float32 values (quantized pools per the spec formula,
+        fp8 pools times ``fp8_scale``).  ``out`` lets a caller reuse one buffer."""
         if not 0 <= s < self.num_seqs:
             raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
-        return self._take_slots(self._slots(np.array([s])), out)
+        return self._read(self._slots(np.array([s])), out, dequantize)
 
-    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
+    def to_dense(self, out: np.ndarray | None = None, *,
+                 dequantize: bool = False) -> np.ndarray:
         """The logical tensor ``[total_tokens, H, D]``, sequences back to back."""
-        return self._take_slots(self._slots(np.arange(self.num_seqs)), out)
+        return self._read(self._slots(np.arange(self.num_seqs)), out, dequantize)
+
+    def _read(self, slots: np.ndarray, out: np.ndarray | None, dequantize: bool) -> np.ndarray:
+        if not dequantize or (self.quantization is None and self.fp8_scale is None
+                              and self.element_type.is_float):
+            return self._take_slots(slots, out)
+        values = self._float_values(self._take_slots(slots), slots)
+        if out is None:
+            return values
+        if out.shape != values.shape or out.dtype != np.float32:
+            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
+                                 f"out must be a {values.shape} float32 array")
+        out[...] = values
+        return out
+
+    def _float_values(self, codes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        if self.quantization is not None:
+            return _quant.dequantize(codes, slots, self.quantization, self.quant_params,
+                                     self.num_pages * self.page_size)
+        values = codes.astype(np.float32)
+        if self.fp8_scale is not None:
+            values *= np.float32(self.fp8_scale)
+        return values
 
     def element(self, s: int, t: int, h: int, d: int) -> Any:
         """The value at token ``t`` of sequence ``s``, head ``h``, dim ``d`` (spec formula)."""
@@ -515,20 +546,18 @@ class BlockPagedTensor:
                                             np.uint8).reshape(self._rows.shape)
         else:
             self._rows.reshape(len(unused), self.num_heads * self.head_dim)[unused] = 0
+        if isinstance(self.quantization, PerBlockAffine):
+            self.quant_params = _quant.reset_unused(self.quantization, self.quant_params,
+                                                    unused)
         return int(unused.sum())
 
     def compact(self) -> BlockPagedTensor:
         """A copy holding only referenced pages, renumbered in ascending order; aliasing
-        (shared prefixes) is preserved."""
+        (shared prefixes) and per-page-slot scales follow their pages."""
         keep = self.referenced_pages.astype(np.int64)
-        remap = np.searchsorted(keep, self.block_table)
-        out = self.__class__.__new__(self.__class__)
-        out._setup(np.take(self._rows, keep, axis=0), self.element_type,
-                   self.page_size, self.num_heads, self.head_dim, remap, self.seq_ptr.copy(),
-                   None if self.seq_lens is None else self.seq_lens.copy(),
-                   _ROLE_CODES[self.kv_role], self.layer_index, None,
-                   self.quantization, self._page_params(keep), total_tokens=self._total_tokens)
-        return out
+        return self._derive(np.take(self._rows, keep, axis=0),
+                            block_table=np.searchsorted(keep, self.block_table),
+                            params=self._page_params(keep))
 
     def _page_params(self, keep: np.ndarray) -> tuple[np.ndarray, ...]:
         """Quantization parameters of the kept pages: per-page-slot arrays (per-block
@@ -544,14 +573,71 @@ class BlockPagedTensor:
         return tuple(out)
 
     def copy(self) -> BlockPagedTensor:
+        return self._derive(self._rows.copy(), params=tuple(p.copy() for p in self.quant_params))
+
+    def _derive(self, rows: np.ndarray, *, element_type: ElementType | None = None,
+                block_table: np.ndarray | None = None, quantization: Any = "keep",
+                params: tuple[np.ndarray, ...] | None = None,
+                fp8_scale: Any = "keep") -> BlockPagedTensor:
+        """A tensor over new pool rows with this tensor's sequences (tables copied)."""
         out = self.__class__.__new__(self.__class__)
-        out._setup(self._rows.copy(), self.element_type, self.page_size, self.num_heads,
-                   self.head_dim, self.block_table.copy(), self.seq_ptr.copy(),
-                   None if self.seq_lens is None else self.seq_lens.copy(),
-                   _ROLE_CODES[self.kv_role], self.layer_index, self.index_type,
-                   self.quantization, tuple(p.copy() for p in self.quant_params),
+        out._setup(rows, element_type or self.element_type, self.page_size, self.num_heads,
+                   self.head_dim,
+                   self.block_table.copy() if block_table is None else block_table,
+                   self.seq_ptr.copy(), None if self.seq_lens is None else self.seq_lens.copy(),
+                   _ROLE_CODES[self.kv_role], self.layer_index,
+                   self.index_type if block_table is None else None,
+                   self.quantization if quantization == "keep" else quantization,
+                   self.quant_params if params is None else params,
                    total_tokens=self._total_tokens)
+        out.fp8_scale = self.fp8_scale if fp8_scale == "keep" else fp8_scale
         return out
+
+    # ------------------------------------------------------------------ quantization
+    def quantize(self, scheme: str, dtype: str, symmetric: bool = True, axis: int | None = None,
+                 *, scale_dtype: str = "float32") -> BlockPagedTensor:
+        """A quantized copy of a float pool.
+
+        ``scheme``: "per_tensor", "per_channel" (``axis`` 1 heads or 2 head_dim) or
+        "per_block_affine" (one scale per physical page slot, D4).  ``dtype``: the storage
+        type (int8, uint8, int4, uint4, int2, uint2; per-tensor and per-channel also 16-
+        and 32-bit integers).  Sub-byte pools are packed per page (D11).
+        """
+        if self.quantization is not None or not self.element_type.is_float:
+            raise QuantizationError.at("element_type", None, self.element_type.name,
+                                       "quantize() takes an unquantized float pool")
+        et = element_type(dtype)
+        if scale_dtype not in _quant.SCALE_TAGS:
+            raise QuantizationError.at("scale_dtype", None, scale_dtype,
+                                       "scale_dtype is float32, float16 or bfloat16")
+        if et.sub_byte:
+            _check_subbyte_pages(et, self.page_size * self.num_heads * self.head_dim)
+        slots = self._rows.reshape(-1, self.num_heads, self.head_dim)
+        # Converted to float32 chunk by chunk inside; only fp8 needs its scale first.
+        values = slots if self.fp8_scale is None else self._float_values(
+            slots, np.arange(len(slots)))
+        codes, q, params = _quant.quantize_slots(
+            values, self.used_slots(), scheme, et, symmetric, axis,
+            _quant.SCALE_TAGS[scale_dtype])
+        if isinstance(q, PerBlockAffine):
+            q = PerBlockAffine(0, self.page_size, q.scale_buffer, q.zero_point_buffer,
+                               q.scale_type)
+        if et.sub_byte:
+            rows = np.frombuffer(pack(codes, et), np.uint8).reshape(self.num_pages, -1).copy()
+        else:
+            rows = codes.reshape(self.num_pages, -1)
+        return self._derive(rows, element_type=et, quantization=q, params=params,
+                            fp8_scale=None)
+
+    def dequantize(self) -> BlockPagedTensor:
+        """A float32 copy: quantized pools per the spec formula, fp8 pools times
+        ``fp8_scale``, float pools widened.  Tables and aliasing are unchanged."""
+        codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)
+        values = self._float_values(codes, np.arange(len(codes)))
+        return self._derive(values.reshape(self.num_pages, -1), element_type=element_type(
+            "float32"), quantization=None, params=(), fp8_scale=None)
+
+    to_float = dequantize
 
     # ------------------------------------------------------------------ wire
     def layout(self) -> BlockPaged:
@@ -594,6 +680,20 @@ def _resolve_type(sample: np.ndarray, name: str | ElementType | None) -> Element
         raise UnsupportedError.at("element_type", None, et.name,
                                   "hurraykv holds no data of this element type")
     return et
+
+
+def _check_fp8_scale(et: ElementType, scale: float | None) -> float | None:
+    """D5: an fp8 pool carries its per-layer, per-role scale beside the data."""
+    if scale is None:
+        return None
+    if et.name not in ("float8_e4m3", "float8_e5m2"):
+        raise QuantizationError.at("fp8_scale", None, scale,
+                                   f"fp8_scale belongs to float8 pools, not {et.name}")
+    value = float(np.float32(scale))
+    if not np.isfinite(value) or value == 0.0:
+        raise QuantizationError.at("fp8_scale", None, scale, "fp8_scale MUST be finite and "
+                                   "non-zero")
+    return value
 
 
 def _check_subbyte_pages(et: ElementType, page_elems: int) -> None:

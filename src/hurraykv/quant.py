@@ -1,0 +1,239 @@
+"""Quantizing and dequantizing block-paged pools (floor 1, NumPy only).
+
+Formulas (quantization.md; decision D4 for the block-paged scale layout):
+
+* per-tensor        ``x = scale * float32(q - zero_point)``
+* per-channel       ``x[..., c, ...] = scale[c] * float32(q - zp[c])`` along axis 1 (heads)
+                    or 2 (head_dim); float32 scales, ``shape[axis]`` of them
+* per-block-affine  ``x = scale[slot] * float32(q - zp[slot])`` with
+                    ``slot = phys_page * page_size + offset_in_page``: one scale (and int32
+                    zero-point) per physical page slot, shared by its heads and dims, so
+                    an aliased page dequantizes identically for every sequence.
+
+Arithmetic is float32; float16/bfloat16 scales are widened to float32 first.  Codes
+are computed with absmax (symmetric) or min/max widened to include 0 (asymmetric), so
+zero-points stay inside the storage range and every element's error is at most
+``scale / 2``.  Slots no sequence reads get scale 1.0 and zero-point 0 (every stored
+scale must be finite and non-zero).  Work is chunked over slot rows so temporaries stay
+in cache; nothing loops per token or element.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .errors import QuantizationError
+from .wire.dtypes import BY_NAME, ElementType
+from .wire.quantization import (
+    SCALE_TYPES,
+    VALID_STORAGE,
+    PerBlockAffine,
+    PerChannel,
+    PerTensor,
+    Quantization,
+    storage_range,
+)
+
+SCHEMES = {"per_tensor": 0x01, "per_channel": 0x02, "per_block_affine": 0x03}
+SCALE_TAGS = {v: k for k, v in SCALE_TYPES.items()}
+CHUNK_ELEMENTS = 1 << 18  # per chunk of slot rows: float32 temporaries of 1 MiB stay in cache
+
+
+def _chunk_rows(row_elems: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(row_elems, 1))
+
+
+def _code_dtype(et: ElementType) -> np.dtype:
+    return et.numpy if not et.sub_byte else np.dtype(np.int8 if et.is_signed else np.uint8)
+
+
+def _as_scale_dtype(scales: np.ndarray, scale_type: int) -> np.ndarray:
+    """Round scales *up* to the stored type (so the value range still fits the codes),
+    keeping them finite and non-zero; returned widened to float32."""
+    if scale_type == 3:
+        return scales
+    dt = BY_NAME[SCALE_TYPES[scale_type]].numpy
+    info = ml_dtypes.finfo(dt)
+    clipped = np.clip(scales, float(info.smallest_normal), float(info.max))
+    low = clipped.astype(dt)
+    below = low.astype(np.float32) < clipped
+    bits = low.view(np.uint16)  # positive finite 16-bit floats: next value up is bits + 1
+    bits[below] += 1
+    return low.astype(np.float32)
+
+
+def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: bool,
+            scale_type: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Scales (rounded to the stored scale type) and zero-points from value ranges."""
+    if symmetric:
+        scale = np.maximum(np.abs(lo), np.abs(hi)) / np.float32(qmax)
+    else:
+        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+        scale = (hi - lo) / np.float32(qmax - qmin)
+    scale = np.where((scale > 0) & np.isfinite(scale), scale, np.float32(1.0)).astype(np.float32)
+    scale = _as_scale_dtype(scale, scale_type)
+    if symmetric:
+        return scale, np.zeros(scale.shape, np.int32)
+    return scale, np.clip(np.rint(qmin - lo / scale), qmin, qmax).astype(np.int32)
+
+
+def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType,
+                   symmetric: bool, axis: int | None, scale_type: int
+                   ) -> tuple[np.ndarray, Quantization, tuple[np.ndarray, ...]]:
+    """Quantize slot rows ``x`` ``[slots, H, D]`` (float); ``used`` marks slots holding tokens.
+
+    Returns the codes ``[slots, H, D]`` (unpacked), the quantization section with
+    parameter buffers at 3 (scales) and 4 (zero-points, asymmetric only), and the
+    parameter buffers as byte arrays.
+    """
+    if scheme not in SCHEMES:
+        raise QuantizationError.at("scheme", None, scheme,
+                                   "scheme is per_tensor, per_channel or per_block_affine")
+    if et.name not in VALID_STORAGE[SCHEMES[scheme]]:
+        raise QuantizationError.at("dtype", None, et.name,
+                                   f"{scheme} storage is one of "
+                                   f"{', '.join(VALID_STORAGE[SCHEMES[scheme]])}")
+    if symmetric and not et.is_signed:
+        raise QuantizationError.at("symmetric", None, True,
+                                   f"symmetric quantization keeps zero-point 0 and needs a "
+                                   f"signed storage type, not {et.name}; use symmetric=False")
+    if scheme == "per_channel" and axis not in (1, 2):
+        raise QuantizationError.at("axis", None, axis,
+                                   "per_channel quantizes axis 1 (heads) or 2 (head_dim); the "
+                                   "paged axis 0 is quantized with per_block_affine")
+    if scheme != "per_channel" and axis not in (None, 0 if scheme == "per_block_affine" else None):
+        raise QuantizationError.at("axis", None, axis, f"{scheme} takes no axis")
+    if scheme != "per_block_affine" and scale_type != 3:
+        raise QuantizationError.at("scale_dtype", None, SCALE_TYPES[scale_type],
+                                   f"{scheme} scales are float32")
+    qmin, qmax = storage_range(et.name)
+    n = x.shape[0]
+    codes = np.empty(x.shape, _code_dtype(et))
+    step = _chunk_rows(x.shape[1] * x.shape[2])
+    if scheme == "per_block_affine":
+        scales = np.ones(n, np.float32)
+        zps = np.zeros(n, np.int32)
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            xc = x[a:b].reshape(b - a, -1).astype(np.float32)
+            u = used[a:b]
+            if not u.all():
+                xc[~u] = 0
+            s, z = _affine(xc.min(axis=1), xc.max(axis=1), qmin, qmax, symmetric, scale_type)
+            s[~u], z[~u] = 1.0, 0
+            scales[a:b], zps[a:b] = s, z
+            _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
+                    symmetric)
+        q: Quantization = PerBlockAffine(0, 0, 3, None if symmetric else 4, scale_type)
+        stype = BY_NAME[SCALE_TYPES[scale_type]].numpy
+        params = [scales.astype(stype).view(np.uint8)]
+        if not symmetric:
+            params.append(zps.view(np.uint8))
+        return codes, q, tuple(params)
+    # per-tensor and per-channel: ranges over the used slots only (unused are undefined)
+    red = (0, 1, 2) if scheme == "per_tensor" else tuple(i for i in (0, 1, 2) if i != axis)
+    lo = np.full([1 if i in red else x.shape[i] for i in range(3)], np.inf, np.float32)
+    hi = np.full(lo.shape, -np.inf, np.float32)
+    for a in range(0, n, step):
+        xc = x[a:a + step][used[a:a + step]].astype(np.float32)
+        if xc.size:
+            lo = np.minimum(lo, xc.min(axis=red, keepdims=True))
+            hi = np.maximum(hi, xc.max(axis=red, keepdims=True))
+    lo, hi = np.where(np.isfinite(lo), lo, 0), np.where(np.isfinite(hi), hi, 0)
+    s, z = _affine(lo, hi, qmin, qmax, symmetric)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        xc = x[a:b].astype(np.float32)
+        if not used[a:b].all():
+            xc[~used[a:b]] = 0
+        _encode(xc, s, z, qmin, qmax, codes[a:b], symmetric)
+    if scheme == "per_tensor":
+        return codes, PerTensor(float(s.reshape(-1)[0]), int(z.reshape(-1)[0])), ()
+    q = PerChannel(axis, 3, None if symmetric else 4)
+    params = [s.reshape(-1).astype("<f4").view(np.uint8)]
+    if not symmetric:
+        params.append(z.reshape(-1).astype("<i4").view(np.uint8))
+    return codes, q, tuple(params)
+
+
+def _encode(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, qmin: int, qmax: int,
+            out: np.ndarray, symmetric: bool) -> None:
+    """``out = clip(rint(x / scale) + zp)``, in place on the float32 chunk ``x``."""
+    x *= np.float32(1.0) / scale  # one multiply per element; the bound holds to 1 ulp
+    np.rint(x, out=x)
+    if not symmetric:  # symmetric: |x| <= absmax = scale * qmax, nothing to clip
+        x += zp
+        np.clip(x, qmin, qmax, out=x)
+    out[...] = x
+
+
+def params_arrays(q: Quantization, params: tuple[np.ndarray, ...], count: int
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """float32 scales and int32 zero-points (None when symmetric) from the parameter
+    buffers, handling a shared ``[scales | zero_points]`` buffer."""
+    if isinstance(q, PerTensor):
+        return np.array([q.scale], np.float32), np.array([q.zero_point], np.int32)
+    stype = BY_NAME[SCALE_TYPES[q.scale_type]]
+    sbuf = params[q.scale_buffer - 3]
+    scales = sbuf[: count * stype.itemsize].view(stype.numpy).astype(np.float32)
+    if q.zero_point_buffer is None:
+        return scales, None
+    zbuf = params[q.zero_point_buffer - 3]
+    if q.zero_point_buffer == q.scale_buffer:
+        zbuf = zbuf[count * stype.itemsize:]
+    return scales, zbuf[: count * 4].view("<i4")
+
+
+def dequantize(codes: np.ndarray, slots: np.ndarray, q: Quantization,
+               params: tuple[np.ndarray, ...], num_slots: int) -> np.ndarray:
+    """float32 values of ``codes`` ``[n, H, D]`` taken from pool slots ``slots``."""
+    n, heads, dim = codes.shape
+    shape = [1, 1, 1]
+    if isinstance(q, PerBlockAffine):
+        scales, zps = params_arrays(q, params, num_slots)
+        scale = scales[slots][:, None, None]
+        zero = None if zps is None else zps[slots][:, None, None]
+        per_row = True
+    elif isinstance(q, PerChannel):
+        shape[q.axis] = codes.shape[q.axis]
+        scales, zps = params_arrays(q, params, shape[q.axis])
+        scale, zero, per_row = scales.reshape(shape), zps, False
+        zero = None if zps is None else zps.reshape(shape)
+    elif isinstance(q, PerTensor):
+        scale = np.float32(q.scale)
+        zero = None if q.zero_point == 0 else np.int32(q.zero_point)
+        per_row = False
+    else:
+        raise QuantizationError.at("quantization", None, type(q).__name__,
+                                   "hurraykv dequantizes per-tensor, per-channel and "
+                                   "per-block-affine block-paged tensors")
+    out = np.empty(codes.shape, np.float32)
+    wide = np.int64 if codes.dtype.itemsize >= 4 else np.int32
+    step = _chunk_rows(heads * dim)
+    for a in range(0, n, step):  # chunks of rows keep the temporaries in cache
+        b = min(a + step, n)
+        o = out[a:b]
+        if zero is None:
+            o[...] = codes[a:b]
+        else:
+            z = zero[a:b] if per_row else zero
+            o[...] = codes[a:b].astype(wide) - z
+        o *= scale[a:b] if per_row else scale
+    return out
+
+
+def reset_unused(q: PerBlockAffine, params: tuple[np.ndarray, ...], unused: np.ndarray
+                 ) -> tuple[np.ndarray, ...]:
+    """Per-slot parameters with scale 1.0 and zero-point 0 on ``unused`` slots (copies)."""
+    n = len(unused)
+    stype = BY_NAME[SCALE_TYPES[q.scale_type]].numpy
+    out = [p.copy() for p in params]
+    sbuf = out[q.scale_buffer - 3]
+    sbuf[: n * stype.itemsize].view(stype)[unused] = 1.0
+    if q.zero_point_buffer is not None:
+        zbuf = out[q.zero_point_buffer - 3]
+        if q.zero_point_buffer == q.scale_buffer:
+            zbuf = zbuf[n * stype.itemsize:]
+        zbuf[: n * 4].view("<i4")[unused] = 0
+    return tuple(out)
