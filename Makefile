@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_paged.py
+	$(PY) benchmarks/bench_quant.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis
