@@ -1,14 +1,20 @@
 """hurraykv: the block-paged layout of the Hurray tensor format, for PagedAttention KV caches.
 
-Three entry points cover most uses::
+Entry points::
 
-    desc = hurraykv.decode_descriptor(data)          # bytes -> TensorDescriptor
-    data = desc.encode()                             # TensorDescriptor -> bytes
-    t = hurraykv.BlockPagedTensor.from_descriptor(desc, buffers, seq_lens)
+    snapshot = hurraykv.load_snapshot("batch.hrry")       # lazy, mmap-backed
+    key, value = snapshot.layer(0)                         # BlockPagedTensor views
+    hurraykv.save_snapshot(snapshot, "copy.hrry")          # atomic
+    hurraykv.write_snapshot_stream(snapshot, pipe)         # the streaming format
+    snapshot = hurraykv.read_snapshot_stream(pipe)
+
+    desc = hurraykv.decode_descriptor(data)                # bytes -> TensorDescriptor
+    data = desc.encode()                                   # TensorDescriptor -> bytes
 """
 
 from .errors import (
     BufferError,
+    ContainerError,
     DescriptorError,
     ElementTypeError,
     HurrayError,
@@ -16,9 +22,20 @@ from .errors import (
     PermissiveAccessError,
     QuantizationError,
     SeqLensRequiredError,
+    SnapshotError,
+    StreamError,
     UnsupportedError,
 )
+from .io.hrry import HrryFile
+from .io.snapshots import load_snapshot, read_snapshot_sequential, save_snapshot
+from .io.stream import (
+    SnapshotStreamReader,
+    SnapshotStreamWriter,
+    read_snapshot_stream,
+    write_snapshot_stream,
+)
 from .paged import BlockPagedTensor
+from .snapshot import KVCacheSnapshot
 from .wire import (
     ELEMENT_TYPES,
     BlockPaged,
@@ -34,8 +51,35 @@ from .wire import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ELEMENT_TYPES", "BlockPaged", "BlockPagedTensor", "BufferError", "BufferHandle",
-    "DescriptorError", "ElementType", "ElementTypeError", "HurrayError", "LayoutError",
-    "PermissiveAccessError", "QuantizationError", "SeqLensRequiredError", "TensorDescriptor",
-    "UnsupportedError", "decode_descriptor", "element_type", "pack", "unpack",
+    "ELEMENT_TYPES",
+    "BlockPaged",
+    "BlockPagedTensor",
+    "BufferError",
+    "BufferHandle",
+    "ContainerError",
+    "DescriptorError",
+    "ElementType",
+    "ElementTypeError",
+    "HrryFile",
+    "HurrayError",
+    "KVCacheSnapshot",
+    "LayoutError",
+    "PermissiveAccessError",
+    "QuantizationError",
+    "SeqLensRequiredError",
+    "SnapshotError",
+    "SnapshotStreamReader",
+    "SnapshotStreamWriter",
+    "StreamError",
+    "TensorDescriptor",
+    "UnsupportedError",
+    "decode_descriptor",
+    "element_type",
+    "load_snapshot",
+    "pack",
+    "read_snapshot_sequential",
+    "read_snapshot_stream",
+    "save_snapshot",
+    "unpack",
+    "write_snapshot_stream",
 ]

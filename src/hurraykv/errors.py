@@ -80,3 +80,15 @@ class PermissiveAccessError(HurrayError):
 
 class UnsupportedError(HurrayError):
     """Valid Hurray that this implementation does not handle (e.g. sub-byte pages, D11)."""
+
+
+class SnapshotError(HurrayError):
+    """A KV-cache snapshot whose members do not fit together (layers, roles, geometry)."""
+
+
+class StreamError(HurrayError):
+    """The streaming format: limits, truncation, torn composites."""
+
+
+class ContainerError(HurrayError):
+    """The .hrry file container: header, trailer, index, KV metadata, regions."""

@@ -1,0 +1,1 @@
+"""Floor 3: containers - the streaming format and the .hrry file."""

@@ -1,0 +1,567 @@
+"""The .hrry file container (file-format.md; decision D9), zero-copy through mmap.
+
+Layout::
+
+    header (64) | pad | tensors | KV metadata (8-aligned) | index (8-aligned) | trailer (40)
+
+* header: ``"HRRYFILE" | major 1 | minor 0 | rsv[2] | file_flags u32 (bit0 HAS_KV_METADATA,
+  bit1 SORTED_INDEX, bit2 HAS_INDEX_CRC32C) | data_buffer_alignment u32 (power of two in
+  [4096, 2 MiB]) | first_descriptor_offset u64 (>= 64, 8-aligned) | tensor_count_hint u64
+  (0xFFFF... unknown) | rsv[28]``
+* each tensor: descriptor at an 8-aligned offset; every buffer at a multiple of
+  data_buffer_alignment (zero padding before, between and after buffers); then zero
+  padding to 8.  A composite head (no buffers) gets no alignment padding.
+* index: ``u64 count``, entries ``u16 name_len | name | u64 descriptor_offset |
+  u32 descriptor_length | u64 data_offset | u64 data_length | u32 flags (0)``, where
+  data_length covers the buffers and the padding *between* them.
+* trailer: ``index_offset u64 | index_length u64 | kv_offset u64 | kv_length u32 |
+  index_crc32c u32 | rsv[4] | "HRRY"``.
+
+The writer follows the spec text (padding after a tensor's last buffer, none after a
+head, HAS_KV_METADATA when KV exists) and is atomic: a temporary file in the same
+directory, fsync, rename, fsync of the directory.  The reader locates everything
+through the trailer and index, never by walking the file, so files of the reference
+writer (which pads differently and never sets HAS_KV_METADATA) read as well.  Every
+offset and length is checked against the file size, the other regions and the tensor's
+own descriptor before a byte of tensor data is mapped.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import ContainerError, HurrayError
+from ..wire.descriptor import TensorDescriptor, decode_descriptor
+from ..wire.layouts import Composite
+from .crc32c import crc32c
+from .kvmeta import decode_kv, encode_kv
+
+MAGIC = b"HRRYFILE"
+TRAILER_MAGIC = b"HRRY"
+HEADER = struct.Struct("<8sBB2sIIQQ28s")
+TRAILER = struct.Struct("<QQQII4s4s")
+ENTRY = struct.Struct("<QIQQI")
+assert HEADER.size == 64 and TRAILER.size == 40 and ENTRY.size == 32
+HAS_KV_METADATA, SORTED_INDEX, HAS_INDEX_CRC32C = 1, 2, 4
+UNKNOWN_COUNT = 0xFFFFFFFFFFFFFFFF
+DEFAULT_ALIGNMENT = 4096
+MAX_ALIGNMENT = 2 << 20
+_ZEROS = bytes(MAX_ALIGNMENT)
+
+Progress = Callable[[int, int], None]
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _bad(msg: str, field: str, offset: int | None = None, value: Any = None,
+         rule: str = "") -> ContainerError:
+    return ContainerError(msg, field=field, offset=offset, value=value, rule=rule or None)
+
+
+def data_span(desc: TensorDescriptor, alignment: int) -> int:
+    """Bytes from a tensor's first buffer to the end of its last (padding between)."""
+    sizes = [h.byte_size for h in desc.buffers]
+    if not sizes:
+        return 0
+    return sum(_align(s, alignment) for s in sizes[:-1]) + sizes[-1]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    descriptor_offset: int
+    descriptor_length: int
+    data_offset: int
+    data_length: int
+
+
+# --------------------------------------------------------------------------- writing
+class HrryWriter:
+    """Writes a .hrry file in one forward pass into a temporary file; ``finish`` makes it
+    appear atomically at ``path``.  Buffers are written straight from the caller's memory."""
+
+    def __init__(self, path: str | os.PathLike, *, alignment: int = DEFAULT_ALIGNMENT,
+                 tensor_count: int | None = None, progress: Progress | None = None,
+                 total_bytes: int = 0) -> None:
+        if alignment & (alignment - 1) or not DEFAULT_ALIGNMENT <= alignment <= MAX_ALIGNMENT:
+            raise _bad(f"data_buffer_alignment {alignment} is not a power of two in "
+                       "[4096, 2 MiB]", "data_buffer_alignment", value=alignment)
+        self.path = Path(path)
+        self.alignment = alignment
+        self.progress = progress
+        self.total_bytes = total_bytes
+        self.entries: list[IndexEntry] = []
+        self._names: set[str] = set()
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
+                                   dir=self.path.parent if str(self.path.parent) else ".")
+        self._tmp = tmp
+        self._f = os.fdopen(fd, "wb", buffering=0)
+        self.pos = 0
+        count = UNKNOWN_COUNT if tensor_count is None else tensor_count
+        self._write(HEADER.pack(MAGIC, 1, 0, b"\0\0", 0, alignment, HEADER.size, count,
+                                bytes(28)))
+        # file_flags are rewritten by finish(): HAS_KV_METADATA is known only then; one
+        # pwrite at offset 12 of the temporary file keeps the stream itself forward-only.
+
+    def _write(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        while mv:
+            n = self._f.write(mv)
+            mv = mv[n:]
+            self.pos += n
+
+    def _pad_to(self, a: int) -> None:
+        n = _align(self.pos, a) - self.pos
+        if n:
+            self._write(_ZEROS[:n])
+
+    def add(self, name: str, desc: TensorDescriptor, buffers: Sequence[Any]) -> None:
+        if not name or len(name.encode("utf-8")) > 0xFFFF or name in self._names:
+            raise _bad(f"tensor name {name!r} is empty, too long or already used", "name",
+                       value=name, rule="names are unique, 1..65535 UTF-8 bytes")
+        if len(buffers) != len(desc.buffers):
+            raise _bad(f"{name}: descriptor declares {len(desc.buffers)} buffers, "
+                       f"{len(buffers)} given", "buffers", value=len(buffers))
+        views = [memoryview(b).cast("B") for b in buffers]
+        for i, (mv, h) in enumerate(zip(views, desc.buffers, strict=True)):
+            if mv.nbytes != h.byte_size:
+                raise _bad(f"{name}: buffers[{i}] holds {mv.nbytes} bytes, the descriptor "
+                           f"declares {h.byte_size}", f"buffers[{i}]", value=mv.nbytes)
+        self._names.add(name)
+        self._pad_to(8)
+        desc_off = self.pos
+        raw = desc.encode()
+        self._write(raw)
+        data_off = self.pos
+        if views:
+            self._pad_to(self.alignment)
+            data_off = self.pos
+            for mv in views:
+                self._pad_to(self.alignment)
+                self._write(mv)
+                if self.progress is not None:
+                    self.progress(self.pos, self.total_bytes)
+            data_end = self.pos
+            self._pad_to(self.alignment)
+        else:
+            data_end = data_off
+        self.entries.append(IndexEntry(name, desc_off, len(raw), data_off, data_end - data_off))
+
+    def finish(self, kv: dict[str, Any] | None = None) -> Path:
+        flags = SORTED_INDEX | HAS_INDEX_CRC32C
+        kv_off = kv_len = 0
+        if kv:
+            self._pad_to(8)
+            kv_off = self.pos
+            body = encode_kv(kv)
+            self._write(body)
+            kv_len = len(body)
+            flags |= HAS_KV_METADATA
+        self._pad_to(8)
+        index_off = self.pos
+        entries = sorted(self.entries, key=lambda e: e.name.encode("utf-8"))
+        parts = [struct.pack("<Q", len(entries))]
+        for e in entries:
+            raw = e.name.encode("utf-8")
+            parts += [struct.pack("<H", len(raw)), raw,
+                      ENTRY.pack(e.descriptor_offset, e.descriptor_length, e.data_offset,
+                                 e.data_length, 0)]
+        index = b"".join(parts)
+        self._write(index)
+        self._write(TRAILER.pack(index_off, len(index), kv_off, kv_len, crc32c(index),
+                                 bytes(4), TRAILER_MAGIC))
+        os.pwrite(self._f.fileno(), struct.pack("<I", flags), 12)
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
+
+    def __enter__(self) -> HrryWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescriptor, Any]],
+               kv: dict[str, Any] | None = None, *, alignment: int = DEFAULT_ALIGNMENT,
+               progress: Progress | None = None) -> Path:
+    """Write named tensors (and KV metadata) to ``path`` atomically; an existing file is
+    replaced only once the new one is complete and on disk."""
+    tensors = list(tensors)
+    total = sum(h.byte_size for _, d, _ in tensors for h in d.buffers)
+    w = HrryWriter(path, alignment=alignment, tensor_count=len(tensors), progress=progress,
+                   total_bytes=total)
+    try:
+        for name, desc, bufs in tensors:
+            w.add(name, desc, bufs)
+        return w.finish(kv)
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+class HrryFile:
+    """A parsed, validated .hrry file; tensor buffers are zero-copy views of an mmap."""
+
+    def __init__(self, data: Any, size: int, read: Callable[[int, int], bytes],
+                 source: str) -> None:
+        self.source = source
+        self.size = size
+        self._read = read
+        self._data = data  # mmap or bytes-like, created only after validation
+        self._parse()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> HrryFile:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            fd = f.fileno()
+
+            def pread(off: int, n: int) -> bytes:
+                return os.pread(fd, n, off)
+
+            self = cls.__new__(cls)
+            self.source, self.size, self._read, self._data = str(path), size, pread, None
+            self._parse()
+            self._data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+        self._read = lambda off, n: bytes(self._view[off:off + n])
+        return self
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, source: str = "<bytes>"
+                   ) -> HrryFile:
+        mv = memoryview(data).cast("B")
+        return cls(mv, len(mv), lambda off, n: bytes(mv[off:off + n]), source)
+
+    @property
+    def _view(self) -> memoryview:
+        return memoryview(self._data)
+
+    # -- parsing ------------------------------------------------------------------
+    def _parse(self) -> None:
+        size = self.size
+        if size < HEADER.size + TRAILER.size:
+            raise _bad(f"{self.source}: {size} bytes cannot hold a 64-byte header and a 40-byte "
+                       "trailer", "file_size", value=size)
+        (magic, major, _minor, rsv, flags, align, first, hint,
+         rsv2) = HEADER.unpack(self._read(0, 64))
+        self.flags, self.alignment, self.first_descriptor_offset = flags, align, first
+        self.tensor_count_hint = hint
+        if magic != MAGIC:
+            raise _bad(f"magic at byte 0: found {magic!r}; a .hrry file starts with HRRYFILE",
+                       "magic", 0, magic)
+        if major != 1:
+            raise _bad(f"container_version_major at byte 8: found {major}; this reader "
+                       "supports 1", "container_version_major", 8, major)
+        if any(rsv) or any(rsv2):
+            raise _bad("header reserved bytes MUST be 0", "header._reserved",
+                       10 if any(rsv) else 36)
+        if flags & ~7:
+            raise _bad(f"file_flags at byte 12: found 0x{flags:x}; bits 3-31 are reserved",
+                       "file_flags", 12, flags)
+        if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT:
+            raise _bad(f"data_buffer_alignment at byte 16: found {align}; a power of two in "
+                       "[4096, 2097152]", "data_buffer_alignment", 16, align)
+        if first < 64 or first % 8 or first > size - TRAILER.size:
+            raise _bad(f"first_descriptor_offset at byte 20: found {first}; >= 64, 8-aligned "
+                       "and inside the file", "first_descriptor_offset", 20, first)
+        t_off = size - TRAILER.size
+        (index_off, index_len, kv_off, kv_len, crc, rsv3,
+         tmagic) = TRAILER.unpack(self._read(t_off, TRAILER.size))
+        if tmagic != TRAILER_MAGIC:
+            raise _bad(f"trailer_magic at byte {t_off + 36}: found {tmagic!r}; expected b'HRRY' "
+                       "(truncated or not a .hrry file)", "trailer_magic", t_off + 36, tmagic)
+        if any(rsv3):
+            raise _bad("trailer reserved bytes MUST be 0", "trailer._reserved", t_off + 32)
+        if index_off + index_len > t_off or index_off < first or index_off % 8 or index_len < 8:
+            raise _bad(f"index_offset {index_off} + index_length {index_len} at byte {t_off}: the "
+                       f"index lies 8-aligned between the tensors (from {first}) and the "
+                       f"trailer ({t_off})", "index_offset", t_off, index_off)
+        region_end = index_off
+        self.kv: dict[str, Any] = {}
+        if kv_off or kv_len:
+            if (kv_off % 8 or kv_off < first or kv_off + kv_len > index_off
+                    or not kv_off or not kv_len):
+                raise _bad(f"kv_offset {kv_off} / kv_length {kv_len} at byte {t_off + 16}: the "
+                           f"KV section lies 8-aligned before the index ({index_off})",
+                           "kv_offset", t_off + 16, kv_off)
+            region_end = kv_off
+        elif flags & HAS_KV_METADATA:
+            raise _bad("HAS_KV_METADATA is set but the trailer locates no KV section",
+                       "file_flags", 12, flags)
+        index = self._read(index_off, index_len)
+        if flags & HAS_INDEX_CRC32C:
+            if crc32c(index) != crc:
+                raise _bad(f"index_crc32c at byte {t_off + 28}: stored 0x{crc:08x}, the index "
+                           f"hashes to 0x{crc32c(index):08x}", "index_crc32c", t_off + 28, crc,
+                           "the index MUST match its CRC-32C")
+        elif crc:
+            raise _bad(f"index_crc32c at byte {t_off + 28} is 0x{crc:08x} without "
+                       "HAS_INDEX_CRC32C; it MUST be 0", "index_crc32c", t_off + 28, crc)
+        if kv_len:
+            self.kv = decode_kv(self._read(kv_off, kv_len), kv_off)
+        self.entries = parse_index(index, index_off, flags)
+        self._by_name = {e.name: e for e in self.entries}
+        self._descs = {e.name: self._check_tensor(e, region_end) for e in self.entries}
+        self.entries.sort(key=lambda e: e.descriptor_offset)
+        self._check_overlaps(region_end)
+
+    def _check_tensor(self, e: IndexEntry, region_end: int) -> TensorDescriptor:
+        what = f"tensor {e.name!r}"
+        if (e.descriptor_offset < self.first_descriptor_offset or e.descriptor_offset % 8
+                or e.descriptor_length < 20
+                or e.descriptor_offset + e.descriptor_length > region_end):
+            raise _bad(f"{what}: descriptor at {e.descriptor_offset} (+{e.descriptor_length}) "
+                       f"is not 8-aligned inside the tensor region [{self.first_descriptor_offset}"
+                       f", {region_end})", "descriptor_offset", e.descriptor_offset, e.name)
+        raw = self._read(e.descriptor_offset, e.descriptor_length)
+        try:
+            desc = decode_descriptor(raw)
+        except HurrayError as err:
+            raise type(err)(f"{what} (descriptor at file offset {e.descriptor_offset}): {err}",
+                            field=err.field, offset=err.offset, value=err.value,
+                            rule=err.rule) from None
+        own = len(desc.encode())
+        if own != e.descriptor_length:
+            raise _bad(f"{what}: the index says descriptor_length {e.descriptor_length}, the "
+                       f"descriptor says {own}", "descriptor_length", e.descriptor_offset, own)
+        span = data_span(desc, self.alignment)
+        if desc.buffers:
+            if (e.data_offset % self.alignment or e.data_length != span
+                    or e.data_offset < e.descriptor_offset + e.descriptor_length
+                    or e.data_offset + e.data_length > region_end):
+                raise _bad(f"{what}: data at {e.data_offset} (+{e.data_length}) must start "
+                           f"{self.alignment}-aligned after its descriptor, span exactly "
+                           f"{span} bytes and end by {region_end}", "data_offset",
+                           e.descriptor_offset, e.data_offset)
+        elif e.data_length or e.data_offset > region_end:
+            raise _bad(f"{what} has no buffers but data_length {e.data_length}", "data_length",
+                       e.descriptor_offset, e.data_length)
+        return desc
+
+    def _check_overlaps(self, region_end: int) -> None:
+        prev_end, prev = 0, None
+        for e in self.entries:
+            if e.descriptor_offset < prev_end:
+                raise _bad(f"tensor {e.name!r} at {e.descriptor_offset} overlaps tensor "
+                           f"{prev!r}, which ends at {prev_end}", "descriptor_offset",
+                           e.descriptor_offset, e.name, "tensor regions do not overlap")
+            end = e.descriptor_offset + e.descriptor_length
+            if self._descs[e.name].buffers:
+                end = max(end, e.data_offset + e.data_length)
+            prev_end, prev = end, e.name
+
+    # -- access -------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """Tensor names in file (descriptor-offset) order."""
+        return [e.name for e in self.entries]
+
+    def entry(self, name: str) -> IndexEntry:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise _bad(f"{self.source} has no tensor named {name!r}", "name",
+                       value=name) from None
+
+    def descriptor(self, name: str) -> TensorDescriptor:
+        self.entry(name)
+        return self._descs[name]
+
+    def buffers(self, name: str) -> list[memoryview]:
+        """Zero-copy views of the tensor's buffers in the mapped file."""
+        e, desc = self.entry(name), self.descriptor(name)
+        out, off = [], e.data_offset
+        view = self._view
+        for h in desc.buffers:
+            out.append(view[off:off + h.byte_size])
+            off = _align(off + h.byte_size, self.alignment)
+        return out
+
+    def members(self, name: str) -> list[str]:
+        """Names of a composite head's members (pre-order, by descriptor offset)."""
+        names = self.names
+        start = names.index(self.entry(name).name)
+        out, pos = [], start + 1
+
+        def take(depth: int, count: int) -> None:
+            nonlocal pos
+            if depth > 8:
+                raise _bad(f"composite {name!r} nests deeper than 8", "depth", value=depth)
+            for _ in range(count):
+                if pos >= len(names):
+                    raise _bad(f"torn composite {name!r}: the file ends before its "
+                               f"{count} members", "member_count", value=count)
+                member = names[pos]
+                pos += 1
+                if depth == 1:
+                    out.append(member)
+                layout = self._descs[member].layout
+                if isinstance(layout, Composite):
+                    take(depth + 1, layout.member_count)
+
+        layout = self._descs[name].layout
+        if not isinstance(layout, Composite):
+            raise _bad(f"{name!r} is not a composite head", "layout_tag", value=name)
+        take(1, layout.member_count)
+        return out
+
+
+def parse_index(index: bytes, base: int, flags: int) -> list[IndexEntry]:
+    """Index entries (validated: sizes, UTF-8, unique names, flags, sort order)."""
+    (count,) = struct.unpack_from("<Q", index)
+    if count > (len(index) - 8) // (2 + 1 + ENTRY.size):
+        raise _bad(f"index_entry_count at byte {base}: {count} entries cannot fit in "
+                   f"{len(index)} bytes", "index_entry_count", base, count)
+    pos, entries, names = 8, [], set()
+    for k in range(count):
+        if pos + 2 > len(index):
+            raise _bad(f"index entry {k} at byte {base + pos} is truncated", "index",
+                       base + pos, k)
+        (n,) = struct.unpack_from("<H", index, pos)
+        if n == 0 or pos + 2 + n + ENTRY.size > len(index):
+            raise _bad(f"index entry {k} at byte {base + pos}: name_length {n} is 0 or "
+                       "runs past the index", "name_length", base + pos, n)
+        try:
+            name = index[pos + 2:pos + 2 + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise _bad(f"index entry {k} at byte {base + pos + 2}: name is not UTF-8",
+                       "name", base + pos + 2) from None
+        if name in names:
+            raise _bad(f"index entry {k} at byte {base + pos}: name {name!r} appears twice",
+                       "name", base + pos, name, "names are unique")
+        names.add(name)
+        d_off, d_len, data_off, data_len, eflags = ENTRY.unpack_from(index, pos + 2 + n)
+        if eflags:
+            raise _bad(f"index entry {name!r} at byte {base + pos}: flags 0x{eflags:x}; "
+                       "MUST be 0", "flags", base + pos + 2 + n + 28, eflags)
+        entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
+        pos += 2 + n + ENTRY.size
+    if pos != len(index):
+        raise _bad(f"the index has {len(index) - pos} bytes after its {count} entries",
+                   "index_length", base + pos, len(index))
+    if flags & SORTED_INDEX:
+        keys = [e.name.encode("utf-8") for e in entries]
+        if keys != sorted(keys):
+            raise _bad("SORTED_INDEX is set but the index is not sorted by name bytes",
+                       "file_flags", 12, flags)
+    return entries
+
+
+# --------------------------------------------------------------------------- sequential
+def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescriptor, list]]:
+    """Read a .hrry file from a non-seekable source, in order (file-format.md § Sequential
+    Reader).  With a tensor_count_hint, tensors are yielded as they arrive (names come from
+    the index at the end, so they are None here) and the tail is checked against the
+    trailer; without one, the file is buffered and read through its trailer."""
+    from .stream import TensorStreamReader
+
+    reader = TensorStreamReader(f)
+    header = reader._exact(64, "header").tobytes()
+    if header[:8] != MAGIC:
+        raise _bad(f"magic at byte 0: found {header[:8]!r}", "magic", 0, header[:8])
+    hint = struct.unpack_from("<Q", header, 28)[0]
+    align = struct.unpack_from("<I", header, 16)[0]
+    first = struct.unpack_from("<Q", header, 20)[0]
+    if hint == UNKNOWN_COUNT:
+        rest = f.read()
+        parsed = HrryFile.from_bytes(header + rest)
+        for name in parsed.names:
+            yield name, parsed.descriptor(name), parsed.buffers(name)
+        return
+    if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT or first < 64:
+        HrryFile.from_bytes(header + bytes(TRAILER.size))  # raises the header's own error
+    reader._exact(first - 64, "padding")
+    offsets = []
+    for _ in range(hint):
+        start = reader.offset
+        if start % 8:
+            reader._exact(8 - start % 8, "padding")
+            start = reader.offset
+        first10 = reader._exact(10, "descriptor").tobytes()
+        length = struct.unpack_from("<I", first10, 6)[0]
+        if not 20 <= length <= (16 << 20):
+            raise _bad(f"descriptor_length at byte {start + 6}: found {length}",
+                       "descriptor_length", start + 6, length)
+        desc = decode_descriptor(first10 + reader._exact(length - 10, "descriptor").tobytes())
+        buffers = []
+        for i, h in enumerate(desc.buffers):
+            reader._exact(_align(reader.offset, align) - reader.offset, "padding")
+            buffers.append(reader._exact(h.byte_size, f"buffers[{i}]"))
+        if desc.buffers:
+            reader._exact(_align(reader.offset, align) - reader.offset, "padding")
+        offsets.append(start)
+        yield None, desc, buffers
+    reader._exact(_align(reader.offset, 8) - reader.offset, "padding")
+    boundary = reader.offset
+    tail = f.read()
+    t_off = len(tail) - TRAILER.size
+    if t_off < 0:
+        raise _bad("the file ends before its trailer", "trailer", boundary + len(tail))
+    index_off, _, kv_off, *_ = TRAILER.unpack_from(tail, t_off)
+    if boundary not in (kv_off or index_off, index_off):
+        raise _bad(f"after {hint} tensors the reader is at byte {boundary}, which is neither the "
+                   f"KV section ({kv_off}) nor the index ({index_off})", "tensor_count_hint",
+                   28, hint, "the running offset lands on a declared section boundary")
+    _check_tail(header, boundary, tail, offsets)
+
+
+def _check_tail(header: bytes, boundary: int, tail: bytes, offsets: list[int]) -> None:
+    """KV, index and trailer of a sequentially read file, against the tensors seen."""
+    flags = struct.unpack_from("<I", header, 12)[0]
+    t_off = len(tail) - TRAILER.size
+    index_off, index_len, kv_off, kv_len, crc, _, magic = TRAILER.unpack_from(tail, t_off)
+    if magic != TRAILER_MAGIC:
+        raise _bad(f"trailer_magic: found {magic!r}", "trailer_magic", boundary + t_off + 36)
+    rel = index_off - boundary
+    if rel < 0 or rel + index_len > t_off:
+        raise _bad(f"index_offset {index_off} lies outside the tail after byte {boundary}",
+                   "index_offset", boundary + t_off, index_off)
+    index = tail[rel:rel + index_len]
+    if (flags & HAS_INDEX_CRC32C and crc32c(index) != crc) or (
+            not flags & HAS_INDEX_CRC32C and crc):
+        raise _bad(f"index_crc32c: stored 0x{crc:08x}, the index hashes to "
+                   f"0x{crc32c(index):08x}", "index_crc32c", boundary + t_off + 28, crc)
+    if kv_len:
+        decode_kv(tail[kv_off - boundary:kv_off - boundary + kv_len], kv_off)
+    entries = parse_index(index, index_off, flags)
+    located = sorted(e.descriptor_offset for e in entries)
+    if located != offsets:
+        raise _bad(f"the index locates descriptors at {located}, the tensor region held them "
+                   f"at {offsets}", "descriptor_offset", index_off)
+
+
+__all__ = ["HrryFile", "HrryWriter", "IndexEntry", "iter_hrry_sequential", "write_hrry"]

@@ -1,0 +1,90 @@
+"""Snapshots to and from .hrry files: ``save_snapshot`` and ``load_snapshot``.
+
+A file holds the snapshot group as consecutive tensors named ``snapshot`` (the group
+head), ``seq_lens``, ``kv_scales`` (fp8 caches) and ``layers.{i}.key`` /
+``layers.{i}.value`` (or ``layers.{i}.fused``), plus KV metadata mirroring the facts a
+tool may want without decoding tensors: ``hurraykv.num_layers`` (uint64),
+``hurraykv.seq_lens`` (array of uint64) and ``hurraykv.model`` when given.  Loading maps
+the file and builds each layer's tensors on first use, as views onto the mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import ContainerError
+from ..snapshot import KVCacheSnapshot
+from ..wire.layouts import BlockPaged, Composite
+from .hrry import HrryFile, Progress, iter_hrry_sequential, write_hrry
+
+HEAD_NAME = "snapshot"
+RESERVED_PREFIX = "hurraykv."
+
+
+def snapshot_kv(snapshot: KVCacheSnapshot, model: str | None,
+                metadata: dict[str, Any] | None) -> dict[str, Any]:
+    kv: dict[str, Any] = {"hurraykv.num_layers": np.uint64(snapshot.num_layers),
+                          "hurraykv.seq_lens": np.asarray(snapshot.seq_lens, np.uint64)}
+    model = model if model is not None else snapshot.model
+    if model is not None:
+        kv["hurraykv.model"] = model
+    for key, value in (metadata or {}).items():
+        if key.startswith(RESERVED_PREFIX):
+            raise ContainerError(f"metadata key {key!r} uses the reserved prefix "
+                                 f"{RESERVED_PREFIX!r}", field="metadata", value=key)
+        kv[key] = value
+    return kv
+
+
+def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
+                  model: str | None = None, metadata: dict[str, Any] | None = None,
+                  alignment: int = 4096, progress: Progress | None = None) -> Path:
+    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename)."""
+    tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
+    return write_hrry(path, tensors, snapshot_kv(snapshot, model, metadata),
+                      alignment=alignment, progress=progress)
+
+
+def load_snapshot(path: str | os.PathLike) -> KVCacheSnapshot:
+    """Open a snapshot file: reads header, trailer, index, KV metadata and the small
+    seq_lens / seq_ptr buffers; every tensor is a zero-copy view of an mmap."""
+    return snapshot_from_file(HrryFile.open(path))
+
+
+def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:
+    heads = [n for n in f.names if isinstance(f.descriptor(n).layout, Composite)]
+    if heads:
+        head = HEAD_NAME if HEAD_NAME in heads else heads[0]
+        names = f.members(head)
+    else:  # a file of named block-paged tensors, no group
+        names = [n for n in f.names if isinstance(f.descriptor(n).layout, BlockPaged)
+                 or n in ("seq_lens", "kv_scales")]
+    snap = KVCacheSnapshot.from_members(
+        [(n, f.descriptor(n), (lambda n=n: f.buffers(n))) for n in names],
+        model=f.kv.get("hurraykv.model"), owner=f)
+    _check_mirrors(f, snap)
+    return snap
+
+
+def _check_mirrors(f: HrryFile, snap: KVCacheSnapshot) -> None:
+    layers = f.kv.get("hurraykv.num_layers")
+    if layers is not None and layers != snap.num_layers:
+        raise ContainerError(f"{f.source}: KV hurraykv.num_layers is {layers}, the file holds "
+                             f"{snap.num_layers} layers", field="hurraykv.num_layers",
+                             value=layers)
+    lens = f.kv.get("hurraykv.seq_lens")
+    if lens is not None and (snap.seq_lens is None or not np.array_equal(
+            np.asarray(lens).astype(np.int64), snap.seq_lens)):
+        raise ContainerError(f"{f.source}: KV hurraykv.seq_lens disagrees with the seq_lens "
+                             "tensor", field="hurraykv.seq_lens")
+
+
+def read_snapshot_sequential(fileobj: BinaryIO) -> KVCacheSnapshot:
+    """A snapshot from a .hrry file on a non-seekable source (a pipe), read in order."""
+    items = list(iter_hrry_sequential(fileobj))
+    members = [(None, d, b) for _, d, b in items if not isinstance(d.layout, Composite)]
+    return KVCacheSnapshot.from_members(members)

@@ -1,0 +1,419 @@
+"""KVCacheSnapshot: the whole KV cache of one batch, as Hurray tensors (decision D7).
+
+A snapshot is one group composite (layout 0x0B, rule group) whose members are
+
+* ``seq_lens``  - row-major uint64 ``[num_seqs]``, the per-sequence token counts (D6);
+* ``kv_scales`` - row-major float32 ``[num_layers, 2]`` (key, value), fp8 caches only (D5);
+* one block-paged tensor per (layer_index, kv_role): ``key`` and ``value``, or one
+  ``fused`` tensor per layer.
+
+Members are identified by their own fields (kv_role, layer_index, type and shape),
+never by position.  Every block-paged member shares page_size, num_seqs, seq_ptr,
+num_heads, head_dim, total_tokens and element type.  The same list of members is what
+the stream format, the .hrry file and the network transport carry; this module is the
+only one that knows what a snapshot is made of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import SeqLensRequiredError, SnapshotError
+from .paged import BlockPagedTensor
+from .wire.buffers import BufferHandle
+from .wire.descriptor import TensorDescriptor
+from .wire.dtypes import ELEMENT_TYPES
+from .wire.layouts import BlockPaged, Composite, RowMajor
+
+ROLES = ("key", "value")
+GROUP = 0x03
+UINT64, FLOAT32, UINT8 = 0x17, 0x03, 0x11
+Buffers = Sequence[Any]
+Loader = Callable[[], Buffers]
+
+
+def member_name(layer: int, role: str) -> str:
+    return f"layers.{layer}.{role}"
+
+
+def group_head(member_count: int) -> TensorDescriptor:
+    """The group head as the reference writes one: uint8, rank 1, shape [member_count]."""
+    return TensorDescriptor(UINT8, (member_count,), Composite(GROUP, member_count))
+
+
+def seq_lens_member(seq_lens: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
+    data = np.ascontiguousarray(seq_lens, dtype="<u8")
+    return (TensorDescriptor(UINT64, (len(data),), RowMajor(), (BufferHandle(data.nbytes),)),
+            [memoryview(data.view(np.uint8))])
+
+
+def kv_scales_member(kv_scales: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
+    data = np.ascontiguousarray(kv_scales, dtype="<f4")
+    return (TensorDescriptor(FLOAT32, tuple(data.shape), RowMajor(),
+                             (BufferHandle(data.nbytes),)), [memoryview(data.view(np.uint8))])
+
+
+def _fail(msg: str, field: str, value: Any = None) -> SnapshotError:
+    return SnapshotError(msg, field=field, value=value, rule="snapshot members fit together")
+
+
+class KVCacheSnapshot:
+    """``seq_lens``, optional ``kv_scales`` and one BlockPagedTensor per (layer, role).
+
+    Members may be held in memory or loaded on first use (a memory-mapped file): only
+    descriptors and the small ``seq_ptr`` buffers are read to validate a snapshot.
+    """
+
+    def __init__(self, members: dict[tuple[int, str], tuple[TensorDescriptor, Loader]],
+                 seq_lens: Any, kv_scales: Any = None, *, model: str | None = None,
+                 extras: Sequence[tuple[str | None, TensorDescriptor, Buffers]] = (),
+                 owner: Any = None) -> None:
+        self._members = dict(sorted(members.items(), key=lambda kv: (kv[0][0],
+                                                                     _role_rank(kv[0][1]))))
+        self._cache: dict[tuple[int, str], BlockPagedTensor] = {}
+        self.seq_lens = None if seq_lens is None else np.asarray(seq_lens).astype(np.int64)
+        self.kv_scales = None if kv_scales is None else np.asarray(kv_scales, dtype=np.float32)
+        self.model = model
+        self.extras = list(extras)
+        self._owner = owner  # keeps an mmap (or file) alive while members are views on it
+        self._validate()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_tensors(cls, tensors: Iterable[BlockPagedTensor], seq_lens: Any = None,
+                     kv_scales: Any = None, *, model: str | None = None) -> KVCacheSnapshot:
+        """From in-memory block-paged tensors (each with its layer_index and kv_role).
+
+        ``seq_lens`` defaults to the tensors' own; ``kv_scales`` to their ``fp8_scale``."""
+        tensors = list(tensors)
+        if seq_lens is None and tensors:
+            seq_lens = tensors[0].seq_lens
+        members, cache = {}, {}
+        for t in tensors:
+            if t.layer_index is None:
+                raise _fail(f"{t!r} is not layer-scoped; snapshot members need a layer_index",
+                            "layer_index")
+            key = (t.layer_index, t.kv_role)
+            if key in members:
+                raise _fail(f"two members for layer {key[0]} role {key[1]}", "kv_role", key)
+            if t.seq_lens is not None and seq_lens is not None and not np.array_equal(
+                    t.seq_lens, seq_lens):
+                raise _fail(f"{member_name(*key)} has seq_lens {t.seq_lens.tolist()}, the "
+                            f"snapshot {np.asarray(seq_lens).tolist()}", "seq_lens")
+            members[key] = (t.descriptor(), t.buffers)
+            cache[key] = t
+        if kv_scales is None and any(t.fp8_scale is not None for t in tensors):
+            layers = max(k[0] for k in members) + 1
+            kv_scales = np.ones((layers, 2), np.float32)
+            for (layer, role), t in cache.items():
+                if t.fp8_scale is not None:
+                    kv_scales[layer, 1 if role == "value" else 0] = t.fp8_scale
+                    if role == "fused":
+                        kv_scales[layer, 1] = t.fp8_scale
+        snap = cls(members, seq_lens, kv_scales, model=model)
+        for key, t in cache.items():
+            if t.seq_lens is None:
+                t = t.copy()
+                t.seq_lens = snap.seq_lens
+                t.validate()
+            snap._cache[key] = t
+        return snap
+
+    @classmethod
+    def from_arrays(cls, key_pools: Sequence[np.ndarray], value_pools: Sequence[np.ndarray] | None,
+                    block_table: Any, seq_ptr: Any, seq_lens: Any, *, kv_scales: Any = None,
+                    index_type: str | None = None, element_type: str | None = None,
+                    model: str | None = None) -> KVCacheSnapshot:
+        """From per-layer page pools ``[num_pages, page_size, H, D]`` sharing one block
+        table, as an engine holds them.  ``value_pools=None`` makes fused members."""
+        tensors = []
+        roles = [("key", key_pools)] if value_pools is None else [("key", key_pools),
+                                                                   ("value", value_pools)]
+        if value_pools is not None and len(value_pools) != len(key_pools):
+            raise _fail(f"{len(key_pools)} key pools but {len(value_pools)} value pools",
+                        "value_pools")
+        for i in range(len(key_pools)):
+            for role, pools in roles:
+                scale = None
+                if kv_scales is not None:
+                    scale = float(np.asarray(kv_scales)[i, 0 if role == "key" else 1])
+                tensors.append(BlockPagedTensor(
+                    pools[i], block_table, seq_ptr, seq_lens,
+                    kv_role=role if value_pools is not None else "fused", layer_index=i,
+                    index_type=index_type, element_type=element_type, fp8_scale=scale))
+        return cls.from_tensors(tensors, seq_lens, kv_scales, model=model)
+
+    @classmethod
+    def from_members(cls, items: Iterable[tuple[str | None, TensorDescriptor, Any]], *,
+                     model: str | None = None, owner: Any = None) -> KVCacheSnapshot:
+        """From decoded members ``(name or None, descriptor, buffers or loader)`` in any
+        order: ``seq_lens`` and ``kv_scales`` are recognised by type and shape, the
+        block-paged tensors by (layer_index, kv_role)."""
+        members: dict[tuple[int, str], tuple[TensorDescriptor, Loader]] = {}
+        seq_lens = kv_scales = None
+        extras = []
+        for name, desc, bufs in items:
+            loader = bufs if callable(bufs) else (lambda b=bufs: b)
+            layout = desc.layout
+            if isinstance(layout, BlockPaged):
+                if layout.layer_index is None:
+                    raise _fail(f"block-paged member {name or ''} is not layer-scoped",
+                                "layer_index")
+                key = (layout.layer_index, layout.kv_role_name)
+                if key in members:
+                    raise _fail(f"two members for layer {key[0]} role {key[1]}", "kv_role",
+                                key)
+                members[key] = (desc, loader)
+            elif is_seq_lens(desc) and seq_lens is None and name in (None, "seq_lens"):
+                seq_lens = row_major_array(desc, loader()).astype(np.int64)
+            elif is_kv_scales(desc) and kv_scales is None and name in (None, "kv_scales"):
+                kv_scales = row_major_array(desc, loader())
+            else:
+                extras.append((name, desc, loader()))
+        return cls(members, seq_lens, kv_scales, model=model, extras=extras, owner=owner)
+
+    # ----------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        if not self._members:
+            raise _fail("a snapshot holds at least one block-paged member", "members", 0)
+        keys = list(self._members)
+        layers = sorted({k[0] for k in keys})
+        if layers != list(range(len(layers))):
+            missing = sorted(set(range(layers[-1] + 1)) - set(layers))
+            raise _fail(f"layers {missing} are missing: a snapshot has layers 0..L-1",
+                        "layer_index", missing)
+        for i in layers:
+            roles = {k[1] for k in keys if k[0] == i}
+            if roles not in ({"key", "value"}, {"fused"}):
+                raise _fail(f"layer {i} has roles {sorted(roles)}; every layer has key and "
+                            "value, or one fused member", "kv_role", sorted(roles))
+        first_key = keys[0]
+        d0, load0 = self._members[first_key]
+        facts0 = _facts(d0)
+        sp0 = _seq_ptr(d0, load0())
+        for key in keys[1:]:
+            desc, load = self._members[key]
+            facts = _facts(desc)
+            for field, a, b in zip(_FACT_NAMES, facts0, facts, strict=True):
+                if a != b:
+                    raise _fail(f"{member_name(*key)} has {field} {b}, "
+                                f"{member_name(*first_key)} has {a}", field, b)
+            sp = _seq_ptr(desc, load())
+            if not np.array_equal(sp, sp0):
+                raise _fail(f"{member_name(*key)} has a different seq_ptr than "
+                            f"{member_name(*first_key)}; every member shares one", "seq_ptr")
+        if self.seq_lens is not None:
+            lens = self.seq_lens
+            num_seqs, page_size, total = facts0[0], facts0[1], facts0[4]
+            if lens.ndim != 1 or len(lens) != num_seqs:
+                raise _fail(f"seq_lens has {lens.size} entries for {num_seqs} sequences",
+                            "seq_lens", lens.size)
+            cap = np.diff(sp0.astype(np.int64)) * page_size
+            bad = (lens < 0) | (lens > cap)
+            if bad.any():
+                s = int(np.flatnonzero(bad)[0])
+                raise _fail(f"seq_lens[{s}] = {int(lens[s])} does not fit sequence {s}'s "
+                            f"{int(cap[s]) // page_size} pages", f"seq_lens[{s}]", int(lens[s]))
+            if int(lens.sum()) != total:
+                raise _fail(f"sum(seq_lens) = {int(lens.sum())} but members hold {total} "
+                            "tokens", "seq_lens", int(lens.sum()))
+        if self.kv_scales is not None:
+            ks = self.kv_scales
+            if ks.shape != (len(layers), 2):
+                raise _fail(f"kv_scales has shape {list(ks.shape)}, expected "
+                            f"[{len(layers)}, 2]", "kv_scales", list(ks.shape))
+            if not (np.isfinite(ks).all() and (ks != 0).all()):
+                raise _fail("kv_scales MUST be finite and non-zero", "kv_scales")
+            pool_type = ELEMENT_TYPES[facts0[5]].name
+            if pool_type not in ("float8_e4m3", "float8_e5m2"):
+                raise _fail(f"kv_scales belong to fp8 caches, not {pool_type} pools",
+                            "kv_scales", pool_type)
+
+    # ----------------------------------------------------------------- facts
+    def _first(self) -> TensorDescriptor:
+        return next(iter(self._members.values()))[0]
+
+    @property
+    def num_layers(self) -> int:
+        return max(k[0] for k in self._members) + 1
+
+    @property
+    def fused(self) -> bool:
+        return next(iter(self._members))[1] == "fused"
+
+    @property
+    def num_seqs(self) -> int:
+        return self._first().layout.num_seqs
+
+    @property
+    def page_size(self) -> int:
+        return self._first().layout.page_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._first().shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self._first().shape[2]
+
+    @property
+    def total_tokens(self) -> int:
+        return self._first().shape[0]
+
+    @property
+    def dtype(self) -> str:
+        return self._first().element_type_name
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("fused",) if self.fused else ROLES
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.byte_size for d, _ in self._members.values() for h in d.buffers)
+
+    def descriptor(self, layer: int, role: str) -> TensorDescriptor:
+        return self._members[self._key(layer, role)][0]
+
+    def __repr__(self) -> str:
+        fp8 = ", fp8 scales" if self.kv_scales is not None else ""
+        return (f"KVCacheSnapshot({self.num_layers} layers x {'/'.join(self.roles)}, "
+                f"{self.num_seqs} seqs, {self.total_tokens} tokens, {self.dtype}, "
+                f"heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"page_size={self.page_size}{fp8})")
+
+    # ----------------------------------------------------------------- members
+    def _key(self, layer: int, role: str) -> tuple[int, str]:
+        key = (layer, role)
+        if key not in self._members:
+            raise _fail(f"no member for layer {layer} role {role!r}; the snapshot has "
+                        f"{self.num_layers} layers of {'/'.join(self.roles)}", "layer", key)
+        return key
+
+    def tensor(self, layer: int, role: str) -> BlockPagedTensor:
+        key = self._key(layer, role)
+        t = self._cache.get(key)
+        if t is None:
+            desc, load = self._members[key]
+            scale = None
+            if self.kv_scales is not None:
+                scale = float(self.kv_scales[layer, 1 if role == "value" else 0])
+            t = BlockPagedTensor.from_descriptor(desc, load(), self.seq_lens, fp8_scale=scale)
+            self._cache[key] = t
+        return t
+
+    def layer(self, i: int) -> tuple[BlockPagedTensor, ...]:
+        """``(key, value)`` of layer ``i``, or ``(fused,)``; views onto the source data."""
+        return tuple(self.tensor(i, role) for role in self.roles)
+
+    def __iter__(self) -> Iterator[tuple[BlockPagedTensor, ...]]:
+        for i in range(self.num_layers):
+            yield self.layer(i)
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def tensors(self) -> list[BlockPagedTensor]:
+        """Every block-paged member, in layer then role order."""
+        return [self.tensor(layer, role) for layer, role in self._members]
+
+    def keys(self) -> list[tuple[int, str]]:
+        return list(self._members)
+
+    def members(self) -> Iterator[tuple[str, TensorDescriptor, Buffers]]:
+        """``(name, descriptor, buffers)`` of every member in wire order (D7), without
+        the group head: seq_lens, kv_scales, then key and value layer by layer.  Buffers
+        are zero-copy views."""
+        if self.seq_lens is None:
+            raise SeqLensRequiredError("this snapshot has no seq_lens (read from a plain "
+                                       "stream whose lengths are ambiguous); supply them",
+                                       field="seq_lens", rule="D6")
+        yield ("seq_lens", *seq_lens_member(self.seq_lens))
+        if self.kv_scales is not None:
+            yield ("kv_scales", *kv_scales_member(self.kv_scales))
+        for layer, role in self._members:
+            desc, load = self._members[(layer, role)]
+            yield member_name(layer, role), desc, load()
+        for name, desc, bufs in self.extras:
+            yield name or f"extra.{id(desc)}", desc, bufs
+
+    def member_count(self) -> int:
+        return 1 + (self.kv_scales is not None) + len(self._members) + len(self.extras)
+
+    def head(self) -> TensorDescriptor:
+        return group_head(self.member_count())
+
+    # ----------------------------------------------------------------- operations
+    def compact(self) -> KVCacheSnapshot:
+        """Every member keeps only its referenced pages (renumbered; aliasing kept)."""
+        return KVCacheSnapshot.from_tensors([t.compact() for t in self.tensors()],
+                                            self.seq_lens, self.kv_scales, model=self.model)
+
+    def equal(self, other: KVCacheSnapshot) -> bool:
+        """Same members with the same bytes, same seq_lens and kv_scales."""
+        if self.keys() != other.keys() or not np.array_equal(self.seq_lens, other.seq_lens):
+            return False
+        if (self.kv_scales is None) != (other.kv_scales is None) or (
+                self.kv_scales is not None and not np.array_equal(self.kv_scales,
+                                                                  other.kv_scales)):
+            return False
+        return all(self.tensor(*k).equal(other.tensor(*k)) for k in self.keys())
+
+
+_FACT_NAMES = ("num_seqs", "page_size", "num_heads", "head_dim", "total_tokens", "type_tag")
+
+
+def _facts(desc: TensorDescriptor) -> tuple[int, ...]:
+    layout = desc.layout
+    return (layout.num_seqs, layout.page_size, desc.shape[1], desc.shape[2], desc.shape[0],
+            desc.type_tag)
+
+
+def _role_rank(role: str) -> int:
+    return {"key": 0, "fused": 0, "value": 1}[role]
+
+
+def _seq_ptr(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
+    if len(buffers) < 3:
+        raise _fail("a block-paged member needs its seq_ptr buffer", "buffers", len(buffers))
+    dt = "<u8" if desc.layout.index_type == 1 else "<u4"
+    raw = memoryview(buffers[2]).cast("B")
+    if raw.nbytes != desc.buffers[2].byte_size:
+        raise _fail(f"seq_ptr buffer holds {raw.nbytes} bytes, the descriptor declares "
+                    f"{desc.buffers[2].byte_size}", "buffers[2]", raw.nbytes)
+    return np.frombuffer(raw, dt)
+
+
+def is_seq_lens(desc: TensorDescriptor) -> bool:
+    et = desc.element_type
+    return (isinstance(desc.layout, RowMajor) and desc.rank == 1 and et is not None
+            and not et.is_float and et.bits in (8, 16, 32, 64) and et.name != "bool"
+            and desc.quantization is None)
+
+
+def is_kv_scales(desc: TensorDescriptor) -> bool:
+    return (isinstance(desc.layout, RowMajor) and desc.type_tag == FLOAT32 and desc.rank == 2
+            and desc.shape[1] == 2 and desc.quantization is None)
+
+
+def row_major_array(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
+    et = desc.element_type
+    raw = memoryview(buffers[0]).cast("B") if len(buffers) else memoryview(b"")
+    count = int(np.prod(desc.shape))
+    need = desc.byte_offset + et.nbytes(count)
+    if raw.nbytes < need or raw.nbytes != desc.buffers[0].byte_size:
+        raise _fail(f"{desc.element_type_name} {list(desc.shape)} at byte_offset "
+                    f"{desc.byte_offset} needs {need} bytes, the buffer holds {raw.nbytes}",
+                    "buffers[0]", raw.nbytes)
+    arr = np.frombuffer(raw, et.numpy, count=count, offset=desc.byte_offset) if count else \
+        np.zeros(0, et.numpy)
+    if not et.is_float and et.is_signed and count and arr.min() < 0:
+        raise _fail("seq_lens entries MUST be >= 0", "seq_lens", int(arr.min()))
+    return arr.reshape(desc.shape)
+
+
+__all__ = ["KVCacheSnapshot", "group_head", "member_name"]
