@@ -43,7 +43,7 @@ from ..wire.layouts import BlockPaged, Composite
 
 MAX_DESCRIPTOR_BYTES = 16 << 20
 MAX_DEPTH = 8
-GROW_CHUNK = 64 << 20
+GROW_CHUNK = 1 << 20  # first allocation for a claimed size not yet seen; doubles as bytes arrive
 
 
 # --------------------------------------------------------------------------- writing

@@ -1,0 +1,43 @@
+"""Snapshot fixtures shared by the container tests: real data, several storage types."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from hurraykv.paged import BlockPagedTensor
+from hurraykv.snapshot import KVCacheSnapshot
+
+
+def make_snapshot(kind: str = "float16", layers: int = 3, seed: int = 0, heads: int = 2,
+                  dim: int = 8, page_size: int = 4) -> KVCacheSnapshot:
+    """A batch with a shared prefix and ragged lengths, one table for every layer."""
+    rng = np.random.default_rng(seed)
+    lens = [10, 6, 5, 1]
+    pages = [-(-n // page_size) for n in lens]
+    # sequence 1 shares sequence 0's first page (a prefix), the rest are private
+    block_table = [0, 1, 2, 0, 3, 4, 5, 6]
+    seq_ptr = np.concatenate([[0], np.cumsum(pages)])
+    num_pages = 9  # two pages no sequence references
+    dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+             "fp8": ml_dtypes.float8_e4m3fn, "int8": np.float32, "int4": np.float32}[kind]
+    tensors = []
+    for i in range(layers):
+        for role in ("key", "value"):
+            pool = rng.standard_normal((num_pages, page_size, heads, dim)).astype(dtype)
+            scale = float(0.5 + i + (role == "value")) if kind == "fp8" else None
+            t = BlockPagedTensor(pool, block_table, seq_ptr, lens, kv_role=role, layer_index=i,
+                                 fp8_scale=scale)
+            if kind in ("int8", "int4"):
+                t = t.quantize("per_block_affine", kind, symmetric=kind == "int8")
+            tensors.append(t)
+    return KVCacheSnapshot.from_tensors(tensors, model=f"test-{kind}")
+
+
+def make_fused(layers: int = 2) -> KVCacheSnapshot:
+    rng = np.random.default_rng(1)
+    pools = [rng.standard_normal((3, 4, 2, 8)).astype(np.float16) for _ in range(layers)]
+    return KVCacheSnapshot.from_arrays(pools, None, [0, 1, 2], [0, 2, 3], [7, 2])
+
+
+KINDS = ["float16", "bfloat16", "int8", "int4", "fp8"]
