@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import mmap
@@ -44,7 +45,7 @@ def test_fused_round_trip(tmp_path):
 
 
 def test_file_layout_follows_the_spec(tmp_path):
-    s, path = saved(tmp_path, "int8")
+    _s, path = saved(tmp_path, "int8")
     data = path.read_bytes()
     f = HrryFile.open(path)
     assert data[:8] == b"HRRYFILE" and data[-4:] == b"HRRY"
@@ -75,7 +76,7 @@ def test_file_layout_follows_the_spec(tmp_path):
 
 
 def test_loading_is_lazy_and_zero_copy(tmp_path):
-    s, path = saved(tmp_path, "float16")
+    _s, path = saved(tmp_path, "float16")
     back = hk.load_snapshot(path)
     assert back._cache == {}
     key, _ = back.layer(1)
@@ -246,7 +247,5 @@ def test_fuzzed_files_raise_only_hurray_errors(small_file, data):
             t.to_dense(dequantize=True)
     except hk.HurrayError:
         pass
-    try:
+    with contextlib.suppress(hk.HurrayError):
         list(iter_hrry_sequential(io.BytesIO(bytes(raw))))
-    except hk.HurrayError:
-        pass

@@ -44,7 +44,7 @@ def _tensors():
 
 
 def test_missing_layer_and_role_are_rejected():
-    s, ts = _tensors()
+    _s, ts = _tensors()
     with pytest.raises(hk.SnapshotError, match=r"layers \[1\] are missing"):
         KVCacheSnapshot.from_tensors([t for t in ts if t.layer_index != 1])
     with pytest.raises(hk.SnapshotError, match=r"layer 2 has roles \['key'\]"):
@@ -54,7 +54,7 @@ def test_missing_layer_and_role_are_rejected():
 
 
 def test_members_must_share_geometry_and_seq_ptr():
-    s, ts = _tensors()
+    _s, ts = _tensors()
     # same lengths, but sequence 1 holds a spare third page
     other = BlockPagedTensor(np.zeros((9, 4, 2, 8), np.float16), [0, 1, 2, 0, 3, 7, 4, 5, 6],
                              [0, 3, 6, 8, 9], [10, 6, 5, 1], kv_role="value", layer_index=2)
@@ -67,7 +67,7 @@ def test_members_must_share_geometry_and_seq_ptr():
 
 
 def test_seq_lens_and_kv_scales_are_checked():
-    s, ts = _tensors()
+    _s, ts = _tensors()
     with pytest.raises(hk.SnapshotError, match="seq_lens"):
         KVCacheSnapshot.from_tensors(ts, seq_lens=[10, 6, 5, 2])
     with pytest.raises(hk.SnapshotError, match="kv_scales belong to fp8 caches"):
