@@ -44,3 +44,62 @@ def test_validate_exit_codes(tmp_path):
     garbage.write_bytes(b"\x00" * 7)
     p = run("inspect", str(garbage))
     assert p.returncode == 1 and "DescriptorError" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_inspect_validate_and_compact_snapshots(tmp_path):
+    import numpy as np
+
+    import hurraykv as hk
+    from tests.snapshots import make_snapshot
+
+    s = make_snapshot("int8")
+    hk.save_snapshot(s, tmp_path / "s.hrry")
+    with open(tmp_path / "s.stream", "wb") as f:
+        hk.write_snapshot_stream(s, f)
+    for name, kind in (("s.hrry", "hrry"), ("s.stream", "stream")):
+        p = run("inspect", "--json", str(tmp_path / name))
+        out = json.loads(p.stdout)
+        assert out["kind"] == kind and out["snapshot"] and out["num_layers"] == 3
+        assert out["seq_lens"] == [10, 6, 5, 1] and len(out["tensors"]) == 6
+        row = out["tensors"][0]
+        assert (row["name"], row["pages_referenced"], row["pages_shared"]) == (
+            "layers.0.key", 7, 1)
+        assert row["quantization"]["scheme"] == "per_block_affine"
+        human = run("inspect", str(tmp_path / name)).stdout
+        assert "layers.2.value" in human and "shared" in human
+        v = run("validate", str(tmp_path / name))
+        assert v.returncode == 0 and v.stderr == ""  # no progress bar off a terminal
+    assert "kv hurraykv.model = test-int8" in run("inspect", str(tmp_path / "s.hrry")).stdout
+    c = run("compact", "--quiet", str(tmp_path / "s.hrry"), str(tmp_path / "c.hrry"))
+    assert c.returncode == 0 and "42 of 54 pages kept" in c.stdout
+    small = hk.load_snapshot(tmp_path / "c.hrry")
+    for a, b in zip(small.tensors(), s.tensors(), strict=True):
+        np.testing.assert_array_equal(a.to_dense(dequantize=True), b.to_dense(dequantize=True))
+    raw = bytearray((tmp_path / "s.hrry").read_bytes())
+    raw[-30] ^= 0xFF  # inside the trailer's index_length
+    (tmp_path / "bad.hrry").write_bytes(bytes(raw))
+    bad = run("validate", str(tmp_path / "bad.hrry"))
+    assert bad.returncode == 1 and "ContainerError" in bad.stderr
+
+
+def test_progress_bar_only_on_a_terminal_after_a_second(monkeypatch):
+    import io
+
+    from hurraykv import cli
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Tty()
+    monkeypatch.setattr(cli.sys, "stderr", err)
+    clock = iter([0.0, 0.5, 2.0])
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock, 3.0))
+    bar = cli.Progress("saving")
+    bar(10, 100)  # 0.5 s: too early to show
+    assert err.getvalue() == ""
+    bar(50, 100)
+    bar.close()
+    assert "saving [" in err.getvalue() and "50.0%" in err.getvalue()
+    quiet = cli.Progress("saving", quiet=True)
+    assert not quiet.enabled

@@ -134,7 +134,7 @@ def test_torn_group_between_members():
 
 def test_limits_refuse_before_allocating(tmp_path):
     data = stream_bytes(make_snapshot("float16", layers=1))
-    with pytest.raises(hk.StreamError, match=r"a descriptor is 20\.\.100 bytes"):
+    with pytest.raises(hk.StreamError, match="descriptors up to 100 bytes"):
         hk.read_snapshot_stream(io.BytesIO(data), max_descriptor_bytes=100)
     with pytest.raises(hk.StreamError, match="exceeds max_buffer_bytes 64"):
         hk.read_snapshot_stream(io.BytesIO(data), max_buffer_bytes=64)

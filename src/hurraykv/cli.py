@@ -1,23 +1,68 @@
-"""The ``hurraykv`` command line: inspect and validate Hurray descriptors.
+"""The ``hurraykv`` command line.
+
+    hurraykv inspect [--json] PATH       a descriptor, a stream or a .hrry file
+    hurraykv validate [--permissive] PATH
+    hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
 
 Exit codes: 0 success, 1 the input was rejected (the reason on stderr), 2 usage.
+Progress bars go to stderr for work over about a second, unless --quiet or stderr is not
+a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from .errors import HurrayError
-from .wire.annotate import format_rows, layout_fields, to_json
+from .io.hrry import HrryFile
+from .io.snapshots import save_snapshot, snapshot_from_file
+from .io.stream import SnapshotStreamReader, TensorStreamReader
+from .snapshot import KVCacheSnapshot, member_name
+from .wire.annotate import format_rows, layout_fields, quantization_fields, to_json
 from .wire.descriptor import TensorDescriptor, decode_descriptor
+from .wire.layouts import BlockPaged, layout_name
 
 
-def _read(path: str) -> bytes:
+class Progress:
+    """A one-line progress bar on stderr, shown only after ~1 s and only on a terminal."""
+
+    def __init__(self, label: str, quiet: bool = False) -> None:
+        self.label = label
+        self.enabled = not quiet and sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        if elapsed < 1.0:
+            return
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        rate = done / elapsed / (1 << 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {done / (1 << 30):.2f} GiB "
+                         f"{rate:.2f} GiB/s")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def _read_head(path: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            return f.read(10)
     except OSError as e:
         raise SystemExit(_usage_error(f"cannot read {path}: {e.strerror}")) from None
 
@@ -25,6 +70,173 @@ def _read(path: str) -> bytes:
 def _usage_error(msg: str) -> int:
     print(f"hurraykv: {msg}", file=sys.stderr)
     return 2
+
+
+def kind_of(path: str) -> str:
+    head = _read_head(path)
+    if head[:8] == b"HRRYFILE":
+        return "hrry"
+    if len(head) == 10 and head[:4] == b"HRRY":
+        length = int.from_bytes(head[6:10], "little")
+        if 20 <= length < os.path.getsize(path):
+            return "stream"  # bytes follow the first descriptor: its buffers, more tensors
+    return "descriptor"  # one descriptor, or let the decoder say what is wrong with it
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _tensor_row(name: str | None, desc: TensorDescriptor) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "name": name, "element_type": desc.element_type_name, "shape": list(desc.shape),
+        "layout": layout_name(desc.layout_tag), "bytes": sum(h.byte_size for h in desc.buffers),
+    }
+    if isinstance(desc.layout, BlockPaged):
+        row |= {"layer": desc.layout.layer_index, "kv_role": desc.layout.kv_role_name}
+    if desc.quantization is not None:
+        row["quantization"] = quantization_fields(desc)
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["name", "layer", "kv_role", "element_type", "shape", "pages_referenced",
+            "pages_shared", "bytes"]
+    head = ["name", "layer", "role", "dtype", "shape", "pages", "shared", "bytes"]
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
+    return "\n".join(lines)
+
+
+def _snapshot_rows(snap: KVCacheSnapshot) -> list[dict[str, Any]]:
+    rows = []
+    for layer, role in snap.member_keys():
+        t = snap.tensor(layer, role)
+        rows.append(_tensor_row(member_name(layer, role), t.descriptor()) | {
+            "num_pages": t.num_pages, "pages_referenced": len(t.referenced_pages),
+            "pages_shared": len(t.shared_pages)})
+    return rows
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    kind = kind_of(args.path)
+    if kind == "descriptor":
+        desc = decode_descriptor(Path(args.path).read_bytes(), strict=not args.permissive)
+        if args.json:
+            print(json.dumps(to_json(desc), indent=2))
+        else:
+            print(_summary(desc))
+            print()
+            print(format_rows(desc))
+        return 0
+    if kind == "hrry":
+        f = HrryFile.open(args.path)
+        snap = _try_snapshot(f)
+        rows = _snapshot_rows(snap) if snap is not None else [
+            _tensor_row(n, f.descriptor(n)) for n in f.names]
+        out = {"kind": "hrry", "snapshot": snap is not None, "tensors": rows,
+               "kv": {k: _jsonable(v) for k, v in f.kv.items()},
+               "data_buffer_alignment": f.alignment}
+    else:
+        with open(args.path, "rb") as fh:
+            reader = SnapshotStreamReader(fh)
+            try:
+                snap = reader.read()
+                rows, extra = _snapshot_rows(snap), {}
+            except HurrayError:
+                fh.seek(0)
+                items = list(TensorStreamReader(fh))
+                snap, rows, extra = None, [_tensor_row(None, i.desc) for i in items], {}
+        out = {"kind": "stream", "snapshot": snap is not None, "tensors": rows} | extra
+    if snap is not None:
+        out |= {"num_layers": snap.num_layers, "num_seqs": snap.num_seqs,
+                "seq_lens": _jsonable(snap.seq_lens), "page_size": snap.page_size,
+                "num_kv_heads": snap.num_kv_heads, "head_dim": snap.head_dim,
+                "dtype": snap.dtype, "model": snap.model,
+                "kv_scales": _jsonable(snap.kv_scales)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    title = f"{args.path}: {out['kind']}"
+    if snap is not None:
+        title += f", {snap!r}"
+    print(title)
+    print(_table(rows))
+    for k, v in out.get("kv", {}).items():
+        print(f"  kv {k} = {v}")
+    return 0
+
+
+def _try_snapshot(f: HrryFile) -> KVCacheSnapshot | None:
+    try:
+        return snapshot_from_file(f)
+    except HurrayError:
+        if any(isinstance(f.descriptor(n).layout, BlockPaged) for n in f.names):
+            raise
+        return None
+
+
+def _load_any(path: str, quiet: bool) -> tuple[KVCacheSnapshot | None, HrryFile | None]:
+    kind = kind_of(path)
+    if kind == "hrry":
+        f = HrryFile.open(path)
+        return _try_snapshot(f), f
+    if kind == "stream":
+        with open(path, "rb") as fh:
+            return SnapshotStreamReader(fh).read(), None
+    return None, None
+
+
+def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
+    """Build every member: validates the index buffers of each (invariants 1-3, D6)."""
+    progress = Progress("validating", quiet)
+    total, done = max(snap.nbytes, 1), 0
+    for key in snap.member_keys():
+        t = snap.tensor(*key)
+        done += sum(len(b) for b in t.buffers())
+        progress(done, total)
+    progress.close()
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    kind = kind_of(args.path)
+    if kind == "descriptor":
+        desc = decode_descriptor(Path(args.path).read_bytes(), strict=not args.permissive)
+        note = f" (permissive: relaxed {len(desc.relaxed)} rule(s))" if desc.relaxed else ""
+        print(f"{args.path}: valid descriptor{note}")
+        return 0
+    snap, f = _load_any(args.path, args.quiet)
+    if snap is not None:
+        _build_all(snap, args.quiet)
+        print(f"{args.path}: valid {kind}, {snap!r}")
+    else:
+        count = len(f.names) if f is not None else 0
+        print(f"{args.path}: valid {kind}, {count} tensors")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    snap, _ = _load_any(args.input, args.quiet)
+    if snap is None:
+        raise SystemExit(_usage_error(f"{args.input} holds no KV snapshot"))
+    before = sum(t.num_pages for t in snap.tensors())
+    compacted = snap.compact()
+    after = sum(t.num_pages for t in compacted.tensors())
+    progress = Progress("saving", args.quiet)
+    save_snapshot(compacted, args.output, progress=progress)
+    progress.close()
+    print(f"{args.output}: {after} of {before} pages kept, "
+          f"{compacted.nbytes} of {snap.nbytes} bytes")
+    return 0
 
 
 def _summary(desc: TensorDescriptor) -> str:
@@ -43,37 +255,25 @@ def _summary(desc: TensorDescriptor) -> str:
     return "\n".join(lines)
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    desc = decode_descriptor(_read(args.path), strict=not args.permissive)
-    if args.json:
-        print(json.dumps(to_json(desc), indent=2))
-    else:
-        print(_summary(desc))
-        print()
-        print(format_rows(desc))
-    return 0
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    desc = decode_descriptor(_read(args.path), strict=not args.permissive)
-    note = f" (permissive: relaxed {len(desc.relaxed)} rule(s))" if desc.relaxed else ""
-    print(f"{args.path}: valid{note}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hurraykv", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("inspect", help="show a descriptor field by field")
-    i.add_argument("--json", action="store_true", help="one JSON object (manifest keys)")
+    i = sub.add_parser("inspect", help="show a descriptor, stream or .hrry file")
+    i.add_argument("--json", action="store_true", help="one JSON object")
     i.add_argument("--permissive", action="store_true", help="decode permissively")
     i.add_argument("path")
     i.set_defaults(func=cmd_inspect)
     v = sub.add_parser("validate", help="exit 0 when valid, 1 when rejected")
     v.add_argument("--permissive", action="store_true",
-                   help="skip what the spec lets a permissive reader skip")
+                   help="skip what the spec lets a permissive reader skip (descriptors)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
     v.add_argument("path")
     v.set_defaults(func=cmd_validate)
+    c = sub.add_parser("compact", help="rewrite a snapshot keeping only referenced pages")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("input")
+    c.add_argument("output")
+    c.set_defaults(func=cmd_compact)
     return p
 
 
@@ -82,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HurrayError as e:
-        print(f"hurraykv: {args.path}: {type(e).__name__}: {e}", file=sys.stderr)
+        where = getattr(args, "path", None) or getattr(args, "input", "")
+        print(f"hurraykv: {where}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 

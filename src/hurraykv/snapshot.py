@@ -321,7 +321,7 @@ class KVCacheSnapshot:
         """Every block-paged member, in layer then role order."""
         return [self.tensor(layer, role) for layer, role in self._members]
 
-    def keys(self) -> list[tuple[int, str]]:
+    def member_keys(self) -> list[tuple[int, str]]:
         return list(self._members)
 
     def members(self) -> Iterator[tuple[str, TensorDescriptor, Buffers]]:
@@ -355,13 +355,14 @@ class KVCacheSnapshot:
 
     def equal(self, other: KVCacheSnapshot) -> bool:
         """Same members with the same bytes, same seq_lens and kv_scales."""
-        if self.keys() != other.keys() or not np.array_equal(self.seq_lens, other.seq_lens):
+        if self.member_keys() != other.member_keys() or not np.array_equal(self.seq_lens,
+                                                                          other.seq_lens):
             return False
         if (self.kv_scales is None) != (other.kv_scales is None) or (
                 self.kv_scales is not None and not np.array_equal(self.kv_scales,
                                                                   other.kv_scales)):
             return False
-        return all(self.tensor(*k).equal(other.tensor(*k)) for k in self.keys())
+        return all(self.tensor(*k).equal(other.tensor(*k)) for k in self.member_keys())
 
 
 _FACT_NAMES = ("num_seqs", "page_size", "num_heads", "head_dim", "total_tokens", "type_tag")

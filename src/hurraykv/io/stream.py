@@ -226,11 +226,13 @@ class TensorStreamReader:
             raise StreamError(f"the stream ended inside a descriptor header at offset {start}",
                               field="descriptor", offset=start, value=got)
         length = peek_length(first.tobytes())
-        if length < 20 or length > self.max_descriptor_bytes:
+        if length < 20:
+            decode_descriptor(first.tobytes() + bytes(10))  # the decoder's own rejection
+        if length > self.max_descriptor_bytes:
             raise StreamError(f"descriptor_length at stream offset {start + 6}: found {length}; "
-                              f"a descriptor is 20..{self.max_descriptor_bytes} bytes",
-                              field="descriptor_length", offset=start + 6, value=length,
-                              rule="max_descriptor_bytes")
+                              f"this reader takes descriptors up to {self.max_descriptor_bytes} "
+                              "bytes", field="descriptor_length", offset=start + 6,
+                              value=length, rule="max_descriptor_bytes")
         rest = self._exact(length - 10, "descriptor")
         desc = decode_descriptor(first.tobytes() + rest.tobytes())
         buffers = []
