@@ -20,8 +20,10 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_quant.py
+	$(PY) benchmarks/bench_snapshot.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -249,3 +249,11 @@ def test_fuzzed_files_raise_only_hurray_errors(small_file, data):
         pass
     with contextlib.suppress(hk.HurrayError):
         list(iter_hrry_sequential(io.BytesIO(bytes(raw))))
+
+
+def test_crc32c_known_values():
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert crc32c(b"") == 0
+    assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43  # RFC 3720 B.4: 32 bytes of 0xFF
+    assert crc32c(bytes(range(32))) == 0x46DD794E  # RFC 3720 B.4: incrementing

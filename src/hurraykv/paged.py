@@ -240,8 +240,7 @@ class BlockPagedTensor:
                                  f"the descriptor declares {len(desc.buffers)} buffers")
         views = []
         for i, (buf, h) in enumerate(zip(buffers, desc.buffers, strict=True)):
-            mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(
-                np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+            mv = byte_view(buf)
             if mv.nbytes != h.byte_size:
                 raise BufferError.at(f"buffers[{i}]", i, mv.nbytes,
                                      f"the descriptor declares byte_size {h.byte_size}",
@@ -656,8 +655,8 @@ class BlockPagedTensor:
 
     def buffers(self) -> tuple[memoryview, ...]:
         """Zero-copy byte views: page_pool, block_table, seq_ptr, then quantization params."""
-        return tuple(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-                     for a in (self._rows, self.block_table, self.seq_ptr, *self.quant_params))
+        return tuple(byte_view(a) for a in (self._rows, self.block_table, self.seq_ptr,
+                                             *self.quant_params))
 
     def equal(self, other: BlockPagedTensor) -> bool:
         """Same descriptor and the same bytes in every buffer."""
@@ -665,6 +664,19 @@ class BlockPagedTensor:
                 and all(a == b for a, b in zip(self.buffers(), other.buffers(), strict=True))
                 and (self.seq_lens is None) == (other.seq_lens is None)
                 and (self.seq_lens is None or np.array_equal(self.seq_lens, other.seq_lens)))
+
+
+def byte_view(obj: Any) -> memoryview:
+    """A flat byte view of a buffer-like object without copying (NumPy arrays of any
+    dtype - bfloat16 and float8 included - bytes, memoryviews, mmaps)."""
+    if isinstance(obj, np.ndarray):
+        return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+    try:
+        return memoryview(obj).cast("B")
+    except (TypeError, ValueError) as e:
+        raise BufferError(f"buffer of type {type(obj).__name__} is not bytes-like: {e}",
+                          field="buffers", value=type(obj).__name__,
+                          rule="buffers are contiguous bytes-like objects") from None
 
 
 def _resolve_type(sample: np.ndarray, name: str | ElementType | None) -> ElementType:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SeqLensRequiredError, SnapshotError
-from .paged import BlockPagedTensor
+from .paged import BlockPagedTensor, byte_view
 from .wire.buffers import BufferHandle
 from .wire.descriptor import TensorDescriptor
 from .wire.dtypes import ELEMENT_TYPES
@@ -382,7 +382,7 @@ def _seq_ptr(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
     if len(buffers) < 3:
         raise _fail("a block-paged member needs its seq_ptr buffer", "buffers", len(buffers))
     dt = "<u8" if desc.layout.index_type == 1 else "<u4"
-    raw = memoryview(buffers[2]).cast("B")
+    raw = byte_view(buffers[2])
     if raw.nbytes != desc.buffers[2].byte_size:
         raise _fail(f"seq_ptr buffer holds {raw.nbytes} bytes, the descriptor declares "
                     f"{desc.buffers[2].byte_size}", "buffers[2]", raw.nbytes)
@@ -403,7 +403,7 @@ def is_kv_scales(desc: TensorDescriptor) -> bool:
 
 def row_major_array(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
     et = desc.element_type
-    raw = memoryview(buffers[0]).cast("B") if len(buffers) else memoryview(b"")
+    raw = byte_view(buffers[0]) if len(buffers) else memoryview(b"")
     count = int(np.prod(desc.shape))
     need = desc.byte_offset + et.nbytes(count)
     if raw.nbytes < need or raw.nbytes != desc.buffers[0].byte_size:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ContainerError, HurrayError
+from ..paged import byte_view
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from ..wire.layouts import Composite
 from .crc32c import crc32c
@@ -91,7 +92,7 @@ class HrryWriter:
 
     def __init__(self, path: str | os.PathLike, *, alignment: int = DEFAULT_ALIGNMENT,
                  tensor_count: int | None = None, progress: Progress | None = None,
-                 total_bytes: int = 0) -> None:
+                 total_bytes: int = 0, fsync: bool = True) -> None:
         if alignment & (alignment - 1) or not DEFAULT_ALIGNMENT <= alignment <= MAX_ALIGNMENT:
             raise _bad(f"data_buffer_alignment {alignment} is not a power of two in "
                        "[4096, 2 MiB]", "data_buffer_alignment", value=alignment)
@@ -99,6 +100,7 @@ class HrryWriter:
         self.alignment = alignment
         self.progress = progress
         self.total_bytes = total_bytes
+        self.fsync = fsync
         self.entries: list[IndexEntry] = []
         self._names: set[str] = set()
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
@@ -131,7 +133,7 @@ class HrryWriter:
         if len(buffers) != len(desc.buffers):
             raise _bad(f"{name}: descriptor declares {len(desc.buffers)} buffers, "
                        f"{len(buffers)} given", "buffers", value=len(buffers))
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [byte_view(b) for b in buffers]
         for i, (mv, h) in enumerate(zip(views, desc.buffers, strict=True)):
             if mv.nbytes != h.byte_size:
                 raise _bad(f"{name}: buffers[{i}] holds {mv.nbytes} bytes, the descriptor "
@@ -180,10 +182,12 @@ class HrryWriter:
         self._write(TRAILER.pack(index_off, len(index), kv_off, kv_len, crc32c(index),
                                  bytes(4), TRAILER_MAGIC))
         os.pwrite(self._f.fileno(), struct.pack("<I", flags), 12)
-        os.fsync(self._f.fileno())
+        if self.fsync:
+            os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self._tmp, self.path)
-        _fsync_dir(self.path.parent)
+        if self.fsync:
+            _fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -203,13 +207,13 @@ class HrryWriter:
 
 def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescriptor, Any]],
                kv: dict[str, Any] | None = None, *, alignment: int = DEFAULT_ALIGNMENT,
-               progress: Progress | None = None) -> Path:
+               progress: Progress | None = None, fsync: bool = True) -> Path:
     """Write named tensors (and KV metadata) to ``path`` atomically; an existing file is
-    replaced only once the new one is complete and on disk."""
+    replaced only once the new one is complete (and, with ``fsync``, on disk)."""
     tensors = list(tensors)
     total = sum(h.byte_size for _, d, _ in tensors for h in d.buffers)
     w = HrryWriter(path, alignment=alignment, tensor_count=len(tensors), progress=progress,
-                   total_bytes=total)
+                   total_bytes=total, fsync=fsync)
     try:
         for name, desc, bufs in tensors:
             w.add(name, desc, bufs)
@@ -259,6 +263,23 @@ class HrryFile:
             self._data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
         self._read = lambda off, n: bytes(self._view[off:off + n])
         return self
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> HrryFile:
+        """Read the whole file into memory (one buffer, filled with readinto) and parse it;
+        tensors are views of that buffer.  For a full load where mmap page faults cost."""
+        import numpy as np
+
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            data = np.empty(size, np.uint8)
+            view, got = memoryview(data), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        return cls.from_bytes(view[:got], str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, source: str = "<bytes>"
@@ -354,7 +375,7 @@ class HrryFile:
             raise type(err)(f"{what} (descriptor at file offset {e.descriptor_offset}): {err}",
                             field=err.field, offset=err.offset, value=err.value,
                             rule=err.rule) from None
-        own = len(desc.encode())
+        own = int.from_bytes(raw[6:10], "little")  # the decoder checked it is exact
         if own != e.descriptor_length:
             raise _bad(f"{what}: the index says descriptor_length {e.descriptor_length}, the "
                        f"descriptor says {own}", "descriptor_length", e.descriptor_offset, own)

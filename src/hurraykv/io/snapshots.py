@@ -42,17 +42,20 @@ def snapshot_kv(snapshot: KVCacheSnapshot, model: str | None,
 
 def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   model: str | None = None, metadata: dict[str, Any] | None = None,
-                  alignment: int = 4096, progress: Progress | None = None) -> Path:
-    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename)."""
+                  alignment: int = 4096, progress: Progress | None = None,
+                  fsync: bool = True) -> Path:
+    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
+    ``fsync=False`` skips the flushes to disk (the rename stays atomic)."""
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
     return write_hrry(path, tensors, snapshot_kv(snapshot, model, metadata),
-                      alignment=alignment, progress=progress)
+                      alignment=alignment, progress=progress, fsync=fsync)
 
 
-def load_snapshot(path: str | os.PathLike) -> KVCacheSnapshot:
+def load_snapshot(path: str | os.PathLike, *, mmap: bool = True) -> KVCacheSnapshot:
     """Open a snapshot file: reads header, trailer, index, KV metadata and the small
-    seq_lens / seq_ptr buffers; every tensor is a zero-copy view of an mmap."""
-    return snapshot_from_file(HrryFile.open(path))
+    seq_lens / seq_ptr buffers; every tensor is a zero-copy view of an mmap of the file
+    (or, with ``mmap=False``, of one in-memory copy read at full speed)."""
+    return snapshot_from_file(HrryFile.open(path) if mmap else HrryFile.read(path))
 
 
 def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:

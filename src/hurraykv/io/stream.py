@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import HurrayError, SnapshotError, StreamError
-from ..paged import BlockPagedTensor
+from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
     KVCacheSnapshot,
     group_head,
@@ -52,7 +52,7 @@ def write_tensor(f: BinaryIO, desc: TensorDescriptor, buffers: Sequence[Any]) ->
     if len(buffers) != len(desc.buffers):
         raise StreamError(f"descriptor declares {len(desc.buffers)} buffers, "
                           f"{len(buffers)} given", field="buffers", value=len(buffers))
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [byte_view(b) for b in buffers]
     for i, (mv, h) in enumerate(zip(views, desc.buffers, strict=True)):
         if mv.nbytes != h.byte_size:
             raise StreamError(f"buffers[{i}] holds {mv.nbytes} bytes, the descriptor declares "
