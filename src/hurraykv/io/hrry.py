@@ -87,12 +87,14 @@ class IndexEntry:
 
 # --------------------------------------------------------------------------- writing
 class HrryWriter:
-    """Writes a .hrry file in one forward pass into a temporary file; ``finish`` makes it
-    appear atomically at ``path``.  Buffers are written straight from the caller's memory."""
+    """Writes a .hrry file in one forward pass (no seek back) into a temporary file;
+    ``finish`` makes it appear atomically at ``path``.  Buffers are written straight from
+    the caller's memory; the KV metadata is given up front so the header's flags are final."""
 
-    def __init__(self, path: str | os.PathLike, *, alignment: int = DEFAULT_ALIGNMENT,
-                 tensor_count: int | None = None, progress: Progress | None = None,
-                 total_bytes: int = 0, fsync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, kv: dict[str, Any] | None = None,
+                 alignment: int = DEFAULT_ALIGNMENT, tensor_count: int | None = None,
+                 progress: Progress | None = None, total_bytes: int = 0,
+                 fsync: bool = True) -> None:
         if alignment & (alignment - 1) or not DEFAULT_ALIGNMENT <= alignment <= MAX_ALIGNMENT:
             raise _bad(f"data_buffer_alignment {alignment} is not a power of two in "
                        "[4096, 2 MiB]", "data_buffer_alignment", value=alignment)
@@ -101,6 +103,7 @@ class HrryWriter:
         self.progress = progress
         self.total_bytes = total_bytes
         self.fsync = fsync
+        self._kv = encode_kv(kv) if kv else b""  # encoded first: errors before any write
         self.entries: list[IndexEntry] = []
         self._names: set[str] = set()
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
@@ -109,10 +112,9 @@ class HrryWriter:
         self._f = os.fdopen(fd, "wb", buffering=0)
         self.pos = 0
         count = UNKNOWN_COUNT if tensor_count is None else tensor_count
-        self._write(HEADER.pack(MAGIC, 1, 0, b"\0\0", 0, alignment, HEADER.size, count,
-                                bytes(28)))
-        # file_flags are rewritten by finish(): HAS_KV_METADATA is known only then; one
-        # pwrite at offset 12 of the temporary file keeps the stream itself forward-only.
+        self.flags = SORTED_INDEX | HAS_INDEX_CRC32C | (HAS_KV_METADATA if self._kv else 0)
+        self._write(HEADER.pack(MAGIC, 1, 0, b"\0\0", self.flags, alignment, HEADER.size,
+                                count, bytes(28)))
 
     def _write(self, data: bytes | memoryview) -> None:
         mv = memoryview(data).cast("B")
@@ -158,16 +160,13 @@ class HrryWriter:
             data_end = data_off
         self.entries.append(IndexEntry(name, desc_off, len(raw), data_off, data_end - data_off))
 
-    def finish(self, kv: dict[str, Any] | None = None) -> Path:
-        flags = SORTED_INDEX | HAS_INDEX_CRC32C
+    def finish(self) -> Path:
+        """KV metadata, index and trailer; then fsync and the atomic rename."""
         kv_off = kv_len = 0
-        if kv:
+        if self._kv:
             self._pad_to(8)
-            kv_off = self.pos
-            body = encode_kv(kv)
-            self._write(body)
-            kv_len = len(body)
-            flags |= HAS_KV_METADATA
+            kv_off, kv_len = self.pos, len(self._kv)
+            self._write(self._kv)
         self._pad_to(8)
         index_off = self.pos
         entries = sorted(self.entries, key=lambda e: e.name.encode("utf-8"))
@@ -181,7 +180,6 @@ class HrryWriter:
         self._write(index)
         self._write(TRAILER.pack(index_off, len(index), kv_off, kv_len, crc32c(index),
                                  bytes(4), TRAILER_MAGIC))
-        os.pwrite(self._f.fileno(), struct.pack("<I", flags), 12)
         if self.fsync:
             os.fsync(self._f.fileno())
         self._f.close()
@@ -212,12 +210,12 @@ def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescr
     replaced only once the new one is complete (and, with ``fsync``, on disk)."""
     tensors = list(tensors)
     total = sum(h.byte_size for _, d, _ in tensors for h in d.buffers)
-    w = HrryWriter(path, alignment=alignment, tensor_count=len(tensors), progress=progress,
-                   total_bytes=total, fsync=fsync)
+    w = HrryWriter(path, kv=kv, alignment=alignment, tensor_count=len(tensors),
+                   progress=progress, total_bytes=total, fsync=fsync)
     try:
         for name, desc, bufs in tensors:
             w.add(name, desc, bufs)
-        return w.finish(kv)
+        return w.finish()
     except BaseException:
         w.abort()
         raise
