@@ -28,6 +28,7 @@ own descriptor before a byte of tensor data is mapped.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -94,7 +95,7 @@ class HrryWriter:
     def __init__(self, path: str | os.PathLike, *, kv: dict[str, Any] | None = None,
                  alignment: int = DEFAULT_ALIGNMENT, tensor_count: int | None = None,
                  progress: Progress | None = None, total_bytes: int = 0,
-                 fsync: bool = True) -> None:
+                 reserve: int = 0, fsync: bool = True) -> None:
         if alignment & (alignment - 1) or not DEFAULT_ALIGNMENT <= alignment <= MAX_ALIGNMENT:
             raise _bad(f"data_buffer_alignment {alignment} is not a power of two in "
                        "[4096, 2 MiB]", "data_buffer_alignment", value=alignment)
@@ -110,6 +111,11 @@ class HrryWriter:
                                    dir=self.path.parent if str(self.path.parent) else ".")
         self._tmp = tmp
         self._f = os.fdopen(fd, "wb", buffering=0)
+        if reserve and hasattr(os, "posix_fallocate"):
+            # Reserve the blocks up front: the file system allocates once rather than on
+            # every write (finish() trims what was not used).
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(fd, 0, reserve)
         self.pos = 0
         count = UNKNOWN_COUNT if tensor_count is None else tensor_count
         self.flags = SORTED_INDEX | HAS_INDEX_CRC32C | (HAS_KV_METADATA if self._kv else 0)
@@ -180,6 +186,7 @@ class HrryWriter:
         self._write(index)
         self._write(TRAILER.pack(index_off, len(index), kv_off, kv_len, crc32c(index),
                                  bytes(4), TRAILER_MAGIC))
+        os.ftruncate(self._f.fileno(), self.pos)  # drop what fallocate reserved beyond the end
         if self.fsync:
             os.fsync(self._f.fileno())
         self._f.close()
@@ -210,8 +217,10 @@ def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescr
     replaced only once the new one is complete (and, with ``fsync``, on disk)."""
     tensors = list(tensors)
     total = sum(h.byte_size for _, d, _ in tensors for h in d.buffers)
+    overhead = sum(512 + len(n) + alignment * (len(d.buffers) + 1) for n, d, _ in tensors)
     w = HrryWriter(path, kv=kv, alignment=alignment, tensor_count=len(tensors),
-                   progress=progress, total_bytes=total, fsync=fsync)
+                   progress=progress, total_bytes=total, reserve=total + overhead + (1 << 16),
+                   fsync=fsync)
     try:
         for name, desc, bufs in tensors:
             w.add(name, desc, bufs)
