@@ -365,6 +365,53 @@ class KVCacheSnapshot:
         return all(self.tensor(*k).equal(other.tensor(*k)) for k in self.member_keys())
 
 
+class SnapshotAssembler:
+    """Builds a snapshot from members arriving one at a time (a stream, a socket) and
+    hands out each layer as soon as all its roles have arrived."""
+
+    def __init__(self) -> None:
+        self.collected: list[tuple[str | None, TensorDescriptor, Any]] = []
+        self._pending: dict[int, dict[str, BlockPagedTensor]] = {}
+        self.seq_lens: np.ndarray | None = None
+        self.kv_scales: np.ndarray | None = None
+
+    def add(self, desc: TensorDescriptor, buffers: Buffers, where: str = ""
+            ) -> tuple[int, tuple[BlockPagedTensor, ...]] | None:
+        self.collected.append((None, desc, buffers))
+        layout = desc.layout
+        if not isinstance(layout, BlockPaged):
+            # seq_lens and kv_scales come before the layers in wire order; whatever the
+            # order, finish() validates every member against them again.
+            if self.seq_lens is None and is_seq_lens(desc):
+                self.seq_lens = row_major_array(desc, buffers).astype(np.int64)
+            elif self.kv_scales is None and is_kv_scales(desc):
+                self.kv_scales = row_major_array(desc, buffers)
+            return None
+        layer, role = layout.layer_index, layout.kv_role_name
+        if layer is None:
+            raise _fail(f"block-paged tensor {where} is not layer-scoped", "layer_index")
+        scale = None
+        if self.kv_scales is not None and 0 <= layer < len(self.kv_scales):
+            scale = float(self.kv_scales[layer, 1 if role == "value" else 0])
+        t = BlockPagedTensor.from_descriptor(desc, buffers, self.seq_lens, fp8_scale=scale)
+        roles = self._pending.setdefault(layer, {})
+        if role in roles:
+            raise _fail(f"layer {layer} role {role} arrived twice", "kv_role", (layer, role))
+        roles[role] = t
+        want = ("fused",) if role == "fused" else ROLES
+        if all(r in roles for r in want):
+            return layer, tuple(roles[r] for r in want)
+        return None
+
+    def finish(self, model: str | None = None) -> KVCacheSnapshot:
+        snap = KVCacheSnapshot.from_members(self.collected, model=model)
+        for layer, roles in self._pending.items():  # reuse what was built while streaming
+            for role, t in roles.items():
+                if (t.seq_lens is None) == (snap.seq_lens is None):
+                    snap._cache.setdefault((layer, role), t)
+        return snap
+
+
 _FACT_NAMES = ("num_seqs", "page_size", "num_heads", "head_dim", "total_tokens", "type_tag")
 
 

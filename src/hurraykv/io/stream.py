@@ -30,16 +30,14 @@ from ..errors import HurrayError, SnapshotError, StreamError
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
     KVCacheSnapshot,
+    SnapshotAssembler,
     group_head,
-    is_kv_scales,
-    is_seq_lens,
     kv_scales_member,
     member_name,
-    row_major_array,
     seq_lens_member,
 )
 from ..wire.descriptor import TensorDescriptor, decode_descriptor, peek_length
-from ..wire.layouts import BlockPaged, Composite
+from ..wire.layouts import Composite
 
 MAX_DESCRIPTOR_BYTES = 16 << 20
 MAX_DEPTH = 8
@@ -306,40 +304,12 @@ class SnapshotStreamReader:
             def members() -> Iterator[Item]:
                 yield first
                 yield from self.tensors
-        yield from self._assemble(members(), grouped=isinstance(first.desc.layout, Composite))
-
-    def _assemble(self, items: Iterator[Item], grouped: bool
-                  ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
-        collected: list[tuple[str | None, TensorDescriptor, Any]] = []
-        pending: dict[int, dict[str, BlockPagedTensor]] = {}
-        seq_lens = kv_scales = None
-        for item in items:
-            desc = item.desc
-            collected.append((None, desc, item.buffers))
-            if not isinstance(desc.layout, BlockPaged):
-                continue
-            if seq_lens is None or kv_scales is None:
-                # Our writer sends them before the layers; whatever the order, the snapshot
-                # built at the close validates every member against them again.
-                seq_lens, kv_scales = _scalars(collected, seq_lens, kv_scales)
-            layout = desc.layout
-            layer, role = layout.layer_index, layout.kv_role_name
-            if layer is None:
-                raise SnapshotError(f"block-paged tensor at stream offset {item.offset} is not "
-                                    "layer-scoped", field="layer_index", offset=item.offset)
-            scale = None
-            if kv_scales is not None and 0 <= layer < len(kv_scales):
-                scale = float(kv_scales[layer, 1 if role == "value" else 0])
-            t = BlockPagedTensor.from_descriptor(desc, item.buffers, seq_lens, fp8_scale=scale)
-            roles = pending.setdefault(layer, {})
-            if role in roles:
-                raise SnapshotError(f"layer {layer} role {role} arrived twice",
-                                    field="kv_role", value=(layer, role))
-            roles[role] = t
-            want = ("fused",) if role == "fused" else ("key", "value")
-            if all(r in roles for r in want):
-                yield layer, tuple(roles[r] for r in want)
-        self.snapshot = KVCacheSnapshot.from_members(collected)
+        assembler = SnapshotAssembler()
+        for item in members():
+            layer = assembler.add(item.desc, item.buffers, f"at stream offset {item.offset}")
+            if layer is not None:
+                yield layer
+        self.snapshot = assembler.finish()
 
     def read(self) -> KVCacheSnapshot:
         for _ in self.layers():
@@ -351,15 +321,6 @@ class SnapshotStreamReader:
 def read_snapshot_stream(f: BinaryIO, **limits: Any) -> KVCacheSnapshot:
     """Read one snapshot (a group, or a plain stream of block-paged tensors to EOF)."""
     return SnapshotStreamReader(f, **limits).read()
-
-
-def _scalars(collected: list, seq_lens: Any, kv_scales: Any) -> tuple[Any, Any]:
-    for _, desc, bufs in collected:
-        if seq_lens is None and is_seq_lens(desc):
-            seq_lens = row_major_array(desc, bufs).astype(np.int64)
-        elif kv_scales is None and is_kv_scales(desc):
-            kv_scales = row_major_array(desc, bufs)
-    return seq_lens, kv_scales
 
 
 def _is_regular(f: Any) -> bool:
