@@ -538,17 +538,50 @@ class BlockPagedTensor:
             raise BufferError("page_pool is read-only (e.g. memory-mapped); copy() first",
                               field="page_pool", rule="zeroing needs a writable pool")
         unused = ~self.used_slots()
-        if self.element_type.sub_byte:
-            pool = self.page_pool.reshape(len(unused), self.num_heads * self.head_dim)
-            pool[unused] = 0
-            self._rows[...] = np.frombuffer(pack(pool, self.element_type),
-                                            np.uint8).reshape(self._rows.shape)
-        else:
-            self._rows.reshape(len(unused), self.num_heads * self.head_dim)[unused] = 0
+        self._zero_rows(self._rows, unused)
         if isinstance(self.quantization, PerBlockAffine):
             self.quant_params = _quant.reset_unused(self.quantization, self.quant_params,
                                                     unused)
         return int(unused.sum())
+
+    def _zero_rows(self, rows: np.ndarray, unused: np.ndarray) -> None:
+        """Zero the slots flagged in ``unused`` (``rows.shape[0] * page_size`` flags)."""
+        slot = self.num_heads * self.head_dim
+        if self.element_type.sub_byte:
+            n = rows.shape[0] * self.page_size * slot
+            vals = unpack(rows, self.element_type, n).reshape(-1, slot).copy()
+            vals[unused] = 0
+            rows[...] = np.frombuffer(pack(vals, self.element_type), np.uint8).reshape(
+                rows.shape)
+        else:
+            rows.reshape(-1, slot)[unused] = 0
+
+    def clean_buffers(self) -> list[memoryview]:
+        """``buffers()`` as they may leave the process: slots no sequence reads are zero.
+
+        The pool is returned as consecutive views - straight onto this tensor's memory
+        for pages every slot of which is in use, zeroed copies for the others - so the
+        tensor is not modified and the bulk is not copied."""
+        views = list(self.buffers())
+        if self.seq_lens is None or self.num_pages == 0:
+            return views
+        unused = ~self.used_slots()
+        dirty = unused.reshape(self.num_pages, self.page_size).any(axis=1)
+        if not dirty.any():
+            return views
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], dirty, [False]])))
+        segments: list[memoryview] = []
+        start = 0
+        for a, b in zip(edges[0::2], edges[1::2], strict=True):  # runs of dirty pages
+            if a > start:
+                segments.append(byte_view(self._rows[start:a]))
+            copy = self._rows[a:b].copy()
+            self._zero_rows(copy, unused[a * self.page_size:b * self.page_size])
+            segments.append(byte_view(copy))
+            start = b
+        if start < self.num_pages:
+            segments.append(byte_view(self._rows[start:]))
+        return [*segments, *views[1:]]
 
     def compact(self) -> BlockPagedTensor:
         """A copy holding only referenced pages, renumbered in ascending order; aliasing
