@@ -1,0 +1,271 @@
+"""``KVClient``: push, pull (whole or layer by layer), delete and ping over the Hurray
+interchange protocol, on blocking sockets (TCP, Unix, optional mutual TLS).
+
+Received TENSOR_DATA bytes go straight into the tensor's final buffer (``recv_into``);
+sent data goes out with scatter-gather ``sendmsg`` from the snapshot's own memory, with
+zeroed copies only of the pages that hold unused slots (``zero_unused``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import HurrayError
+from ..paged import BlockPagedTensor, byte_view
+from ..snapshot import KVCacheSnapshot, SnapshotAssembler
+from ..wire.descriptor import TensorDescriptor
+from ..wire.layouts import BlockPaged, Composite
+from .messages import (
+    HEADER,
+    DataAssembler,
+    DataPlan,
+    ErrorCode,
+    Hello,
+    MessageType,
+    ProtocolError,
+    Put,
+    RemoteError,
+    Request,
+    decode_descriptor_message,
+    decode_error,
+    decode_header,
+    decode_hello,
+    encode_data_header,
+    message,
+)
+from .server import parse_address
+
+Progress = Callable[[int, int], None]
+
+
+class KVClient:
+    """A connection to a ``hurraykv serve``; one request at a time."""
+
+    def __init__(self, address: str, *, timeout: float = 60.0, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_ca: str | None = None,
+                 server_hostname: str | None = None, max_message_size: int = 16 << 20,
+                 frame_bytes: int = 4 << 20) -> None:
+        self.address = address
+        where = parse_address(address)
+        if isinstance(where, str):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(where)
+        else:
+            sock = socket.create_connection(where, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_ca or tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca)
+            if tls_cert:
+                ctx.load_cert_chain(tls_cert, tls_key)
+            host = server_hostname or (where[0] if not isinstance(where, str) else "localhost")
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.max_message_size = max_message_size
+        self.frame_bytes = frame_bytes
+        self._stream = 1
+        self._hdr = bytearray(HEADER.size)
+        self._off = bytearray(8)
+        self.server_hello = self._handshake()
+
+    # -- plumbing --------------------------------------------------------------------
+    def _next_stream(self) -> int:
+        self._stream = self._stream % 0xFFFFFFFF + 1
+        return self._stream
+
+    def _send(self, *parts: Any) -> None:
+        views = [byte_view(p) for p in parts]
+        if self.tls or not hasattr(self.sock, "sendmsg"):
+            for v in views:
+                self.sock.sendall(v)
+            return
+        while views:  # scatter-gather: header, offset and data in one system call
+            sent = self.sock.sendmsg(views)
+            while sent and views:
+                if sent >= views[0].nbytes:
+                    sent -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise ProtocolError(f"the server closed the connection ({got} of {len(view)} "
+                                    "bytes of a message received)")
+            got += n
+
+    def _recv(self) -> tuple[int, int, int]:
+        self._recv_into(memoryview(self._hdr))
+        return decode_header(self._hdr, max(self.max_message_size,
+                                            self.server_hello.max_message_size
+                                            if hasattr(self, "server_hello") else 0))
+
+    def _payload(self, length: int) -> memoryview:
+        buf = memoryview(bytearray(length))
+        self._recv_into(buf)
+        return buf
+
+    def _expect(self, stream: int, *types: int) -> tuple[int, memoryview]:
+        mtype, sid, length = self._recv()
+        if mtype == MessageType.ERROR:
+            err = decode_error(self._payload(length))
+            raise RemoteError(err.code, err.message)
+        if sid != stream or mtype not in types:
+            self._payload(length)
+            raise ProtocolError(f"expected {[MessageType(t).name for t in types]} on stream "
+                                f"{stream}, got message 0x{mtype:x} on stream {sid}")
+        if mtype == MessageType.TENSOR_DATA:
+            return mtype, memoryview(b"")
+        return mtype, self._payload(length)
+
+    def _handshake(self) -> Hello:
+        stream = self._next_stream()
+        self._send(message(MessageType.CLIENT_HELLO, stream,
+                           Hello(max_message_size=self.max_message_size).encode()))
+        mtype, _sid, length = self._recv()
+        payload = self._payload(length)
+        if mtype == MessageType.ERROR:
+            err = decode_error(payload)
+            raise RemoteError(err.code, err.message)
+        if mtype != MessageType.SERVER_HELLO:
+            raise ProtocolError(f"expected SERVER_HELLO, got message 0x{mtype:x}")
+        hello = decode_hello(payload, "server_hello")
+        if hello.protocol_version > 1:
+            raise ProtocolError(f"server speaks protocol {hello.protocol_version}, above ours",
+                                ErrorCode.PROTOCOL_VERSION_MISMATCH)
+        return hello
+
+    def _frame_limit(self) -> int:
+        return min(self.frame_bytes, self.server_hello.max_message_size - 8)
+
+    # -- push --------------------------------------------------------------------------
+    def _push_tensor(self, stream: int, key: str, desc: TensorDescriptor, views: list,
+                     progress: Progress | None, done: list[int], total: int) -> None:
+        plan = DataPlan([byte_view(v) for v in views])
+        self._send(message(MessageType.TENSOR_PUT, stream, Put(key, desc, plan.total).encode()))
+        for offset, chunk in plan.frames(self._frame_limit()):
+            self._send(encode_data_header(stream, offset, chunk.nbytes), chunk)
+            done[0] += chunk.nbytes
+            if progress is not None:
+                progress(done[0], total)
+        self._send(message(MessageType.TENSOR_DATA_END, stream))
+
+    def push(self, key: str, snapshot: KVCacheSnapshot, *, zero_unused: bool = True,
+             progress: Progress | None = None) -> float:
+        """Push a snapshot as one group; returns seconds until the server's ACK."""
+        started = time.perf_counter()
+        stream = self._next_stream()
+        head = snapshot.head()
+        total, done = snapshot.nbytes, [0]
+        self._push_tensor(stream, key, head, [], None, done, total)
+        for _, desc, bufs in snapshot.members():
+            if zero_unused and isinstance(desc.layout, BlockPaged):
+                layout = desc.layout
+                bufs = snapshot.tensor(layout.layer_index, layout.kv_role_name).clean_buffers()
+            self._push_tensor(stream, key, desc, list(bufs), progress, done, total)
+        self._expect(stream, MessageType.TENSOR_PUT_ACK)
+        return time.perf_counter() - started
+
+    def push_tensor(self, key: str, tensor: BlockPagedTensor, *, zero_unused: bool = True
+                    ) -> None:
+        stream = self._next_stream()
+        bufs = tensor.clean_buffers() if zero_unused else list(tensor.buffers())
+        self._push_tensor(stream, key, tensor.descriptor(), bufs, None, [0], 0)
+        self._expect(stream, MessageType.TENSOR_PUT_ACK)
+
+    # -- pull --------------------------------------------------------------------------
+    def _request(self, key: str) -> int:
+        stream = self._next_stream()
+        self._send(message(MessageType.TENSOR_REQUEST, stream, Request(key).encode()))
+        return stream
+
+    def _read_tensor(self, stream: int, progress: Progress | None = None,
+                     done: list[int] | None = None) -> tuple[TensorDescriptor, list]:
+        _, payload = self._expect(stream, MessageType.TENSOR_DESCRIPTOR)
+        msg = decode_descriptor_message(payload)
+        asm = DataAssembler(msg.descriptor)
+        while True:
+            mtype, sid, length = self._recv()
+            if mtype == MessageType.TENSOR_DATA and sid == stream and length >= 8:
+                self._recv_into(memoryview(self._off))
+                target = asm.target(int.from_bytes(self._off, "little"), length - 8)
+                self._recv_into(target)  # straight into the tensor's buffer
+                if done is not None:
+                    done[0] += length - 8
+                    if progress is not None:
+                        progress(done[0], done[1])
+                continue
+            payload = self._payload(length)
+            if mtype == MessageType.ERROR:
+                err = decode_error(payload)
+                raise RemoteError(err.code, err.message)
+            if mtype == MessageType.TENSOR_DATA_END and sid == stream:
+                return msg.descriptor, asm.finish()
+            raise ProtocolError(f"unexpected message 0x{mtype:x} on stream {sid} inside a "
+                                "tensor transfer")
+
+    def iter_pull(self, key: str, progress: Progress | None = None
+                  ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
+        """Layers ``(i, (key, value))`` as they arrive; ``self.last_snapshot`` holds the
+        whole snapshot once the group has closed."""
+        stream = self._request(key)
+        head, _ = self._read_tensor(stream)
+        if not isinstance(head.layout, Composite):
+            raise HurrayError(f"key {key!r} holds a single tensor, not a snapshot",
+                              field="key", value=key, rule="pull() takes snapshots")
+        assembler = SnapshotAssembler()
+        done = [0, 0]
+        for _ in range(head.layout.member_count):
+            desc, buffers = self._read_tensor(stream, progress, done)
+            layer = assembler.add(desc, buffers, f"from {self.address}")
+            if layer is not None:
+                yield layer
+        self.last_snapshot = assembler.finish()
+
+    def pull(self, key: str, progress: Progress | None = None) -> KVCacheSnapshot:
+        for _ in self.iter_pull(key, progress):
+            pass
+        return self.last_snapshot
+
+    def pull_tensor(self, key: str) -> BlockPagedTensor:
+        stream = self._request(key)
+        desc, buffers = self._read_tensor(stream)
+        return BlockPagedTensor.from_descriptor(desc, buffers)
+
+    # -- others ------------------------------------------------------------------------
+    def delete(self, key: str) -> None:
+        from .messages import Delete
+
+        stream = self._next_stream()
+        self._send(message(MessageType.DELETE, stream, Delete(key).encode()))
+        self._expect(stream, MessageType.DELETE_ACK)
+
+    def ping(self, payload: bytes = b"") -> float:
+        """Round-trip seconds of a PING; the PONG must echo its payload."""
+        stream = self._next_stream()
+        t0 = time.perf_counter()
+        self._send(message(MessageType.PING, stream, payload))
+        _, echo = self._expect(stream, MessageType.PONG)
+        if bytes(echo) != payload:
+            raise ProtocolError("PONG did not echo the PING payload")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()

@@ -1,0 +1,177 @@
+"""What the KV server stores: committed objects by key, LRU under a memory budget,
+optionally persisted as .hrry files that are served from an mmap after a restart.
+
+An object is a snapshot (a group head and its members) or one tensor, kept as the list
+of ``(descriptor, buffers)`` the wire carries, in pre-order.  Objects are immutable once
+committed: a reader holds a reference to the object it started with, so a PUT that
+replaces a key never shows anyone a partial snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import HurrayError
+from ..io.hrry import HrryFile, write_hrry
+from ..io.snapshots import HEAD_NAME, snapshot_kv
+from ..paged import BlockPagedTensor
+from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
+from ..wire.descriptor import TensorDescriptor
+from ..wire.layouts import BlockPaged, Composite
+
+log = logging.getLogger("hurraykv.server")
+Items = list[tuple[TensorDescriptor, list[Any]]]
+
+
+@dataclass
+class StoredObject:
+    items: Items
+    nbytes: int
+    path: Path | None = None
+
+
+def object_from_items(items: Items, zero_unused: bool) -> tuple[StoredObject, Any]:
+    """Validate received items and prepare them for storage.
+
+    A group must be a KV snapshot; its block-paged members get their unused slots zeroed
+    (the server owns these buffers).  Returns the object and, for snapshots, the
+    KVCacheSnapshot used to persist it."""
+    head = items[0][0]
+    nbytes = sum(h.byte_size for d, _ in items for h in d.buffers)
+    if isinstance(head.layout, Composite):
+        snap = KVCacheSnapshot.from_members([(None, d, b) for d, b in items[1:]])
+        if zero_unused and snap.seq_lens is not None:
+            for key in snap.member_keys():
+                snap.tensor(*key).zero_unused_slots()
+        tensors = {(t.layer_index, t.kv_role): t for t in snap.tensors()}
+        out: Items = [(head, [])]
+        for desc, bufs in items[1:]:
+            if isinstance(desc.layout, BlockPaged):
+                t = tensors[(desc.layout.layer_index, desc.layout.kv_role_name)]
+                bufs = list(t.buffers())
+            out.append((desc, list(bufs)))
+        return StoredObject(out, nbytes), snap
+    desc, bufs = items[0]
+    if isinstance(desc.layout, BlockPaged) and zero_unused:
+        t = BlockPagedTensor.from_descriptor(desc, bufs)
+        if t.seq_lens is not None:
+            t.zero_unused_slots()
+        bufs = list(t.buffers())
+    return StoredObject([(desc, list(bufs))], nbytes), None
+
+
+class KeyStore:
+    def __init__(self, memory_budget: int | None = None, persist: str | os.PathLike | None = None,
+                 zero_unused: bool = True) -> None:
+        self.memory_budget = memory_budget
+        self.persist = Path(persist) if persist else None
+        self.zero_unused = zero_unused
+        self._objects: OrderedDict[str, StoredObject] = OrderedDict()
+        self._files: dict[str, Path] = {}
+        self.memory_bytes = 0
+        if self.persist:
+            self.persist.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    def _scan(self) -> None:
+        assert self.persist is not None
+        for path in sorted(self.persist.glob("*.hrry")):
+            try:
+                key = HrryFile.open(path).kv.get("hurraykv.key")
+            except HurrayError as e:
+                log.warning("skipping %s: %s", path, e)
+                continue
+            if isinstance(key, str):
+                self._files[key] = path
+        log.info("persisted objects: %d in %s", len(self._files), self.persist)
+
+    def _path(self, key: str) -> Path:
+        assert self.persist is not None
+        return self.persist / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".hrry")
+
+    def fits(self, nbytes: int) -> bool:
+        return self.memory_budget is None or nbytes <= self.memory_budget
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._objects or key in self._files
+
+    def get(self, key: str) -> StoredObject | None:
+        obj = self._objects.get(key)
+        if obj is not None:
+            self._objects.move_to_end(key)
+            return obj
+        path = self._files.get(key)
+        if path is None:
+            return None
+        f = HrryFile.open(path)  # served zero-copy from the mapping
+        items = [(f.descriptor(n), f.buffers(n)) for n in f.names]
+        return StoredObject(items, sum(h.byte_size for d, _ in items for h in d.buffers), path)
+
+    def persist_object(self, key: str, obj: StoredObject, snap: Any) -> Path | None:
+        """Write the object's .hrry file (atomic); runs in a worker thread."""
+        if self.persist is None:
+            return None
+        path = self._path(key)
+        if snap is not None:
+            tensors = [(HEAD_NAME, obj.items[0][0], [])]
+            used: set[str] = set()
+            for i, (d, b) in enumerate(obj.items[1:]):
+                name = _name(d, i)
+                name = name if name not in used else f"extra.{i}"
+                used.add(name)
+                tensors.append((name, d, b))
+            kv = snapshot_kv(snap, None, None)
+        else:
+            tensors = [("tensor", *obj.items[0])]
+            kv = {}
+        kv["hurraykv.key"] = key
+        write_hrry(path, tensors, kv)
+        return path
+
+    def commit(self, key: str, obj: StoredObject, path: Path | None) -> None:
+        self._drop_memory(key)
+        if path is not None:
+            self._files[key] = path
+            obj.path = path
+        self._objects[key] = obj
+        self.memory_bytes += obj.nbytes
+        self._evict()
+
+    def _drop_memory(self, key: str) -> None:
+        old = self._objects.pop(key, None)
+        if old is not None:
+            self.memory_bytes -= old.nbytes
+
+    def _evict(self) -> None:
+        if self.memory_budget is None:
+            return
+        while self.memory_bytes > self.memory_budget and len(self._objects) > 1:
+            key, old = self._objects.popitem(last=False)
+            self.memory_bytes -= old.nbytes
+            log.info("evicted %r (%d bytes)%s", key, old.nbytes,
+                     "; still on disk" if key in self._files else "")
+
+    def delete(self, key: str) -> bool:
+        found = key in self
+        self._drop_memory(key)
+        path = self._files.pop(key, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+        return found
+
+
+def _name(desc: TensorDescriptor, i: int) -> str:
+    layout = desc.layout
+    if isinstance(layout, BlockPaged):
+        return member_name(layout.layer_index, layout.kv_role_name)
+    if is_seq_lens(desc):
+        return "seq_lens"
+    if is_kv_scales(desc):
+        return "kv_scales"
+    return f"extra.{i}"
