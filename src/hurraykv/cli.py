@@ -3,6 +3,8 @@
     hurraykv inspect [--json] PATH       a descriptor, a stream or a .hrry file
     hurraykv validate [--permissive] PATH
     hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
+    hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR] ...
+    hurraykv push ADDRESS KEY FILE.hrry  /  hurraykv pull ADDRESS KEY OUT.hrry
 
 Exit codes: 0 success, 1 the input was rejected (the reason on stderr), 2 usage.
 Progress bars go to stderr for work over about a second, unless --quiet or stderr is not
@@ -12,6 +14,7 @@ a terminal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -239,6 +242,79 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_size(text: str) -> int:
+    """``8G``, ``512M``, ``64K`` or a plain byte count (binary multiples)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8G or 512M") from None
+
+
+def _tls(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": args.tls_ca}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .net.server import KVServer, ServerConfig
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ServerConfig(listen=args.listen, memory_budget=args.memory_budget,
+                          persist=args.persist, max_message_size=args.max_message_size,
+                          read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
+                          max_connections=args.max_connections,
+                          zero_unused=not args.no_zero_unused, **_tls(args))
+    server = KVServer(config)
+
+    async def run() -> None:
+        address = await server.start()
+        print(f"hurraykv serve: listening on {address}", flush=True)
+        await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+def _client(args: argparse.Namespace):
+    from .net.client import KVClient
+
+    return KVClient(args.address, server_hostname=args.server_hostname, **_tls(args))
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .io.snapshots import load_snapshot
+
+    snap = load_snapshot(args.file)
+    progress = Progress(f"push {args.key}", args.quiet)
+    with _client(args) as client:
+        seconds = client.push(args.key, snap, progress=progress)
+    progress.close()
+    print(f"pushed {args.key}: {snap.nbytes} bytes in {seconds:.3f} s "
+          f"({snap.nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    progress = Progress(f"pull {args.key}", args.quiet)
+    t0 = time.perf_counter()
+    with _client(args) as client:
+        snap = client.pull(args.key, progress=progress)
+    seconds = time.perf_counter() - t0
+    save_snapshot(snap, args.output)
+    progress.close()
+    print(f"pulled {args.key}: {snap.nbytes} bytes in {seconds:.3f} s "
+          f"({snap.nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s) -> {args.output}")
+    return 0
+
+
 def _summary(desc: TensorDescriptor) -> str:
     lines = [
         f"Hurray descriptor v{desc.version_major}.{desc.version_minor}, "
@@ -274,6 +350,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("input")
     c.add_argument("output")
     c.set_defaults(func=cmd_compact)
+
+    def tls(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--tls-cert", help="PEM certificate (enables TLS)")
+        sp.add_argument("--tls-key", help="PEM private key of --tls-cert")
+        sp.add_argument("--tls-ca", help="PEM CA bundle; the server then requires client "
+                        "certificates whose subject scopes the keys (mutual TLS)")
+
+    sv = sub.add_parser("serve", help="run a KV cache server")
+    sv.add_argument("--listen", default="127.0.0.1:7878",
+                    help="HOST:PORT or a Unix socket path (default loopback 127.0.0.1:7878)")
+    sv.add_argument("--memory-budget", type=parse_size, default=None,
+                    help="bytes kept in memory, LRU beyond (e.g. 8G)")
+    sv.add_argument("--persist", help="directory: each committed snapshot as a .hrry file")
+    sv.add_argument("--max-message-size", type=parse_size, default=16 << 20)
+    sv.add_argument("--read-timeout", type=float, default=30.0)
+    sv.add_argument("--idle-timeout", type=float, default=600.0)
+    sv.add_argument("--max-connections", type=int, default=256)
+    sv.add_argument("--no-zero-unused", action="store_true",
+                    help="do not zero unused page slots before data leaves the process")
+    sv.add_argument("--log-level", default="info")
+    tls(sv)
+    sv.set_defaults(func=cmd_serve)
+    for name, helptext in (("push", "push a .hrry snapshot to a server"),
+                           ("pull", "pull a snapshot from a server into a .hrry file")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("address", help="HOST:PORT or a Unix socket path")
+        sp.add_argument("key")
+        sp.add_argument("file" if name == "push" else "output")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+        sp.add_argument("--server-hostname", help="TLS server name to verify")
+        tls(sp)
+        sp.set_defaults(func=cmd_push if name == "push" else cmd_pull)
     return p
 
 
@@ -281,8 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except OSError as e:  # a socket or file the user named
+        print(f"hurraykv: {e}", file=sys.stderr)
+        return 1
     except HurrayError as e:
-        where = getattr(args, "path", None) or getattr(args, "input", "")
+        where = (getattr(args, "path", None) or getattr(args, "input", None)
+                 or getattr(args, "address", ""))
         print(f"hurraykv: {where}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

@@ -237,10 +237,11 @@ class KVClient:
             pass
         return self.last_snapshot
 
-    def pull_tensor(self, key: str) -> BlockPagedTensor:
+    def pull_tensor(self, key: str, seq_lens: Any = None) -> BlockPagedTensor:
+        """One block-paged tensor; its token counts travel beside it (D6)."""
         stream = self._request(key)
         desc, buffers = self._read_tensor(stream)
-        return BlockPagedTensor.from_descriptor(desc, buffers)
+        return BlockPagedTensor.from_descriptor(desc, buffers, seq_lens)
 
     # -- others ------------------------------------------------------------------------
     def delete(self, key: str) -> None:

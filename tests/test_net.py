@@ -1,0 +1,384 @@
+"""The KV server and client over real loopback sockets (servers started by the tests)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.net import messages as m
+from hurraykv.net.client import KVClient
+from hurraykv.net.messages import ErrorCode as E
+from hurraykv.net.messages import MessageType as T
+from hurraykv.net.server import KVServer
+from tests.snapshots import make_snapshot
+
+KINDS = ["float16", "bfloat16", "int8", "fp8"]
+
+
+@pytest.fixture
+def server():
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        yield st
+
+
+def zeroed(s: hk.KVCacheSnapshot) -> hk.KVCacheSnapshot:
+    """What a reader may see: the snapshot with every unused page slot zeroed."""
+    tensors = [t.copy() for t in s.tensors()]
+    for t in tensors:
+        t.zero_unused_slots()
+    return hk.KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_byte_exact(server, kind):
+    s = make_snapshot(kind)
+    with KVClient(server.address) as c:
+        c.push(f"batch-{kind}", s)
+        back = c.pull(f"batch-{kind}")
+    assert back.equal(zeroed(s))
+    if kind == "fp8":
+        np.testing.assert_array_equal(back.kv_scales, s.kv_scales)
+
+
+def test_without_zeroing_the_bytes_are_the_original_ones():
+    s = make_snapshot("float16")
+    with KVServer(listen="127.0.0.1:0", zero_unused=False).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("raw", s, zero_unused=False)
+        assert c.pull("raw").equal(s)
+    assert not s.equal(zeroed(s))  # the fixture really has data in unused slots
+
+
+def test_unix_socket_and_single_tensors(tmp_path):
+    path = str(tmp_path / "kv.sock")
+    s = make_snapshot("int4")
+    with KVServer(listen=path).run_in_thread() as st, KVClient(st.address) as c:
+        t = s.tensor(1, "value")
+        c.push_tensor("one", t)
+        back = c.pull_tensor("one", seq_lens=t.seq_lens)
+        np.testing.assert_array_equal(back.to_dense(dequantize=True),
+                                      t.to_dense(dequantize=True))
+        with pytest.raises(hk.HurrayError, match="single tensor"):
+            c.pull("one")
+        assert c.ping(b"hello") < 5
+
+
+def test_iter_pull_yields_layer_zero_before_the_transfer_ends(server):
+    s = make_snapshot("float16", layers=6)
+    progress: list[int] = []
+    with KVClient(server.address) as c:
+        c.push("layers", s)
+        first_at = None
+        for i, (key, _value) in c.iter_pull("layers", progress=lambda d, t: progress.append(d)):
+            if i == 0:
+                first_at = progress[-1]
+            np.testing.assert_array_equal(key.to_dense(), zeroed(s).layer(i)[0].to_dense())
+        assert first_at is not None and first_at < progress[-1] / 3
+
+
+def test_thirty_two_concurrent_clients(server):
+    snaps = {f"client-{i}": make_snapshot("int8" if i % 2 else "float16", seed=i)
+             for i in range(32)}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(32)
+
+    def work(key: str) -> None:
+        try:
+            with KVClient(server.address) as c:
+                barrier.wait(10)
+                c.push(key, snaps[key])
+                for _ in range(2):
+                    assert c.pull(key).equal(zeroed(snaps[key]))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in snaps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+
+
+class Raw:
+    """A hand-driven protocol connection for fault injection."""
+
+    def __init__(self, address: str, hello: bool = True) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        if hello:
+            self.send(T.CLIENT_HELLO, 1, m.Hello().encode())
+            assert self.recv()[0] == T.SERVER_HELLO
+
+    def send(self, mtype: int, stream: int, payload: bytes = b"") -> None:
+        self.sock.sendall(m.message(mtype, stream, payload))
+
+    def recv(self) -> tuple[int, int, bytes]:
+        hdr = self._exact(12)
+        mtype, stream, n = struct.unpack("<III", hdr)
+        return mtype, stream, self._exact(n)
+
+    def _exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    def error_code(self) -> int:
+        mtype, _, payload = self.recv()
+        assert mtype == T.ERROR, mtype
+        return m.decode_error(payload).code
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _put_frames(key: str, s: hk.KVCacheSnapshot, stream: int = 5) -> list[bytes]:
+    """The exact frames a client sends to push ``s``."""
+    frames = [m.message(T.TENSOR_PUT, stream, m.Put(key, s.head(), 0).encode()),
+              m.message(T.TENSOR_DATA_END, stream)]
+    for _, desc, bufs in s.members():
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+        frames.append(m.message(T.TENSOR_PUT, stream, m.Put(key, desc, len(data)).encode()))
+        if data:
+            frames.append(m.message(T.TENSOR_DATA, stream, struct.pack("<Q", 0) + data))
+        frames.append(m.message(T.TENSOR_DATA_END, stream))
+    return frames
+
+
+def _healthy(address: str, key: str) -> None:
+    with KVClient(address) as c:
+        assert c.ping() < 5
+        with pytest.raises(m.RemoteError) as exc:
+            c.pull(key)
+        assert exc.value.code == E.UNKNOWN_TENSOR
+
+
+@pytest.mark.parametrize("phase", ["mid-hello", "mid-put-descriptor", "mid-data",
+                                   "before-end", "before-last-member"])
+def test_disconnect_at_every_phase_leaves_nothing(server, phase):
+    s = make_snapshot("float16", layers=2)
+    frames = _put_frames("torn", s)
+    blob = b"".join(frames)
+    raw = Raw(server.address, hello=phase != "mid-hello")
+    if phase == "mid-hello":
+        raw.sock.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode())[:15])
+    elif phase == "mid-put-descriptor":
+        raw.sock.sendall(blob[: len(frames[0]) + len(frames[1]) + len(frames[2]) // 2])
+    elif phase == "mid-data":
+        raw.sock.sendall(blob[: len(frames[0]) + len(frames[1]) + len(frames[2])
+                              + len(frames[3]) + len(frames[4]) + 40])
+    elif phase == "before-end":
+        raw.sock.sendall(b"".join(frames[:-1]))
+    else:
+        raw.sock.sendall(b"".join(frames[:-3]))
+    time.sleep(0.2)
+    raw.close()
+    time.sleep(0.2)
+    _healthy(server.address, "torn")
+
+
+def _hello_then(server, frames: list[bytes]) -> Raw:
+    raw = Raw(server.address)
+    raw.sock.sendall(b"".join(frames))
+    return raw
+
+
+@pytest.mark.parametrize(("build", "code"), [
+    (lambda: [m.message(T.TENSOR_REQUEST, 3, b"\x05\x00")], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_REQUEST, 3, m.Request("nope").encode())], E.UNKNOWN_TENSOR),
+    (lambda: [m.message(T.TENSOR_PUT, 3, m.Put("k", make_snapshot().head(), 0).encode()[:-3])],
+     E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_DATA, 3, struct.pack("<Q", 0) + b"xx")], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_DATA_END, 3, b"x")], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_DATA_END, 3)], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_DESCRIPTOR, 3, b"")], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.SERVER_HELLO, 3, m.Hello().encode())], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.CLIENT_HELLO, 3, m.Hello().encode())], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.TENSOR_PUT_ACK, 3)], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.PONG, 3)], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.RDMA_REGISTER, 3, bytes(20))], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.RDMA_READY, 3)], E.INVALID_MESSAGE),
+    (lambda: [m.message(T.DELETE, 3, m.Delete("nope").encode())], E.UNKNOWN_TENSOR),
+    (lambda: [m.message(T.DELETE, 3, b"\x09")], E.INVALID_MESSAGE),
+    (lambda: [m.message(0x33, 3, b"?")], E.INVALID_MESSAGE),
+    (lambda: _put_frames("gap", make_snapshot("float16", layers=1))[:3]
+     + [m.message(T.TENSOR_DATA, 5, struct.pack("<Q", 8) + b"x" * 8)], E.INVALID_MESSAGE),
+    (lambda: [struct.pack("<III", T.PING, 3, (16 << 20) + 1)], E.MESSAGE_TOO_LARGE),
+])
+def test_malformed_frames_get_error_with_the_right_code(server, build, code):
+    raw = _hello_then(server, build())
+    got = raw.error_code()
+    assert got == code
+    if code == E.MESSAGE_TOO_LARGE:  # the payload is read and discarded; the line stays up
+        raw.sock.sendall(bytes((16 << 20) + 1))
+    raw.send(T.PING, 9, b"still here")
+    assert raw.recv() == (T.PONG, 9, b"still here")
+    raw.close()
+    _healthy(server.address, "nothing")
+
+
+def test_handshake_rules(server):
+    raw = Raw(server.address, hello=False)
+    raw.send(T.PING, 1)
+    assert raw.error_code() == E.INVALID_MESSAGE
+    with pytest.raises(ConnectionError):
+        raw.recv()
+    raw = Raw(server.address, hello=False)
+    raw.send(T.CLIENT_HELLO, 1, m.Hello(protocol_version=0).encode())
+    assert raw.error_code() == E.PROTOCOL_VERSION_MISMATCH
+
+
+def test_limits_budget_connections_and_timeouts(caplog):
+    caplog.set_level(logging.INFO, logger="hurraykv.server")
+    small = make_snapshot("float16", layers=1)
+    with KVServer(listen="127.0.0.1:0", memory_budget=small.nbytes * 2 + 10,
+                  max_connections=2, read_timeout=1.0).run_in_thread() as st:
+        with KVClient(st.address) as c:
+            c.push("a", small)
+            c.push("b", small)
+            c.push("c", small)  # evicts "a", the least recently used
+            assert c.pull("c").equal(zeroed(small))
+            with pytest.raises(m.RemoteError) as exc:
+                c.pull("a")
+            assert exc.value.code == E.UNKNOWN_TENSOR
+            with pytest.raises(m.RemoteError) as exc:
+                c.push("big", make_snapshot("float16", layers=3))
+            assert exc.value.code == E.STORE_FULL
+        with KVClient(st.address), KVClient(st.address):
+            with pytest.raises(m.RemoteError) as exc:
+                KVClient(st.address)
+            assert exc.value.code == E.SERVER_BUSY
+        raw = Raw(st.address)
+        raw.sock.sendall(m.message(T.PING, 3, b"x" * 10)[:15])  # then stall
+        assert raw.error_code() == E.TIMEOUT
+    assert any("put key='a' bytes=" in r.message and "GB/s=" in r.message
+               for r in caplog.records)
+    assert any("get key='c'" in r.message for r in caplog.records)
+
+
+def _certs(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def make(name: str, issuer=None, ca: bool = False, san: bool = False):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        b = (x509.CertificateBuilder().subject_name(subject)
+             .issuer_name(issuer[0].subject if issuer else subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress").ip_address(
+                    "127.0.0.1"))]), critical=False)
+        cert = b.sign(issuer[1] if issuer else key, hashes.SHA256())
+        (tmp_path / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp_path / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+        return cert, key
+
+    ca = make("test-ca", ca=True)
+    make("server", ca, san=True)
+    make("tenant-a", ca)
+    make("tenant-b", ca)
+    return {n: (str(tmp_path / f"{n}.pem"), str(tmp_path / f"{n}.key"))
+            for n in ("test-ca", "server", "tenant-a", "tenant-b")}
+
+
+def test_mutual_tls_scopes_keys_by_client_subject(tmp_path):
+    certs = _certs(tmp_path)
+    ca = certs["test-ca"][0]
+    with KVServer(listen="127.0.0.1:0", tls_cert=certs["server"][0],
+                  tls_key=certs["server"][1], tls_ca=ca).run_in_thread() as st:
+        a_snap, b_snap = make_snapshot("float16", seed=1), make_snapshot("int8", seed=2)
+
+        def client(name: str) -> KVClient:
+            return KVClient(st.address, tls_cert=certs[name][0], tls_key=certs[name][1],
+                            tls_ca=ca)
+
+        with client("tenant-a") as a, client("tenant-b") as b:
+            a.push("shared-name", a_snap)
+            with pytest.raises(m.RemoteError) as exc:
+                b.pull("shared-name")  # tenant b cannot see tenant a's key
+            assert exc.value.code == E.UNKNOWN_TENSOR
+            b.push("shared-name", b_snap)  # nor overwrite it
+            assert a.pull("shared-name").equal(zeroed(a_snap))
+            assert b.pull("shared-name").equal(zeroed(b_snap))
+            with pytest.raises(m.RemoteError):
+                b.delete("only-a-has-this")
+        with pytest.raises((OSError, hk.HurrayError)):
+            KVClient(st.address, tls_ca=ca)  # no client certificate: refused
+
+
+def test_restart_with_persist_serves_the_same_bytes(tmp_path):
+    s = make_snapshot("fp8")
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("kept", s)
+        first = c.pull("kept")
+    files = list(tmp_path.glob("*.hrry"))
+    assert len(files) == 1 and hk.load_snapshot(files[0]).equal(first)
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st:
+        assert st.server.store._objects == {}  # nothing in memory: served from the file
+        with KVClient(st.address) as c:
+            assert c.pull("kept").equal(first)
+            c.delete("kept")
+    assert list(tmp_path.glob("*.hrry")) == []
+
+
+def test_cli_serve_push_pull_and_restart(tmp_path):
+    s = make_snapshot("int8")
+    hk.save_snapshot(s, tmp_path / "in.hrry")
+    persist = tmp_path / "store"
+
+    def serve():
+        p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                              "127.0.0.1:0", "--persist", str(persist)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = p.stdout.readline()
+        assert "listening on" in line, p.stderr.read()
+        return p, line.split()[-1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "hurraykv.cli", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    p, address = serve()
+    try:
+        r = cli("push", address, "job-1", str(tmp_path / "in.hrry"))
+        assert r.returncode == 0 and "pushed job-1" in r.stdout, r.stderr
+        assert r.stderr == ""  # no progress bar when stderr is not a terminal
+    finally:
+        p.terminate()
+        p.wait(10)
+    p, address = serve()
+    try:
+        r = cli("pull", address, "job-1", str(tmp_path / "out.hrry"))
+        assert r.returncode == 0, r.stderr
+        assert hk.load_snapshot(tmp_path / "out.hrry").equal(zeroed(s))
+        r = cli("pull", address, "missing", str(tmp_path / "x.hrry"))
+        assert r.returncode == 1 and "UNKNOWN_TENSOR" in r.stderr
+    finally:
+        p.terminate()
+        p.wait(10)
