@@ -153,9 +153,10 @@ class KVClient:
                      progress: Progress | None, done: list[int], total: int) -> None:
         plan = DataPlan([byte_view(v) for v in views])
         self._send(message(MessageType.TENSOR_PUT, stream, Put(key, desc, plan.total).encode()))
-        for offset, chunk in plan.frames(self._frame_limit()):
-            self._send(encode_data_header(stream, offset, chunk.nbytes), chunk)
-            done[0] += chunk.nbytes
+        for offset, parts in plan.frames(self._frame_limit()):
+            size = sum(p.nbytes for p in parts)
+            self._send(encode_data_header(stream, offset, size), *parts)
+            done[0] += size
             if progress is not None:
                 progress(done[0], total)
         self._send(message(MessageType.TENSOR_DATA_END, stream))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 import threading
 import time
@@ -57,6 +58,7 @@ from .messages import (
 
 log = logging.getLogger("hurraykv.server")
 SCRATCH = 1 << 20
+PUMP_BYTES = 64 << 20  # read at most this much per event before letting others run
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Connection(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._watchdog: asyncio.TimerHandle | None = None
+        self._raw: socket.socket | None = None
 
     # -- transport callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -129,12 +132,23 @@ class Connection(asyncio.BufferedProtocol):
         if cert:
             self.tenant = ",".join(f"{k}={v}" for rdn in cert.get("subject", ())
                                    for k, v in rdn)
+        elif transport.get_extra_info("sslcontext") is None:
+            # A duplicate of the plain socket lets buffer_updated keep reading while bytes
+            # are waiting, instead of one event-loop round per kernel-buffer's worth.
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                self._raw = socket.socket(sock.family, sock.type, sock.proto,
+                                          fileno=os.dup(sock.fileno()))
+                self._raw.setblocking(False)
         self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections -= 1
         self.puts.clear()  # unfinished PUTs leave nothing behind
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
         for task in self.tasks:
             task.cancel()
         if self._watchdog is not None:
@@ -151,6 +165,21 @@ class Connection(asyncio.BufferedProtocol):
         return self._target[self._got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._consume(nbytes)
+        budget = PUMP_BYTES
+        while self._raw is not None and not self.closed and budget > 0:
+            try:
+                n = self._raw.recv_into(self._target[self._got:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # the transport sees the same error and closes
+            if n == 0:
+                return  # end of stream: the transport reports it
+            budget -= n
+            self._consume(n)
+
+    def _consume(self, nbytes: int) -> None:
         self._last = self.loop.time()
         self._got += nbytes
         if self._got < len(self._target):
@@ -362,7 +391,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self.server.store.fits(put.nbytes):
             raise ProtocolError(f"{put.nbytes} bytes exceed the server's memory budget "
                                 f"{self.server.store.memory_budget}", ErrorCode.STORE_FULL)
-        put.assembler = DataAssembler(desc)
+        put.assembler = DataAssembler(desc, populate=True)
 
     def _on_data_end(self, stream: int) -> None:
         put = self.puts.get(stream)
@@ -399,11 +428,12 @@ class Connection(asyncio.BufferedProtocol):
             total = sum(h.byte_size for h in desc.buffers)
             self._write(message(MessageType.TENSOR_DESCRIPTOR, stream,
                                 DescriptorMessage(desc, total).encode()))
-            for offset, chunk in DataPlan([memoryview(b).cast("B") for b in buffers]).frames(
+            for offset, parts in DataPlan([memoryview(b).cast("B") for b in buffers]).frames(
                     max_frame):
                 if self.closed:
                     return
-                self._write(encode_data_header(stream, offset, chunk.nbytes), chunk)
+                size = sum(p.nbytes for p in parts)
+                self._write(encode_data_header(stream, offset, size), *parts)
                 if not self._writable.is_set():
                     await self._writable.wait()
             self._write(message(MessageType.TENSOR_DATA_END, stream))

@@ -1,0 +1,141 @@
+"""Pushing and pulling a KV snapshot over loopback against a raw socket.
+
+One run, one table: ``KVClient.push`` and ``KVClient.pull`` of a 1 GiB snapshot to a
+``hurraykv serve`` process, against a raw socket ``sendall`` / ``recv_into`` of the same
+number of bytes between the same two processes' worth of Python (target >= 0.8x each),
+and the time to the first layer of ``iter_pull`` against the whole transfer.
+Run with ``make bench`` (or ``--small`` for 128 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import hurraykv as hk
+from bench_paged import best
+from hurraykv.net.client import KVClient
+
+HEADS, DIM, PAGE = 8, 128, 16
+
+RAW_PEER = r"""
+import socket, sys, numpy as np
+n = int(sys.argv[1])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+buf = np.ones(n, np.uint8)
+while True:
+    conn, _ = srv.accept()
+    op = conn.recv(1)
+    if op in (b"r", b"f"):  # receive n bytes (into fresh memory for f), answer one byte
+        view, got = memoryview(buf if op == b"r" else np.empty(n, np.uint8)), 0
+        while got < n:
+            got += conn.recv_into(view[got:])
+        conn.sendall(b"k")
+    elif op == b"s":  # send n bytes
+        conn.sendall(memoryview(buf))
+    else:
+        break
+    conn.close()
+"""
+
+
+def make(layers: int, pages: int) -> hk.KVCacheSnapshot:
+    rng = np.random.default_rng(0)
+    seqs = max(1, min(64, pages // 2))
+    per = pages // seqs
+    block_table = rng.permutation(pages)[: per * seqs]
+    seq_ptr = np.arange(0, per * seqs + 1, per)
+    lens = np.full(seqs, per * PAGE) - rng.integers(0, PAGE, seqs)
+    pools = [rng.standard_normal((pages, PAGE, HEADS, DIM), dtype=np.float32).astype(np.float16)
+             for _ in range(2 * layers)]
+    return hk.KVCacheSnapshot.from_arrays(pools[0::2], pools[1::2], block_table, seq_ptr, lens)
+
+
+def raw_send(port: int, n: int, data: np.ndarray, op: bytes = b"r") -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(op)
+        s.sendall(memoryview(data))
+        s.recv(1)
+
+
+def raw_recv(port: int, n: int, out: np.ndarray) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"s")
+        view, got = memoryview(out), 0
+        while got < n:
+            got += s.recv_into(view[got:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="128 MiB instead of 1 GiB")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    layers, pages = 32, 256 if not args.small else 32  # 64 members x 16 MiB = 1 GiB
+    snap = make(layers, pages)
+    total = snap.nbytes
+    r = args.repeat
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", RAW_PEER, str(total)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().split()[-1]
+        port = int(peer.stdout.readline())
+        data = np.ones(total, np.uint8)
+        t_raw_send = best(lambda: raw_send(port, total, data), r)
+        t_raw_fresh = best(lambda: raw_send(port, total, data, b"f"), r)
+        t_raw_recv = best(lambda: raw_recv(port, total, data), r)
+        with KVClient(address) as c:
+            t_push = best(lambda: c.push("bench", snap), r)
+            t_pull = best(lambda: c.pull("bench"), r)
+            firsts, wholes = [], []
+            for _ in range(r):
+                t0 = time.perf_counter()
+                first = None
+                for i, _layer in c.iter_pull("bench"):
+                    if i == 0:
+                        first = time.perf_counter() - t0
+                wholes.append(time.perf_counter() - t0)
+                firsts.append(first)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"q")
+    finally:
+        server.terminate()
+        peer.terminate()
+        server.wait(10)
+        peer.wait(10)
+    gib = 1 << 30
+    rows = [
+        ("raw socket sendall (client -> peer)", f"{total / t_raw_send / gib:.2f} GiB/s",
+         "1.00x", ""),
+        ("raw sendall, peer stores in new memory", f"{total / t_raw_fresh / gib:.2f} GiB/s",
+         f"{t_raw_send / t_raw_fresh:.2f}x", ""),
+        ("push (until the server's ACK)", f"{total / t_push / gib:.2f} GiB/s",
+         f"{t_raw_send / t_push:.2f}x", ">= 0.8x"),
+        ("raw socket recv_into (peer -> client)", f"{total / t_raw_recv / gib:.2f} GiB/s",
+         "1.00x", ""),
+        ("pull", f"{total / t_pull / gib:.2f} GiB/s", f"{t_raw_recv / t_pull:.2f}x", ">= 0.8x"),
+        ("iter_pull: first layer", f"{min(firsts) * 1e3:.1f} ms",
+         f"{min(firsts) / min(wholes):.3f} of whole", ""),
+        ("iter_pull: whole snapshot", f"{min(wholes) * 1e3:.1f} ms", "1.000", ""),
+    ]
+    print(f"snapshot {total / gib:.2f} GiB float16 ({layers} layers x key/value), loopback, "
+          f"server in its own process; best of {r}")
+    head = ("measurement", "value", "ratio", "target")
+    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
+    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
+    print("-+-".join("-" * n for n in w))
+    for row in rows:
+        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
