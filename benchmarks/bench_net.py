@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="128 MiB instead of 1 GiB")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    layers, pages = 32, 256 if not args.small else 32  # 64 members x 16 MiB = 1 GiB
+    layers, pages = 32, 512 if not args.small else 32  # 64 members x 16 MiB = 1 GiB
     snap = make(layers, pages)
     total = snap.nbytes
     r = args.repeat

@@ -286,3 +286,15 @@ def test_gather_into_a_reused_buffer():
     np.testing.assert_array_equal(dense, np.concatenate(seqs))
     with pytest.raises(hk.LayoutError, match="out must be"):
         t.gather(0, out=buf)
+
+
+def test_used_slots_with_look_ahead_pages():
+    """A sequence may own more pages than its tokens fill (engines allocate ahead)."""
+    pool = np.ones((6, 4, 1, 1), np.float32)
+    t = BlockPagedTensor(pool, [0, 1, 2, 3, 4], [0, 3, 5], [5, 0])
+    used = t.used_slots().reshape(6, 4)
+    assert used[0].all() and list(used[1]) == [True, False, False, False]
+    assert not used[2:].any()
+    reference = np.zeros(24, bool)
+    reference[t._slots(np.arange(2))] = True
+    np.testing.assert_array_equal(t.used_slots(), reference)

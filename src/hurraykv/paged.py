@@ -525,10 +525,24 @@ class BlockPagedTensor:
 
     # ------------------------------------------------------------------ maintenance
     def used_slots(self) -> np.ndarray:
-        """Boolean mask over the ``num_pages*page_size`` slots that hold a valid token."""
-        mask = np.zeros(self.num_pages * self.page_size, dtype=bool)
-        mask[self._slots(np.arange(self.num_seqs))] = True
-        return mask
+        """Boolean mask over the ``num_pages*page_size`` slots that hold a valid token.
+
+        Worked out per block-table entry, not per token: the first ``len // page_size``
+        pages of a sequence are full, the next holds ``len % page_size`` tokens, any
+        further (look-ahead) pages hold none."""
+        ps = self.page_size
+        mask = np.zeros((self.num_pages, ps), dtype=bool)
+        lens = self._lens()
+        pages = self.pages_per_seq
+        starts = self.seq_ptr[:-1].astype(np.int64)
+        position = np.arange(len(self.block_table)) - np.repeat(starts, pages)
+        full = position < np.repeat(lens // ps, pages)
+        mask[self.block_table[full].astype(np.int64)] = True
+        rem = lens % ps
+        part = rem > 0
+        tail_pages = self.block_table[starts[part] + lens[part] // ps].astype(np.int64)
+        np.logical_or.at(mask, tail_pages, np.arange(ps)[None, :] < rem[part][:, None])
+        return mask.reshape(-1)
 
     def zero_unused_slots(self) -> int:
         """Zero every slot no sequence reads (partial-page tails, unreferenced pages), in
