@@ -382,3 +382,18 @@ def test_cli_serve_push_pull_and_restart(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_received_memory_is_recycled_without_leaking_old_bytes():
+    shape = (64, 16, 8, 128)  # 2 MiB pools: large enough to come from the pool
+    big = [hk.KVCacheSnapshot.from_arrays([np.full(shape, v, np.float16)],
+                                          [np.full(shape, -v, np.float16)],
+                                          np.arange(64), [0, 64], [1024])
+           for v in (1.0, 2.0, 3.0)]
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        for s in big:  # each push replaces the last; its 2 MiB buffers go back to the pool
+            c.push("same", s)
+            back = c.pull("same")
+            assert back.equal(s)
+            del back
+        assert st.server.pool.recycled >= 2

@@ -32,8 +32,6 @@ The data of one tensor is its buffers concatenated in table order without paddin
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,6 +39,9 @@ from typing import Any
 
 from ..errors import HurrayError
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
+from .memory import populate
+
+POOL_MIN = 1 << 20  # smaller tensors come from the allocator
 
 HEADER = struct.Struct("<III")
 PROTOCOL_VERSION = 1
@@ -442,31 +443,23 @@ class DataPlan:
             yield offset, parts
 
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module has no name for it yet
-POPULATE_MIN = 1 << 20
-
-
 class DataAssembler:
     """Receives TENSOR_DATA frames of one tensor into one buffer: ascending offsets, no
     gaps, no overlaps, summing to total_data_bytes; then cut into the tensor's buffers.
 
-    With ``populate`` (a server keeping what it receives), large buffers are anonymous
-    mappings whose pages are populated one frame ahead of the socket
-    (MADV_POPULATE_WRITE): memory is committed only as bytes arrive, and the kernel fills
-    pages in bulk instead of taking one fault per page inside recv_into.  Without it
-    (a client that pulls again and again) the allocator's recycled memory is faster."""
+    With a ``pool`` (a server keeping what it receives) the buffer comes from recycled or
+    fresh anonymous mappings, fresh pages being populated one frame ahead of the socket;
+    without one (a client that pulls again and again) the allocator's memory is used."""
 
-    def __init__(self, desc: TensorDescriptor, *, populate: bool = False) -> None:
+    def __init__(self, desc: TensorDescriptor, *, pool: Any = None) -> None:
         import numpy as np
 
         self.desc = desc
         self.total = total_data_bytes(desc)
         self._map: Any = None
-        if populate and self.total >= POPULATE_MIN and hasattr(mmap, "MAP_ANONYMOUS"):
-            self._map = mmap.mmap(-1, self.total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            with contextlib.suppress(OSError, AttributeError):  # 2 MiB pages fill faster
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            self.data = np.frombuffer(self._map, np.uint8)
+        if pool is not None and self.total >= POOL_MIN:
+            self.data, mm, recycled = pool.take(self.total)
+            self._map = None if recycled else mm
         else:
             self.data = np.empty(self.total, np.uint8)
         self.received = 0
@@ -482,12 +475,8 @@ class DataAssembler:
                        f"total_data_bytes {self.total}", field_="byte_offset_in_buffer",
                        value=offset + length)
         self.received += length
-        if self._map is not None and length:
-            start = offset - offset % mmap.PAGESIZE
-            try:
-                self._map.madvise(MADV_POPULATE_WRITE, start, offset + length - start)
-            except (OSError, ValueError):
-                self._map = None  # an older kernel: pages fault in as they are written
+        if self._map is not None and length and not populate(self._map, offset, length):
+            self._map = None  # an older kernel: pages fault in as they are written
         return memoryview(self.data)[offset:offset + length]
 
     def finish(self) -> list:

@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import HurrayError
 from ..wire.layouts import Composite
 from .keystore import KeyStore, StoredObject, object_from_items
+from .memory import ReceivePool
 from .messages import (
     HEADER,
     DataAssembler,
@@ -75,6 +76,7 @@ class ServerConfig:
     tls_ca: str | None = None
     zero_unused: bool = True
     frame_bytes: int = 4 << 20
+    recycle_bytes: int = 1 << 30  # idle received memory kept for the next PUTs
 
 
 def parse_address(address: str) -> tuple[str, int] | str:
@@ -391,7 +393,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self.server.store.fits(put.nbytes):
             raise ProtocolError(f"{put.nbytes} bytes exceed the server's memory budget "
                                 f"{self.server.store.memory_budget}", ErrorCode.STORE_FULL)
-        put.assembler = DataAssembler(desc, populate=True)
+        put.assembler = DataAssembler(desc, pool=self.server.pool)
 
     def _on_data_end(self, stream: int) -> None:
         put = self.puts.get(stream)
@@ -451,6 +453,7 @@ class KVServer:
                               self.config.zero_unused)
         self.connections = 0
         self.scratch = memoryview(bytearray(SCRATCH))
+        self.pool = ReceivePool(self.config.recycle_bytes)
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
 
