@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_snapshot.py
+	$(PY) benchmarks/bench_net.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis
