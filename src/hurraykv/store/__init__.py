@@ -1,0 +1,5 @@
+"""Floor 4: snapshots in Redis / Valkey (single server or cluster), pages stored once."""
+
+from .pages import PageStore
+
+__all__ = ["PageStore"]
