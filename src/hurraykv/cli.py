@@ -269,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(listen=args.listen, memory_budget=args.memory_budget,
                           persist=args.persist, max_message_size=args.max_message_size,
                           read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
-                          max_connections=args.max_connections,
+                          max_connections=args.max_connections, store=args.store,
                           zero_unused=not args.no_zero_unused, **_tls(args))
     server = KVServer(config)
 
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--memory-budget", type=parse_size, default=None,
                     help="bytes kept in memory, LRU beyond (e.g. 8G)")
     sv.add_argument("--persist", help="directory: each committed snapshot as a .hrry file")
+    sv.add_argument("--store", help="backing tier: redis://HOST:PORT or "
+                    "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
     sv.add_argument("--max-message-size", type=parse_size, default=16 << 20)
     sv.add_argument("--read-timeout", type=float, default=30.0)
     sv.add_argument("--idle-timeout", type=float, default=600.0)

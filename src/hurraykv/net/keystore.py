@@ -68,7 +68,8 @@ def object_from_items(items: Items, zero_unused: bool) -> tuple[StoredObject, An
 
 class KeyStore:
     def __init__(self, memory_budget: int | None = None, persist: str | os.PathLike | None = None,
-                 zero_unused: bool = True) -> None:
+                 zero_unused: bool = True, backing: Any = None) -> None:
+        self.backing = backing  # a hurraykv.store.PageStore: snapshots beyond this machine
         self.memory_budget = memory_budget
         self.persist = Path(persist) if persist else None
         self.zero_unused = zero_unused
@@ -99,7 +100,8 @@ class KeyStore:
         return self.memory_budget is None or nbytes <= self.memory_budget
 
     def __contains__(self, key: str) -> bool:
-        return key in self._objects or key in self._files
+        return key in self._objects or key in self._files or (
+            self.backing is not None and key in self.backing)
 
     def get(self, key: str) -> StoredObject | None:
         obj = self._objects.get(key)
@@ -108,13 +110,25 @@ class KeyStore:
             return obj
         path = self._files.get(key)
         if path is None:
-            return None
+            return self._from_backing(key)
         f = HrryFile.open(path)  # served zero-copy from the mapping
         items = [(f.descriptor(n), f.buffers(n)) for n in f.names]
         return StoredObject(items, sum(h.byte_size for d, _ in items for h in d.buffers), path)
 
+    def _from_backing(self, key: str) -> StoredObject | None:
+        if self.backing is None or key not in self.backing:
+            return None
+        snap = self.backing.get(key)
+        items = [(snap.head(), [])] + [(d, list(b)) for _, d, b in snap.members()]
+        obj = StoredObject(items, snap.nbytes)
+        self.commit(key, obj, None)  # kept in memory (LRU) until evicted
+        return obj
+
     def persist_object(self, key: str, obj: StoredObject, snap: Any) -> Path | None:
-        """Write the object's .hrry file (atomic); runs in a worker thread."""
+        """Write the object's .hrry file (atomic) and its pages to the backing store;
+        runs in a worker thread, before the PUT is acknowledged."""
+        if self.backing is not None and snap is not None:
+            self.backing.put(key, snap)
         if self.persist is None:
             return None
         path = self._path(key)
@@ -159,6 +173,8 @@ class KeyStore:
 
     def delete(self, key: str) -> bool:
         found = key in self
+        if self.backing is not None and key in self.backing:
+            self.backing.delete(key)
         self._drop_memory(key)
         path = self._files.pop(key, None)
         if path is not None:

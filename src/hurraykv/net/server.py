@@ -77,6 +77,7 @@ class ServerConfig:
     zero_unused: bool = True
     frame_bytes: int = 4 << 20
     recycle_bytes: int = 1 << 30  # idle received memory kept for the next PUTs
+    store: str | None = None  # redis://HOST:PORT or redis+cluster://...: the backing tier
 
 
 def parse_address(address: str) -> tuple[str, int] | str:
@@ -449,8 +450,13 @@ class KVServer:
 
     def __init__(self, config: ServerConfig | None = None, **kw: Any) -> None:
         self.config = config or ServerConfig(**kw)
+        backing = None
+        if self.config.store:
+            from ..store import PageStore
+
+            backing = PageStore.from_url(self.config.store)
         self.store = KeyStore(self.config.memory_budget, self.config.persist,
-                              self.config.zero_unused)
+                              self.config.zero_unused, backing)
         self.connections = 0
         self.scratch = memoryview(bytearray(SCRATCH))
         self.pool = ReceivePool(self.config.recycle_bytes)

@@ -85,6 +85,30 @@ return 0
 """
 
 
+class _Script:
+    """A Lua script run by EVALSHA, also inside cluster pipelines (redis-py refuses its
+    Script helpers there; a raw EVALSHA whose keys share one slot is routed normally).
+    The script is loaded on every primary first, so pipelines never meet NOSCRIPT."""
+
+    def __init__(self, client: Any, lua: str) -> None:
+        self.lua = lua
+        self.client = client
+        self.sha = hashlib.sha1(lua.encode()).hexdigest()
+        self.load()
+
+    def load(self) -> None:
+        if hasattr(self.client, "get_primaries"):  # a cluster: every primary
+            for node in self.client.get_primaries():
+                self.client.get_redis_connection(node).script_load(self.lua)
+        else:
+            self.client.script_load(self.lua)
+
+    def __call__(self, keys: list[str], args: list[Any] | None = None, client: Any = None
+                 ) -> Any:
+        target = client if client is not None else self.client
+        return target.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
+
+
 class StoreError(HurrayError):
     """A snapshot or page that is not in the store, or a manifest that does not parse."""
 
@@ -173,10 +197,12 @@ class PageStore:
     def __init__(self, client: Any, *, zero_unused: bool = True) -> None:
         self.client = client
         self.zero_unused = zero_unused
-        self._put = client.register_script(_PUT)
-        self._incref = client.register_script(_INCREF)
-        self._decref = client.register_script(_DECREF)
-        self._del_if = client.register_script(_DEL_IF)
+        self._scripts = {name: _Script(client, lua) for name, lua in (
+            ("put", _PUT), ("incref", _INCREF), ("decref", _DECREF), ("del_if", _DEL_IF))}
+        self._put = self._scripts["put"]
+        self._incref = self._scripts["incref"]
+        self._decref = self._scripts["decref"]
+        self._del_if = self._scripts["del_if"]
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool | None = None, **kw: Any) -> PageStore:
@@ -299,8 +325,8 @@ class PageStore:
         pipe.sadd(PAGE_SIZES, snapshot.page_size)
         for s, tokens in enumerate(self._split_tokens(snapshot, token_ids)):
             for k, chain in enumerate(_token_chains(tokens, snapshot.page_size)):
-                value = f"{snapshot_id}\x00{s}\x00{(k + 1) * snapshot.page_size}"
-                pipe.set(prefix_key(chain), value.encode("utf-8"))
+                pipe.set(prefix_key(chain), _prefix_value(snapshot_id, s,
+                                                          (k + 1) * snapshot.page_size))
         pipe.execute()
 
     # -- get ---------------------------------------------------------------------------
@@ -434,10 +460,9 @@ class PageStore:
             for k in range(len(chains) - 1, -1, -1):
                 if hits[k] is None:
                     continue
-                sid, seq, count = hits[k].decode("utf-8").split("\x00")
-                if self.client.exists(manifest_key(sid)) and (
-                        best is None or int(count) > best[2]):
-                    best = (sid, int(seq), int(count))
+                sid, seq, count = _parse_prefix_value(hits[k])
+                if self.client.exists(manifest_key(sid)) and (best is None or count > best[2]):
+                    best = (sid, seq, count)
                 break
         return best
 
@@ -484,7 +509,7 @@ class PageStore:
         pipe = self._pipe()
         for s, seq in enumerate(np.split(ids, np.cumsum(seq_lens)[:-1])):
             for k, chain in enumerate(_token_chains(seq, page_size)):
-                value = f"{snapshot_id}\x00{s}\x00{(k + 1) * page_size}".encode()
+                value = _prefix_value(snapshot_id, s, (k + 1) * page_size)
                 self._del_if(keys=[prefix_key(chain)], args=[value], client=pipe)
         pipe.execute()
 
@@ -497,6 +522,17 @@ class PageStore:
 
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))
+
+
+def _prefix_value(snapshot_id: str, seq: int, count: int) -> bytes:
+    raw = snapshot_id.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count)
+
+
+def _parse_prefix_value(value: bytes) -> tuple[str, int, int]:
+    (n,) = struct.unpack_from("<I", value)
+    seq, count = struct.unpack_from("<IQ", value, 4 + n)
+    return value[4:4 + n].decode("utf-8"), seq, count
 
 
 def _seq_lens(desc: TensorDescriptor, bufs: list) -> np.ndarray | None:
