@@ -3,8 +3,8 @@
 Keys (``{...}`` is a cluster hash tag):
 
 * ``hkv:p:{H}`` - one page: its bytes in the pool, followed (per-block-affine
-  quantization) by its ``page_size`` scales and zero-points.  ``H`` is a BLAKE2b-128
-  digest of the page's geometry (element type, page_size, heads, head_dim, the
+  quantization) by its ``page_size`` scales and zero-points.  ``H`` is a 128-bit
+  (truncated SHA-256) digest of the page's geometry (element type, page_size, heads, head_dim, the
   quantization section) and its bytes, so identical pages of any sequence, layer or
   snapshot share one key.  Pages spread evenly over the cluster's slots by their digest.
 * ``hkv:r:{H}`` - the page's reference count (snapshots naming it), in the page's slot so
@@ -31,6 +31,7 @@ error naming the snapshot, layer and page - never wrong data.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -62,10 +63,9 @@ STATS = "hkv:stats"
 PAGE_SIZES = "hkv:page_sizes"
 
 # Lua: keys[1] page, keys[2] refcount; in one slot (same hash tag), so atomic in a cluster.
-_PUT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) end
-return redis.call('INCR', KEYS[2])
-"""
+# Page bytes never go through Lua (it would copy them): a plain SET NX stores a page, then
+# INCREF counts the reference only if the page is still there (else the caller stores it
+# again: a concurrent delete may have removed it in between).
 _INCREF = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 return redis.call('INCR', KEYS[2])
@@ -163,21 +163,38 @@ class _Member:
         self.geometry = geometry
 
     def digests(self) -> list[bytes]:
-        out = []
-        for i, row in enumerate(self.rows):  # one C-level hash per page
+        """One digest per page (ZERO for unreferenced pages).  SHA-256 (hardware-assisted
+        where the CPU has it) truncated to 128 bits; hashlib releases the GIL on whole
+        pages, so two threads hash two pages at once."""
+        geometry = hashlib.sha256(self.geometry)
+
+        def one(i: int) -> bytes:
             if not self.referenced[i]:
-                out.append(ZERO)
-                continue
-            h = hashlib.blake2b(self.geometry, digest_size=DIGEST)
-            h.update(row)
-            out.append(h.digest())
-        return out
+                return ZERO
+            h = geometry.copy()
+            h.update(self.rows[i])
+            return h.digest()[:DIGEST]
+
+        return list(_hash_pool().map(one, range(len(self.rows)), chunksize=64))
 
     def skeleton(self) -> bytes:
         t = self.tensor
         parts = [self.desc.encode(), bytes(byte_view(t.block_table)), bytes(byte_view(t.seq_ptr))]
         parts += [bytes(p) for p in self.global_params]
         return b"".join(parts)
+
+
+_POOL: Any = None
+
+
+def _hash_pool() -> Any:
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                   thread_name_prefix="hurraykv-hash")
+    return _POOL
 
 
 def _token_chains(tokens: np.ndarray, page_size: int) -> list[bytes]:
@@ -198,8 +215,7 @@ class PageStore:
         self.client = client
         self.zero_unused = zero_unused
         self._scripts = {name: _Script(client, lua) for name, lua in (
-            ("put", _PUT), ("incref", _INCREF), ("decref", _DECREF), ("del_if", _DEL_IF))}
-        self._put = self._scripts["put"]
+            ("incref", _INCREF), ("decref", _DECREF), ("del_if", _DEL_IF))}
         self._incref = self._scripts["incref"]
         self._decref = self._scripts["decref"]
         self._del_if = self._scripts["del_if"]
@@ -248,21 +264,28 @@ class PageStore:
                     values.setdefault(d, memoryview(m.rows[i]))
                     logical += m.rows.shape[1]
         keys = list(values)
-        exists = self._batched(keys, [0] * len(keys),
-                               lambda p, d: p.exists(page_key(d)))
+        exists = self._batched(keys, [0] * len(keys), lambda p, d: p.exists(page_key(d)))
+        todo = [d for d, e in zip(keys, exists, strict=True) if not e]
+        counted = [d for d, e in zip(keys, exists, strict=True) if e]
         new_bytes = new_pages = 0
-        present = [d for d, e in zip(keys, exists, strict=True) if e]
-        got = self._batched(present, [0] * len(present), lambda p, d: self._incref(
-            keys=[page_key(d), ref_key(d)], client=p))
-        missing = [d for d, e in zip(keys, exists, strict=True) if not e]
-        missing += [d for d, n in zip(present, got, strict=True) if n == 0]  # raced a delete
-        counts = self._batched(missing, [values[d].nbytes for d in missing],
-                               lambda p, d: self._put(keys=[page_key(d), ref_key(d)],
-                                                      args=[bytes(values[d])], client=p))
-        for d, n in zip(missing, counts, strict=True):
-            if n == 1:
-                new_pages += 1
-                new_bytes += values[d].nbytes
+        for _attempt in range(5):
+            # store the missing pages' bytes (SET NX: a racing writer's copy is identical)
+            created = self._batched(todo, [values[d].nbytes for d in todo],
+                                    lambda p, d: p.set(page_key(d), values[d], nx=True))
+            for d, c in zip(todo, created, strict=True):
+                if c:
+                    new_pages += 1
+                    new_bytes += values[d].nbytes
+            refs = self._batched(counted + todo, [0] * (len(counted) + len(todo)),
+                                 lambda p, d: self._incref(keys=[page_key(d), ref_key(d)],
+                                                           client=p))
+            todo = [d for d, n in zip(counted + todo, refs, strict=True) if n == 0]
+            counted = []
+            if not todo:
+                break
+        else:
+            raise StoreError(f"pages of {snapshot_id!r} kept vanishing while being stored "
+                             "(concurrent deletes)", field="page")
         manifest = self._manifest(snapshot, members, digests, token_ids)
         old = self.client.get(manifest_key(snapshot_id))
         pipe = self._pipe()
@@ -278,7 +301,7 @@ class PageStore:
         if token_ids is not None:
             self._index_prefixes(snapshot_id, snapshot, token_ids)
         return {"logical_bytes": logical, "new_bytes": new_bytes, "new_pages": new_pages,
-                "pages": len(keys), "bytes_sent": sum(values[d].nbytes for d in missing)}
+                "pages": len(keys)}
 
     def _manifest(self, snapshot: KVCacheSnapshot, members: list[_Member],
                   digests: list[list[bytes]], token_ids: Any) -> bytes:
@@ -423,9 +446,13 @@ class PageStore:
                 raise StoreError(f"snapshot {snapshot_id!r}: page {i} holds {len(v)} bytes, "
                                  f"expected {width}", field="page", value=i)
             values.append(v)
-        rows = np.zeros((n, width), np.uint8)
-        if values:
-            rows[present] = np.frombuffer(b"".join(values), np.uint8).reshape(-1, width)
+        if present.all():  # every page referenced: one copy, straight from the replies
+            rows = np.frombuffer(b"".join(values), np.uint8).reshape(n, width) if n else \
+                np.zeros((0, width), np.uint8)
+        else:
+            rows = np.zeros((n, width), np.uint8)
+            if values:
+                rows[present] = np.frombuffer(b"".join(values), np.uint8).reshape(-1, width)
         buffers = [rows[:, :row].reshape(-1), *skeleton[:2]]
         if not slot_sizes:
             return buffers + skeleton[2:]
@@ -433,7 +460,7 @@ class PageStore:
         ps = layout.page_size
         scale_np = BY_NAME[SCALE_TYPES[q.scale_type]].numpy
         sw = scale_np.itemsize * ps
-        scales = np.ascontiguousarray(rows[:, row:row + sw])
+        scales = np.array(rows[:, row:row + sw])  # a writable copy
         scales.view(scale_np)[~present] = 1.0  # pages no sequence reads: a valid scale
         zps = np.ascontiguousarray(rows[:, row + sw:width])
         if q.zero_point_buffer is not None and q.zero_point_buffer == q.scale_buffer:
