@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_snapshot.py
 	$(PY) benchmarks/bench_net.py
+	$(PY) benchmarks/bench_store.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis
