@@ -1,53 +1,129 @@
-"""``make demo``: page a small batch with shared prefixes, show its descriptor field by
-field, ship it through bytes, and check every sequence against its input."""
+"""``make demo``: a KV cache handed from prefill to decode, through a file and a server.
+
+A tiny Llama (built from a ``transformers.LlamaConfig``, random weights from a fixed seed,
+nothing downloaded) prefills a batch of prompts that share a prefix.  Its ``DynamicCache``
+becomes a snapshot (shared prefix pages stored once), is saved to a .hrry file and loaded
+back, and is pushed to and pulled from a ``hurraykv serve`` started here on loopback.  The
+restored caches continue greedy decoding for 16 tokens next to the original cache; every
+step's logits must be bitwise identical.  Exits non-zero if anything differs.
+"""
 
 from __future__ import annotations
 
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 
-from .paged import BlockPagedTensor
-from .wire.annotate import format_rows
-from .wire.descriptor import decode_descriptor
+
+def build_model(seed: int = 2026):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=512, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def prompts(seed: int = 7):
+    """Four prompts: a shared 40-token system prompt, then questions of ragged length."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 512, (40,), generator=g)
+    questions = [torch.randint(3, 512, (n,), generator=g) for n in (9, 3, 17, 6)]
+    seqs = [torch.cat([system, q]) for q in questions]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):  # left padding, as batched generation does
+        ids[b, width - len(s):] = s
+        mask[b, width - len(s):] = 1
+    return ids, mask
+
+
+def positions(mask):
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def prefill(model, ids, mask):
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=True)
+    return out.logits[:, -1], out.cache
+
+
+def decode(model, cache, mask, first_logits, steps: int = 16):
+    """Greedy decoding; returns every step's float32 logits."""
+    import torch
+
+    logits, out = first_logits, []
+    with torch.no_grad():
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            step = model(input_ids=token, attention_mask=mask,
+                         position_ids=positions(mask)[:, -1:], cache=cache,
+                         use_cache=True)
+            logits = step.logits[:, -1]
+            out.append(logits.float().numpy().copy())
+    return out
 
 
 def main() -> int:
-    rng = np.random.default_rng(2026)
-    heads, dim, page_size = 2, 8, 4
-    system_prompt = rng.standard_normal((8, heads, dim)).astype(np.float16)
-    seqs = [
-        np.concatenate([system_prompt, rng.standard_normal((5, heads, dim))]).astype(np.float16),
-        np.concatenate([system_prompt, rng.standard_normal((2, heads, dim))]).astype(np.float16),
-        rng.standard_normal((3, heads, dim)).astype(np.float16),
-    ]
-    key = BlockPagedTensor.from_sequences(seqs, page_size, kv_role="key", layer_index=3)
-    print(f"{key}\n")
-    print(f"seq_lens    {key.seq_lens.tolist()}")
-    print(f"seq_ptr     {key.seq_ptr.tolist()}")
-    print(f"block_table {key.block_table.tolist()}   shared pages: {key.shared_pages.tolist()}")
-    zeroed = key.zero_unused_slots()
-    print(f"zeroed {zeroed} unused page slots before the pool leaves the process\n")
+    import hurraykv as hk
+    from hurraykv.adapters.transformers import from_dynamic_cache, to_dynamic_cache
+    from hurraykv.net.client import KVClient
+    from hurraykv.net.server import KVServer
 
-    desc = key.descriptor()
-    wire = desc.encode()
-    print(f"descriptor, {len(wire)} bytes, field by field:")
-    print(format_rows(desc))
-
-    # What a receiver does: decode the bytes, wrap the buffers without copying them.
-    received = BlockPagedTensor.from_descriptor(
-        decode_descriptor(wire), [bytes(b) for b in key.buffers()], seq_lens=key.seq_lens)
-    ok = True
-    print()
-    for s, expected in enumerate(seqs):
-        same = np.array_equal(received.gather(s), expected)
-        ok &= same
-        print(f"sequence {s}: {len(expected):2d} tokens, "
-              f"pages {received.block_table[received.seq_ptr[s]:received.seq_ptr[s + 1]]}"
-              f" -> gather {'matches' if same else 'DIFFERS'}")
-    dense_ok = np.array_equal(received.to_dense(), np.concatenate(seqs))
-    print(f"to_dense {'matches' if dense_ok else 'DIFFERS'} the concatenated input")
-    ok &= dense_ok
+    model = build_model()
+    ids, mask = prompts()
+    first, cache = prefill(model, ids, mask)
+    snap = from_dynamic_cache(cache, mask, page_size=16)
+    pages = sum(t.num_pages for t in snap.tensors())
+    shared = sum(len(t.shared_pages) for t in snap.tensors())
+    print(f"model: tiny Llama, {snap.num_layers} layers, {snap.num_kv_heads} KV heads, "
+          f"head_dim {snap.head_dim}, {snap.dtype}")
+    print(f"batch: {snap.num_seqs} sequences, lengths {snap.seq_lens.tolist()}, "
+          f"page_size {snap.page_size}")
+    print(f"snapshot: {pages} pages stored, {shared} of them shared by several sequences, "
+          f"{snap.nbytes} bytes")
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batch.hrry"
+        t0 = time.perf_counter()
+        hk.save_snapshot(snap, path, model="tiny-llama-demo")
+        report["save"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        from_file = hk.load_snapshot(path)
+        from_file.tensors()
+        report["load"] = time.perf_counter() - t0
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as server, \
+                KVClient(server.address) as client:
+            t0 = time.perf_counter()
+            client.push("demo/batch", snap)
+            pulled = client.pull("demo/batch")
+            report["push+pull"] = time.perf_counter() - t0
+            print(f"server: {server.address}, pushed and pulled 'demo/batch'")
+        for name, seconds in report.items():
+            print(f"  {name:<9} {seconds * 1e3:7.1f} ms  {snap.nbytes / seconds / 1e9:6.3f} GB/s")
+        reference = decode(model, cache, mask, first)
+        ok = True
+        for label, restored in (("file", from_file), ("network", pulled)):
+            cache2, mask2 = to_dynamic_cache(restored)
+            same_mask = bool((mask2 == mask).all())
+            logits = decode(model, cache2, mask2, first)
+            same = same_mask and all(np.array_equal(a.view(np.uint32), b.view(np.uint32))
+                                     for a, b in zip(reference, logits, strict=True))
+            ok &= same
+            print(f"continue 16 tokens from the {label} copy: logits "
+                  f"{'bitwise identical' if same else 'DIFFER'} to the original cache")
     print("demo OK" if ok else "demo FAILED")
     return 0 if ok else 1
 

@@ -1,0 +1,1 @@
+"""Floor 5: engine layouts to and from KVCacheSnapshot (PyTorch is imported only here)."""

@@ -1,0 +1,220 @@
+"""Engine adapters on real torch tensors: bitwise round trips, zero-copy, layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hurraykv as hk
+from hurraykv.adapters import flashinfer, sglang, vllm
+from hurraykv.adapters import transformers as tf_adapter
+from hurraykv.adapters._common import checked_int32
+
+NB, BS, H, D, L = 24, 4, 2, 16, 3
+
+
+def vllm_tables(seed: int):
+    """Random padded block tables: three sequences share two prefix blocks; ragged tails."""
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(NB))
+    prefix = [free.pop(), free.pop()]
+    lens = [9, 11, 3, 6]
+    rows = []
+    for i, n in enumerate(lens):
+        pages = -(-n // BS)
+        own = prefix[: min(2, pages)] if i < 3 else []
+        rows.append(own + [free.pop() for _ in range(pages - len(own))])
+    width = max(len(r) for r in rows)
+    table = torch.zeros((len(lens), width), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table, torch.tensor(lens, dtype=torch.int32)
+
+
+def random_caches(layout: str, dtype=torch.float16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        if dtype == torch.uint8:
+            return torch.randint(0, 120, shape, generator=g, dtype=torch.uint8)
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if layout == "paged_attention_v1":
+        x = 16 // torch.tensor([], dtype=dtype).element_size()
+        return [(rnd(NB, H, D // x, BS, x), rnd(NB, H, D, BS)) for _ in range(L)]
+    shape = {"flash_attn": (2, NB, BS, H, D), "flashinfer": (NB, 2, BS, H, D),
+             "cpu": (2, NB, H, BS, D)}[layout]
+    return [rnd(*shape) for _ in range(L)]
+
+
+def engine_key(layout: str, cache, block: int, slot: int) -> torch.Tensor:
+    """The [H, D] key vectors of one block slot, read the engine's way."""
+    if layout == "flash_attn":
+        return cache[0, block, slot]
+    if layout == "flashinfer":
+        return cache[block, 0, slot]
+    if layout == "cpu":
+        return cache[0, block, :, slot]
+    key = cache[0]  # [nb, H, D/x, bs, x]
+    return key[block, :, :, slot, :].reshape(H, D)
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", vllm.LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_vllm_round_trip_bitwise(layout, dtype):
+    caches = random_caches(layout, dtype, seed=1)
+    table, lens = vllm_tables(2)
+    snap = vllm.from_vllm(caches, table, lens, layout=layout)
+    assert snap.num_layers == L and snap.page_size == BS and snap.num_kv_heads == H
+    assert len(snap.tensor(0, "key").shared_pages) == 2  # the shared prefix blocks
+    back, table2, lens2 = vllm.to_vllm(snap, layout=layout)
+    assert all(same(a, b) for a, b in zip(caches, back, strict=True))
+    assert torch.equal(table2, table) and torch.equal(lens2, lens)
+    # token 5 of sequence 0 lives in its block 1, slot 1: the engine and the snapshot agree
+    block = int(table[0, 1])
+    expected = engine_key(layout, caches[1], block, 1).float().numpy()
+    got = snap.layer(1)[0].gather(0)[5].astype(np.float32)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_vllm_flash_attn_is_zero_copy():
+    caches = random_caches("flash_attn")
+    table, lens = vllm_tables(3)
+    snap = vllm.from_vllm(caches, table, lens)
+    pool = snap.tensor(2, "value").page_pool
+    assert np.shares_memory(pool, caches[2].numpy())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_vllm_fp8_cache_keeps_its_scales(kv_cache_dtype):
+    caches = random_caches("flash_attn", torch.uint8)  # vLLM may hold fp8 caches as uint8
+    table, lens = vllm_tables(4)
+    k_scales = [0.5, 0.25, 2.0]
+    v_scales = [torch.tensor(1.5), torch.tensor(3.0), torch.tensor(0.125)]
+    snap = vllm.from_vllm(caches, table, lens, k_scales=k_scales, v_scales=v_scales,
+                          kv_cache_dtype=kv_cache_dtype)
+    assert snap.dtype == ("float8_e4m3" if kv_cache_dtype == "fp8" else "float8_e5m2")
+    np.testing.assert_array_equal(snap.kv_scales, [[0.5, 1.5], [0.25, 3.0], [2.0, 0.125]])
+    back, _, _ = vllm.to_vllm(snap)
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(caches, back, strict=True))
+    raw = snap.layer(2)[0].gather(0).astype(np.float32)
+    np.testing.assert_array_equal(snap.layer(2)[0].gather(0, dequantize=True), raw * 2.0)
+
+
+def test_vllm_rejects_what_does_not_fit():
+    caches = random_caches("flash_attn")
+    table, lens = vllm_tables(5)
+    with pytest.raises(hk.HurrayError, match="layout 'xformers'"):
+        vllm.from_vllm(caches, table, lens, layout="xformers")
+    with pytest.raises(hk.LayoutError, match="needs 9 blocks"):
+        vllm.from_vllm(caches, table, torch.tensor([33, 4, 1, 2]))
+    q = vllm.from_vllm(caches, table, lens)
+    q = hk.KVCacheSnapshot.from_tensors([t.quantize("per_block_affine", "int8")
+                                         for t in q.tensors()])
+    with pytest.raises(hk.HurrayError, match="dequantize"):
+        vllm.to_vllm(q)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_flashinfer_round_trip(kv_layout):
+    g = torch.Generator().manual_seed(6)
+    shape = (NB, 2, BS, H, D) if kv_layout == "NHD" else (NB, 2, H, BS, D)
+    caches = [torch.randn(*shape, generator=g).half() for _ in range(L)]
+    indptr = torch.tensor([0, 3, 5, 5, 6], dtype=torch.int32)
+    indices = torch.tensor([7, 2, 9, 7, 4, 11], dtype=torch.int32)
+    last = torch.tensor([2, 4, 0, 1], dtype=torch.int32)
+    snap = flashinfer.from_flashinfer(caches, indptr, indices, last, kv_layout=kv_layout)
+    assert snap.seq_lens.tolist() == [10, 8, 0, 1]
+    back, indptr2, indices2, last2 = flashinfer.to_flashinfer(snap, kv_layout=kv_layout)
+    assert all(torch.equal(a, b) for a, b in zip(caches, back, strict=True))
+    assert torch.equal(indptr2, indptr) and torch.equal(indices2, indices)
+    assert torch.equal(last2, last)
+    pairs = [(c[:, 0].contiguous(), c[:, 1].contiguous()) for c in caches]
+    assert flashinfer.from_flashinfer(pairs, indptr, indices, last, kv_layout=kv_layout
+                                      ).equal(snap)
+    with pytest.raises(hk.HurrayError, match=r"kv_last_page_len\[1\] = 5"):
+        flashinfer.from_flashinfer(caches, indptr, indices, torch.tensor([2, 5, 0, 1]),
+                                   kv_layout=kv_layout)
+
+
+def test_int32_overflow_is_a_clear_error():
+    with pytest.raises(hk.HurrayError, match=r"kv_indices\[1\] = 4294967296 does not fit int32"):
+        checked_int32(np.array([1, 1 << 32]), "kv_indices")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_sglang_round_trip(page_size):
+    g = torch.Generator().manual_seed(8)
+    size = 40
+    k = [torch.randn(size + page_size, H, D, generator=g).bfloat16() for _ in range(L)]
+    v = [torch.randn(size + page_size, H, D, generator=g).bfloat16() for _ in range(L)]
+    lens = torch.tensor([7, 5, 9])
+    req_to_token = torch.zeros((6, 16), dtype=torch.int32)
+    pages = {0: [2, 5], 3: [2, 7], 5: [1, 3, 8]}  # requests 0 and 3 share page 2
+    for r, ps in pages.items():
+        slots = [p * page_size + o for p in ps for o in range(page_size)]
+        if page_size == 1:
+            slots = [int(x) for x in torch.randperm(size, generator=g)[:9] + 1]
+        req_to_token[r, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    snap = sglang.from_sglang(k, v, req_to_token, lens, page_size=page_size,
+                              req_pool_indices=torch.tensor([0, 3, 5]))
+    for i, r in enumerate((0, 3, 5)):
+        n = int(lens[i])
+        slots = req_to_token[r, :n].long()
+        np.testing.assert_array_equal(
+            snap.layer(1)[0].gather(i).view(np.uint16), k[1][slots].view(torch.int16).numpy()
+            .view(np.uint16))
+    kb, vb, table, lens2 = sglang.to_sglang(snap)
+    again = sglang.from_sglang(kb, vb, table, lens2, page_size=page_size)
+    assert again.equal(snap) and torch.equal(lens2, lens.int())
+    assert np.shares_memory(kb[0].view(torch.int16).numpy(),
+                            snap.tensor(0, "key").page_pool.view(np.uint16))
+
+
+def test_sglang_rejects_slots_that_are_not_pages():
+    k = [torch.zeros(20, H, D)]
+    table = torch.tensor([[4, 5, 7, 8]], dtype=torch.int32)  # page 1 then slot 7: broken
+    with pytest.raises(hk.LayoutError, match=r"req_to_token\[0, 2\]"):
+        sglang.from_sglang(k, k, table, torch.tensor([4]), page_size=4)
+
+
+def tiny_llama_cache():
+    from hurraykv.demo import build_model, prefill, prompts
+
+    model = build_model()
+    ids, mask = prompts()
+    _, cache = prefill(model, ids, mask)
+    return cache, mask
+
+
+def test_transformers_dynamic_cache_round_trip():
+    cache, mask = tiny_llama_cache()
+    snap = tf_adapter.from_dynamic_cache(cache, mask, page_size=16)
+    assert snap.seq_lens.tolist() == mask.sum(-1).tolist()
+    for t in snap.tensors():  # the 40-token system prompt fills two pages, stored once
+        firsts = t.block_table[t.seq_ptr[:-1].astype(np.int64)[:, None] + np.arange(2)]
+        assert (firsts == firsts[0]).all()
+        assert {int(p) for p in firsts[0]} <= {int(p) for p in t.shared_pages}
+    cache2, mask2 = tf_adapter.to_dynamic_cache(snap)
+    assert torch.equal(mask2, mask)
+    valid = mask.bool()
+    for (k1, v1), layer in zip(((layer.keys, layer.values) for layer in cache.layers),
+                               cache2.layers, strict=True):
+        for a, b in ((k1, layer.keys), (v1, layer.values)):
+            assert torch.equal(a.permute(0, 2, 1, 3)[valid], b.permute(0, 2, 1, 3)[valid])
+            assert not b.permute(0, 2, 1, 3)[~valid].any()  # padding is zero
+
+
+def test_end_to_end_demo_is_bitwise_identical(capsys):
+    from hurraykv import demo
+
+    assert demo.main() == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise identical") == 2 and "demo OK" in out
