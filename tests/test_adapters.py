@@ -218,3 +218,17 @@ def test_end_to_end_demo_is_bitwise_identical(capsys):
     assert demo.main() == 0
     out = capsys.readouterr().out
     assert out.count("bitwise identical") == 2 and "demo OK" in out
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="GPU-only: needs a CUDA device (none on CI)")
+
+
+@needs_cuda
+def test_vllm_cuda_caches_round_trip_through_the_host():
+    caches = [c.cuda() for c in random_caches("flash_attn", seed=9)]
+    table, lens = vllm_tables(9)
+    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda())
+    back, table2, lens2 = vllm.to_vllm(snap, device="cuda")
+    assert all(b.is_cuda and torch.equal(a, b) for a, b in zip(caches, back, strict=True))
+    assert torch.equal(table2.cpu(), table) and torch.equal(lens2.cpu(), lens)

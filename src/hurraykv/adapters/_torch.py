@@ -63,3 +63,8 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
 
 def scalar(x: Any) -> float:
     return float(x.item() if isinstance(x, torch.Tensor) else x)
+
+
+def place(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """``t`` on ``device`` (None: stays on the host, sharing the snapshot's memory)."""
+    return t if device is None else t.to(device)

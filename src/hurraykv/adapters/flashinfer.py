@@ -20,7 +20,7 @@ import torch
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, float_pools
-from ._torch import from_numpy, to_numpy
+from ._torch import from_numpy, place, to_numpy
 
 
 def _pools(cache: Any, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +63,7 @@ def from_flashinfer(paged_kv_caches: Sequence[Any], kv_indptr: Any, kv_indices: 
     return build(pools, indices, indptr, lens)
 
 
-def to_flashinfer(snapshot: KVCacheSnapshot, kv_layout: str = "NHD"
+def to_flashinfer(snapshot: KVCacheSnapshot, kv_layout: str = "NHD", device: Any = None
                   ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(paged_kv_caches, kv_indptr, kv_indices, kv_last_page_len)``, int32 indices."""
     if kv_layout not in ("NHD", "HND"):
@@ -73,7 +73,7 @@ def to_flashinfer(snapshot: KVCacheSnapshot, kv_layout: str = "NHD"
     for k, v in float_pools(snapshot, "FlashInfer"):
         if kv_layout == "HND":
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        caches.append(from_numpy(np.stack([k, v], axis=1)))
+        caches.append(place(from_numpy(np.stack([k, v], axis=1)), device))
     t = snapshot.tensor(0, "key")
     pages = t.pages_per_seq
     lens = snapshot.seq_lens
@@ -85,6 +85,9 @@ def to_flashinfer(snapshot: KVCacheSnapshot, kv_layout: str = "NHD"
                           "FlashInfer needs every page but the last full", field="seq_lens",
                           value=int(lens[s]))
     last = np.where(pages > 0, last, 0)
-    return (caches, torch.from_numpy(checked_int32(t.seq_ptr.astype(np.int64), "kv_indptr")),
-            torch.from_numpy(checked_int32(t.block_table.astype(np.int64), "kv_indices")),
-            torch.from_numpy(checked_int32(last, "kv_last_page_len")))
+    return (caches,
+            place(torch.from_numpy(checked_int32(t.seq_ptr.astype(np.int64), "kv_indptr")),
+                  device),
+            place(torch.from_numpy(checked_int32(t.block_table.astype(np.int64),
+                                                 "kv_indices")), device),
+            place(torch.from_numpy(checked_int32(last, "kv_last_page_len")), device))

@@ -20,7 +20,7 @@ import torch
 from ..errors import HurrayError, LayoutError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, float_pools
-from ._torch import from_numpy, to_numpy
+from ._torch import from_numpy, place, to_numpy
 
 
 def from_sglang(k_buffers: Sequence[Any], v_buffers: Sequence[Any], req_to_token: Any,
@@ -62,15 +62,15 @@ def from_sglang(k_buffers: Sequence[Any], v_buffers: Sequence[Any], req_to_token
     return build(pools, page[first], np.concatenate([[0], np.cumsum(pages)]), lens)
 
 
-def to_sglang(snapshot: KVCacheSnapshot) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                   torch.Tensor, torch.Tensor]:
+def to_sglang(snapshot: KVCacheSnapshot, device: Any = None
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """``(k_buffers, v_buffers, req_to_token, seq_lens)``: the buffers are views of the
     snapshot's pools; request ``r`` is row ``r`` of ``req_to_token`` (unused columns 0)."""
     ks, vs = [], []
     for k, v in float_pools(snapshot, "SGLang"):
         n, ps, heads, dim = k.shape
-        ks.append(from_numpy(k.reshape(n * ps, heads, dim)))
-        vs.append(from_numpy(v.reshape(n * ps, heads, dim)))
+        ks.append(place(from_numpy(k.reshape(n * ps, heads, dim)), device))
+        vs.append(place(from_numpy(v.reshape(n * ps, heads, dim)), device))
     t = snapshot.tensor(0, "key")
     lens = snapshot.seq_lens
     ps = t.page_size
@@ -80,5 +80,5 @@ def to_sglang(snapshot: KVCacheSnapshot) -> tuple[list[torch.Tensor], list[torch
     pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     pages = t.block_table[t.seq_ptr[seq].astype(np.int64) + pos // ps].astype(np.int64)
     table[seq, pos] = pages * ps + pos % ps
-    return (ks, vs, torch.from_numpy(checked_int32(table, "req_to_token")),
-            torch.from_numpy(checked_int32(lens, "seq_lens")))
+    return (ks, vs, place(torch.from_numpy(checked_int32(table, "req_to_token")), device),
+            place(torch.from_numpy(checked_int32(lens, "seq_lens")), device))

@@ -19,7 +19,7 @@ from ..errors import HurrayError
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array
-from ._torch import from_numpy, to_numpy
+from ._torch import from_numpy, place, to_numpy
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,7 +53,8 @@ def from_dynamic_cache(cache: Any, attention_mask: Any = None, page_size: int = 
     return KVCacheSnapshot.from_tensors(tensors)
 
 
-def to_dynamic_cache(snapshot: KVCacheSnapshot) -> tuple[Any, torch.Tensor]:
+def to_dynamic_cache(snapshot: KVCacheSnapshot, device: Any = None
+                     ) -> tuple[Any, torch.Tensor]:
     """``(DynamicCache, attention_mask)``: sequences left-padded with zeros."""
     from transformers import DynamicCache
 
@@ -66,6 +67,7 @@ def to_dynamic_cache(snapshot: KVCacheSnapshot) -> tuple[Any, torch.Tensor]:
         for t in snapshot.layer(i):
             dense = np.zeros((batch, width, t.num_heads, t.head_dim), t.dtype)
             dense[mask] = t.to_dense()  # tokens in order, right-aligned per sequence
-            pair.append(from_numpy(np.ascontiguousarray(dense.transpose(0, 2, 1, 3))))
+            pair.append(place(from_numpy(np.ascontiguousarray(dense.transpose(0, 2, 1, 3))),
+                              device))
         cache.update(pair[0], pair[1], i)
-    return cache, torch.from_numpy(mask.astype(np.int64))
+    return cache, place(torch.from_numpy(mask.astype(np.int64)), device)

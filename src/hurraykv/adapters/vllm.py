@@ -19,7 +19,9 @@ Layouts, per layer, checked against vLLM's source:
   kernels' docstrings); transposed to the interchange layout and back, as the spec
   requires of producers.
 
-Block tables are vLLM's padded ``[num_seqs, max_blocks]`` int32 tensor plus per-sequence
+Device tensors are copied to the host once (the snapshot is host memory, its descriptors
+say CPU); ``to_vllm(..., device="cuda")`` puts the caches back on a device.  Block tables
+are vLLM's padded ``[num_seqs, max_blocks]`` int32 tensor plus per-sequence
 lengths.  fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3"/"fp8_e5m2"; vLLM may hold them as
 uint8) keep their per-layer ``k_scale``/``v_scale`` in the snapshot's ``kv_scales``
 (decision D5).
@@ -36,7 +38,7 @@ import torch
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, csr_to_padded, float_pools, padded_to_csr
-from ._torch import from_numpy, scalar, to_numpy
+from ._torch import from_numpy, place, scalar, to_numpy
 
 LAYOUTS = ("flash_attn", "flashinfer", "cpu", "paged_attention_v1")
 
@@ -81,7 +83,7 @@ def from_vllm(kv_caches: Sequence[Any], block_table: Any, seq_lens: Any,
     return build(pools, flat, seq_ptr, lens, scales)
 
 
-def to_vllm(snapshot: KVCacheSnapshot, layout: str = "flash_attn"
+def to_vllm(snapshot: KVCacheSnapshot, layout: str = "flash_attn", device: Any = None
             ) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
     """``(kv_caches, block_table, seq_lens)`` in vLLM's forms (one copy per cache: vLLM
     keeps key and value in one tensor, or in a kernel-specific order)."""
@@ -91,12 +93,12 @@ def to_vllm(snapshot: KVCacheSnapshot, layout: str = "flash_attn"
     caches: list[Any] = []
     for k, v in float_pools(snapshot, "vLLM"):
         if layout == "flash_attn":
-            caches.append(from_numpy(np.stack([k, v])))
+            caches.append(place(from_numpy(np.stack([k, v])), device))
         elif layout == "flashinfer":
-            caches.append(from_numpy(np.stack([k, v], axis=1)))
+            caches.append(place(from_numpy(np.stack([k, v], axis=1)), device))
         elif layout == "cpu":
-            caches.append(from_numpy(np.stack([k.transpose(0, 2, 1, 3),
-                                               v.transpose(0, 2, 1, 3)])))
+            caches.append(place(from_numpy(np.stack([k.transpose(0, 2, 1, 3),
+                                                     v.transpose(0, 2, 1, 3)])), device))
         else:
             nb, bs, heads, dim = k.shape
             x = 16 // k.dtype.itemsize
@@ -107,8 +109,8 @@ def to_vllm(snapshot: KVCacheSnapshot, layout: str = "flash_attn"
             key = np.ascontiguousarray(k.reshape(nb, bs, heads, dim // x, x)
                                        .transpose(0, 2, 3, 1, 4))
             value = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
-            caches.append((from_numpy(key), from_numpy(value)))
+            caches.append((place(from_numpy(key), device), place(from_numpy(value), device)))
     first = snapshot.tensor(0, "key")
-    table = torch.from_numpy(csr_to_padded(first))
-    lens = torch.from_numpy(checked_int32(snapshot.seq_lens, "seq_lens"))
+    table = place(torch.from_numpy(csr_to_padded(first)), device)
+    lens = place(torch.from_numpy(checked_int32(snapshot.seq_lens, "seq_lens")), device)
     return caches, table, lens
