@@ -77,6 +77,21 @@ def decode(model, cache, mask, first_logits, steps: int = 16):
 
 
 def main() -> int:
+    import torch
+
+    # One thread and deterministic kernels: the original and the restored caches must go
+    # through exactly the same arithmetic for a bitwise comparison to mean anything.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return handoff()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+def handoff() -> int:
     import hurraykv as hk
     from hurraykv.adapters.transformers import from_dynamic_cache, to_dynamic_cache
     from hurraykv.net.client import KVClient
@@ -92,8 +107,8 @@ def main() -> int:
           f"head_dim {snap.head_dim}, {snap.dtype}")
     print(f"batch: {snap.num_seqs} sequences, lengths {snap.seq_lens.tolist()}, "
           f"page_size {snap.page_size}")
-    print(f"snapshot: {pages} pages stored, {shared} of them shared by several sequences, "
-          f"{snap.nbytes} bytes")
+    print(f"snapshot: {pages} pages stored, {shared} of them shared by several sequences "
+          f"(pages whose keys/values came out bitwise equal), {snap.nbytes} bytes")
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "batch.hrry"
