@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import hurraykv as hk
-from bench_paged import best
+from bench_paged import best, print_table
 from hurraykv.net.client import KVClient
 
 HEADS, DIM, PAGE = 8, 128, 16
@@ -127,14 +127,8 @@ def main() -> None:
          f"{min(firsts) / min(wholes):.3f} of whole", ""),
         ("iter_pull: whole snapshot", f"{min(wholes) * 1e3:.1f} ms", "1.000", ""),
     ]
-    print(f"snapshot {total / gib:.2f} GiB float16 ({layers} layers x key/value), loopback, "
-          f"server in its own process; best of {r}")
-    head = ("measurement", "value", "ratio", "target")
-    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
-    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
-    print("-+-".join("-" * n for n in w))
-    for row in rows:
-        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+    print_table(f"snapshot {total / gib:.2f} GiB float16 ({layers} layers x key/value), "
+                f"loopback, server in its own process; best of {r}", rows)
 
 
 if __name__ == "__main__":

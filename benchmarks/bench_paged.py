@@ -34,6 +34,17 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
+    """The benchmark's one table: measurement, value, ratio, target."""
+    print(title)
+    head = ("measurement", "value", "ratio", "target")
+    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
+    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
+    print("-+-".join("-" * n for n in w))
+    for row in rows:
+        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+
+
 def make_batch(num_pages: int, num_seqs: int, prompt_pages: int, prompts: int, seed: int = 0):
     """Pool of random pages; each sequence = one shared prompt prefix + its own pages."""
     rng = np.random.default_rng(seed)
@@ -107,16 +118,9 @@ def main() -> None:
         ("descriptor encode+decode / call", f"{t_codec * 1e6:.1f} us",
          f"{t_codec / t_layer:.2%} of a 16 MiB gather", "< 1%"),
     ]
-    print(f"pool {t.num_pages * PAGE * HEADS * DIM * 2 / gib:.2f} GiB float16, "
-          f"{t.num_seqs} sequences, {t.total_tokens} tokens, "
-          f"{frac:.0%} of block-table entries shared; best of {r}")
-    w = [max(len(row[i]) for row in rows) for i in range(4)]
-    head = ("measurement", "value", "ratio", "target")
-    w = [max(a, len(b)) for a, b in zip(w, head, strict=True)]
-    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
-    print("-+-".join("-" * n for n in w))
-    for row in rows:
-        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+    print_table(f"pool {t.num_pages * PAGE * HEADS * DIM * 2 / gib:.2f} GiB float16, "
+                f"{t.num_seqs} sequences, {t.total_tokens} tokens, "
+                f"{frac:.0%} of block-table entries shared; best of {r}", rows)
 
 
 if __name__ == "__main__":

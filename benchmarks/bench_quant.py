@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from bench_paged import DIM, HEADS, best, make_batch
+from bench_paged import DIM, HEADS, best, make_batch, print_table
 
 
 def main() -> None:
@@ -53,14 +53,8 @@ def main() -> None:
         ("int4 tensor bytes vs float16", f"{size4 / gib:.3f} GiB", f"{size4 / size16:.3f}x",
          "~0.25x + scales"),
     ]
-    print(f"pool {pool_bytes / gib:.2f} GiB float16, {t.num_seqs} sequences, "
-          f"{t.total_tokens} tokens; dequantized output float32; best of {r}")
-    head = ("measurement", "value", "ratio", "target")
-    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
-    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
-    print("-+-".join("-" * n for n in w))
-    for row in rows:
-        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+    print_table(f"pool {pool_bytes / gib:.2f} GiB float16, {t.num_seqs} sequences, "
+                f"{t.total_tokens} tokens; dequantized output float32; best of {r}", rows)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 import hurraykv as hk
-from bench_paged import best
+from bench_paged import best, print_table
 
 HEADS, DIM, PAGE = 8, 128, 16
 
@@ -148,14 +148,8 @@ def main() -> None:
          f"{t_layer_big * 1e3:.1f} ms", f"{t_layer_big / t_layer_small:.2f}x", "<= 2x"),
         ("open only (validate index, seq_ptr)", f"{t_open * 1e3:.1f} ms", "", ""),
     ]
-    print(f"snapshot {total / gib:.2f} GiB: {layers} layers x key/value bfloat16, "
-          f"{HEADS} heads x {DIM} dims, page_size {PAGE}; page cache warm; best of {r}")
-    head = ("measurement", "value", "ratio", "target")
-    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
-    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
-    print("-+-".join("-" * n for n in w))
-    for row in rows:
-        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+    print_table(f"snapshot {total / gib:.2f} GiB: {layers} layers x key/value bfloat16, "
+                f"{HEADS} heads x {DIM} dims, page_size {PAGE}; page cache warm; best of {r}", rows)
 
 
 if __name__ == "__main__":

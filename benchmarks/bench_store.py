@@ -24,7 +24,7 @@ import numpy as np
 import redis
 
 import hurraykv as hk
-from bench_paged import best
+from bench_paged import best, print_table
 from hurraykv.store import PageStore
 
 HEADS, DIM, PAGE = 8, 128, 16
@@ -133,14 +133,9 @@ def main() -> None:
          f"{stats['logical_bytes'] / stats['stored_bytes']:.2f}x dedup", "~3.7x at 75%"),
         ("redis used_memory after the 64", f"{memory / (1 << 20):.1f} MiB", "", ""),
     ]
-    print(f"snapshot {total / gib:.2f} GiB of float16 pages ({2 * layers} members, "
-          f"{PAGE * HEADS * DIM * 2 // 1024} KiB pages), redis-server on loopback; best of {r}")
-    head = ("measurement", "value", "ratio", "target")
-    w = [max(len(x[i]) for x in [*rows, head]) for i in range(4)]
-    print(" | ".join(h.ljust(n) for h, n in zip(head, w, strict=True)))
-    print("-+-".join("-" * n for n in w))
-    for row in rows:
-        print(" | ".join(c.ljust(n) for c, n in zip(row, w, strict=True)))
+    print_table(f"snapshot {total / gib:.2f} GiB of float16 pages ({2 * layers} members, "
+                f"{PAGE * HEADS * DIM * 2 // 1024} KiB pages), redis-server on loopback; "
+                f"best of {r}", rows)
 
 
 if __name__ == "__main__":
