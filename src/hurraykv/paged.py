@@ -778,19 +778,18 @@ def _prefix_owners(content: np.ndarray) -> np.ndarray:
     lcp = np.concatenate([[0], np.cumprod(same, axis=1).sum(axis=1)])
     pos = np.arange(n)[:, None]
     start = np.where(lcp[:, None] > np.arange(maxp)[None, :], 0, pos)
-    rep_sorted = np.maximum.accumulate(start, axis=0)
-    owners = np.empty_like(rep_sorted)
-    owners[order] = order[rep_sorted]
-    return _lowest_owner(owners, order, rep_sorted)
+    rep_sorted = np.maximum.accumulate(start, axis=0)  # group start, per position
+    return _lowest_owner(order, rep_sorted)
 
 
-def _lowest_owner(owners: np.ndarray, order: np.ndarray, rep_sorted: np.ndarray) -> np.ndarray:
-    """Re-point each group of aliasing sequences at its lowest sequence index."""
-    n, maxp = owners.shape
+def _lowest_owner(order: np.ndarray, rep_sorted: np.ndarray) -> np.ndarray:
+    """Each (sequence, position) group's lowest sequence index: its page is the one stored
+    (so pages are numbered in sequence order)."""
+    n, maxp = rep_sorted.shape
     cols = np.broadcast_to(np.arange(maxp), (n, maxp))
     key = rep_sorted * maxp + cols  # group id per (sorted row, position)
     lowest = np.full(n * maxp, n, dtype=np.int64)
     np.minimum.at(lowest, key.reshape(-1), order[:, None].repeat(maxp, 1).reshape(-1))
-    out = np.empty_like(owners)
+    out = np.empty((n, maxp), dtype=np.int64)
     out[order] = lowest[key].reshape(n, maxp)
     return out

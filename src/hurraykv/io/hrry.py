@@ -518,7 +518,7 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
     from .stream import TensorStreamReader
 
     reader = TensorStreamReader(f)
-    header = reader._exact(64, "header").tobytes()
+    header = reader.read_exact(64, "header").tobytes()
     if header[:8] != MAGIC:
         raise _bad(f"magic at byte 0: found {header[:8]!r}", "magic", 0, header[:8])
     hint = struct.unpack_from("<Q", header, 28)[0]
@@ -532,28 +532,28 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
         return
     if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT or first < 64:
         HrryFile.from_bytes(header + bytes(TRAILER.size))  # raises the header's own error
-    reader._exact(first - 64, "padding")
+    reader.read_exact(first - 64, "padding")
     offsets = []
     for _ in range(hint):
         start = reader.offset
         if start % 8:
-            reader._exact(8 - start % 8, "padding")
+            reader.read_exact(8 - start % 8, "padding")
             start = reader.offset
-        first10 = reader._exact(10, "descriptor").tobytes()
+        first10 = reader.read_exact(10, "descriptor").tobytes()
         length = struct.unpack_from("<I", first10, 6)[0]
         if not 20 <= length <= (16 << 20):
             raise _bad(f"descriptor_length at byte {start + 6}: found {length}",
                        "descriptor_length", start + 6, length)
-        desc = decode_descriptor(first10 + reader._exact(length - 10, "descriptor").tobytes())
+        desc = decode_descriptor(first10 + reader.read_exact(length - 10, "descriptor").tobytes())
         buffers = []
         for i, h in enumerate(desc.buffers):
-            reader._exact(_align(reader.offset, align) - reader.offset, "padding")
-            buffers.append(reader._exact(h.byte_size, f"buffers[{i}]"))
+            reader.read_exact(_align(reader.offset, align) - reader.offset, "padding")
+            buffers.append(reader.read_exact(h.byte_size, f"buffers[{i}]"))
         if desc.buffers:
-            reader._exact(_align(reader.offset, align) - reader.offset, "padding")
+            reader.read_exact(_align(reader.offset, align) - reader.offset, "padding")
         offsets.append(start)
         yield None, desc, buffers
-    reader._exact(_align(reader.offset, 8) - reader.offset, "padding")
+    reader.read_exact(_align(reader.offset, 8) - reader.offset, "padding")
     boundary = reader.offset
     tail = f.read()
     t_off = len(tail) - TRAILER.size

@@ -192,7 +192,7 @@ class TensorStreamReader:
         self.offset += got
         return got
 
-    def _exact(self, n: int, what: str) -> np.ndarray:
+    def read_exact(self, n: int, what: str) -> np.ndarray:
         remaining = self._remaining()
         if remaining is not None and n > remaining:
             raise StreamError(f"{what} at stream offset {self.offset} claims {n} bytes but only "
@@ -231,7 +231,7 @@ class TensorStreamReader:
                               f"this reader takes descriptors up to {self.max_descriptor_bytes} "
                               "bytes", field="descriptor_length", offset=start + 6,
                               value=length, rule="max_descriptor_bytes")
-        rest = self._exact(length - 10, "descriptor")
+        rest = self.read_exact(length - 10, "descriptor")
         desc = decode_descriptor(first.tobytes() + rest.tobytes())
         buffers = []
         for i, h in enumerate(desc.buffers):
@@ -240,7 +240,7 @@ class TensorStreamReader:
                                   f"byte_size {h.byte_size} exceeds max_buffer_bytes "
                                   f"{self.max_buffer_bytes}", field=f"buffers[{i}]",
                                   offset=start, value=h.byte_size, rule="max_buffer_bytes")
-            buffers.append(self._exact(h.byte_size, f"buffers[{i}]"))
+            buffers.append(self.read_exact(h.byte_size, f"buffers[{i}]"))
         return Item(desc, buffers, start)
 
     def read_item(self, depth: int = 0) -> Item | None:

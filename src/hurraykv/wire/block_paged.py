@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from ..errors import BufferError, LayoutError, QuantizationError, UnsupportedError
 from .cursor import Cursor
-from .dtypes import ELEMENT_TYPES
 from .layouts import BlockPaged
 from .quantization import (
     MXFP,
@@ -184,8 +183,4 @@ def _check_quantization(d: TensorDescriptor, cur: Cursor, L: BlockPaged, handle_
         check_param_sizes(q, d.buffers, slots, SCALE_WIDTH[q.scale_type], cur)
 
 
-def index_dtype(layout: BlockPaged) -> str:
-    return "<u8" if layout.index_type == 1 else "<u4"
-
-
-__all__ = ["ELEMENT_TYPES", "check_descriptor", "index_dtype", "pool_nbytes"]
+__all__ = ["check_descriptor", "pool_nbytes"]
