@@ -256,3 +256,33 @@ def test_vllm_cuda_caches_round_trip_through_the_host():
     back, table2, lens2 = vllm.to_vllm(snap, device="cuda")
     assert all(b.is_cuda and torch.equal(a, b) for a, b in zip(caches, back, strict=True))
     assert torch.equal(table2.cpu(), table) and torch.equal(lens2.cpu(), lens)
+
+
+@pytest.mark.parametrize("layout", vllm.LAYOUTS)
+def test_lazy_members_stay_with_the_engine_until_written(tmp_path, layout):
+    """The mechanism that keeps GPU caches on the GPU, exercised with CPU tensors."""
+    caches = random_caches(layout, seed=10)
+    table, lens = vllm_tables(10)
+    snap = vllm.from_vllm(caches, table, lens, layout=layout, lazy=True)
+    buffers = [snap._members[k][1]() for k in snap.member_keys()]
+    assert not any(b.copied for b in buffers)  # validated, described, nothing copied yet
+    assert snap.descriptor(1, "value").buffers[0].device_tag == 0
+    hk.save_snapshot(snap, tmp_path / "lazy.hrry")  # writing is when the pools are copied
+    assert all(b.copied for b in buffers)
+    eager = vllm.from_vllm(caches, table, lens, layout=layout)
+    assert hk.load_snapshot(tmp_path / "lazy.hrry").equal(eager)
+
+
+@needs_cuda
+def test_cuda_caches_record_their_device_and_copy_only_when_written(tmp_path):
+    caches = [c.cuda() for c in random_caches("flash_attn", seed=11)]
+    table, lens = vllm_tables(11)
+    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda())
+    assert snap.descriptor(0, "key").buffers[0].device_tag == 1  # CUDA
+    buffers = [snap._members[k][1]() for k in snap.member_keys()]
+    assert not any(b.copied for b in buffers)
+    hk.save_snapshot(snap, tmp_path / "gpu.hrry")
+    assert all(b.copied for b in buffers)
+    loaded = hk.load_snapshot(tmp_path / "gpu.hrry")
+    assert loaded.descriptor(0, "key").buffers[0].device_tag == 0  # the file holds host bytes
+    assert loaded.equal(vllm.from_vllm([c.cpu() for c in caches], table, lens))

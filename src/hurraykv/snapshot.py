@@ -39,6 +39,19 @@ def member_name(layer: int, role: str) -> str:
     return f"layers.{layer}.{role}"
 
 
+def host_descriptor(desc: TensorDescriptor) -> TensorDescriptor:
+    """The descriptor of bytes handed out from host memory: a member whose pool stayed on
+    a device records that device, but what is written (file, stream, socket) is a host
+    copy, so it is described as CPU memory."""
+    if all(h.device_tag == 0 and h.memory_class == 0 and h.sync_mode == 0
+           for h in desc.buffers):
+        return desc
+    import dataclasses
+
+    return dataclasses.replace(desc, buffers=tuple(
+        BufferHandle(h.byte_size, h.alignment) for h in desc.buffers))
+
+
 def group_head(member_count: int) -> TensorDescriptor:
     """The group head as the reference writes one: uint8, rank 1, shape [member_count]."""
     return TensorDescriptor(UINT8, (member_count,), Composite(GROUP, member_count))
@@ -337,7 +350,7 @@ class KVCacheSnapshot:
             yield ("kv_scales", *kv_scales_member(self.kv_scales))
         for layer, role in self._members:
             desc, load = self._members[(layer, role)]
-            yield member_name(layer, role), desc, load()
+            yield member_name(layer, role), host_descriptor(desc), load()
         for name, desc, bufs in self.extras:
             yield name or f"extra.{id(desc)}", desc, bufs
 

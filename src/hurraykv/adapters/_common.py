@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import HurrayError, LayoutError
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot
+from ..wire.dtypes import element_type
 
 
 def padded_to_csr(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int
@@ -53,18 +54,95 @@ def checked_int32(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(np.int32)
 
 
-def build(pools: Sequence[tuple[np.ndarray, ...]], block_table: np.ndarray, seq_ptr: np.ndarray,
-          seq_lens: np.ndarray, scales: Sequence[tuple[float | None, ...]] | None = None
-          ) -> KVCacheSnapshot:
-    """A snapshot from per-layer (key, value) pools ``[num_pages, page_size, H, D]``."""
+DEVICE_TAGS = {"cpu": 0, "cuda": 1, "mps": 3, "xpu": 7}
+
+
+class DeviceBuffers(Sequence):
+    """A member's buffers whose page pool stays where the engine keeps it (a GPU) until
+    something reads or writes it: item 0 copies it to the host, once; the index buffers
+    are small host arrays already."""
+
+    def __init__(self, pool: Any, rest: list[np.ndarray]) -> None:
+        self._pool = pool
+        self._host: np.ndarray | None = None
+        self._rest = rest
+
+    def __len__(self) -> int:
+        return 1 + len(self._rest)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = i + len(self) if i < 0 else i
+        if i == 0:
+            if self._host is None:
+                from ._torch import to_numpy
+
+                self._host = np.ascontiguousarray(to_numpy(self._pool))  # the one copy
+            return self._host
+        return self._rest[i - 1]
+
+    @property
+    def copied(self) -> bool:
+        return self._host is not None
+
+
+def _device_member(pool: Any, block_table: np.ndarray, seq_ptr: np.ndarray,
+                   seq_lens: np.ndarray, role: str, layer: int) -> tuple[Any, Any]:
+    """Descriptor and loader of a member left on its device: the indices are validated
+    now, on the host; the pool is copied only when read or written."""
+    from ..wire.buffers import BufferHandle
+    from ..wire.descriptor import TensorDescriptor
+    from ._torch import numpy_dtype
+
+    num_pages, page_size, heads, dim = (int(x) for x in pool.shape)
+    et = element_type(numpy_dtype(pool.dtype))
+    probe = BlockPagedTensor.__new__(BlockPagedTensor)  # geometry and indices, no data
+    probe._setup(np.empty((num_pages, 0), et.numpy), et, page_size, heads, dim,
+                 np.asarray(block_table), np.asarray(seq_ptr), seq_lens,
+                 {"key": 0, "value": 1, "fused": 2}[role], layer, None, None, ())
+    probe.validate()
+    device = DEVICE_TAGS.get(pool.device.type, 0)
+    layout = probe.layout()
+    pool_bytes = et.nbytes(num_pages * page_size * heads * dim)
+    bt, sp = probe.block_table, probe.seq_ptr
+    handles = tuple(BufferHandle(n, 64, device) for n in (pool_bytes, bt.nbytes, sp.nbytes))
+    desc = TensorDescriptor(et.tag, probe.shape, layout, handles)
+    buffers = DeviceBuffers(pool, [bt, sp])
+    return desc, (lambda: buffers)
+
+
+def build(pools: Sequence[tuple[Any, ...]], block_table: np.ndarray, seq_ptr: np.ndarray,
+          seq_lens: np.ndarray, scales: Sequence[tuple[float | None, ...]] | None = None,
+          *, lazy: bool | None = None) -> KVCacheSnapshot:
+    """A snapshot from per-layer (key, value) pools ``[num_pages, page_size, H, D]``:
+    NumPy arrays, or torch tensors.  Tensors on a device (or any tensor with ``lazy``)
+    stay where they are until the snapshot is read or written; their descriptors record
+    the device."""
+    members: dict[tuple[int, str], Any] = {}
     tensors = []
+    kv_scales = None if scales is None else np.array(
+        [[1.0 if x is None else x for x in (layer * 2)[:2]] for layer in scales], np.float32)
     for i, layer in enumerate(pools):
         roles = ("key", "value") if len(layer) == 2 else ("fused",)
         for r, (role, pool) in enumerate(zip(roles, layer, strict=True)):
             scale = None if scales is None else scales[i][r]
+            on_device = hasattr(pool, "device") and pool.device.type != "cpu"
+            if on_device or (lazy and hasattr(pool, "device")):
+                members[(i, role)] = _device_member(pool, block_table, seq_ptr, seq_lens,
+                                                    role, i)
+                continue
+            if hasattr(pool, "device"):
+                from ._torch import to_numpy
+
+                pool = to_numpy(pool)
             tensors.append(BlockPagedTensor(pool, block_table, seq_ptr, seq_lens, kv_role=role,
                                             layer_index=i, fp8_scale=scale))
-    return KVCacheSnapshot.from_tensors(tensors)
+    if not members:
+        return KVCacheSnapshot.from_tensors(tensors)
+    for t in tensors:
+        members[(t.layer_index, t.kv_role)] = (t.descriptor(), t.buffers)
+    return KVCacheSnapshot(members, seq_lens, kv_scales)
 
 
 def float_pools(snapshot: KVCacheSnapshot, what: str) -> list[tuple[np.ndarray, ...]]:

@@ -68,3 +68,10 @@ def scalar(x: Any) -> float:
 def place(t: torch.Tensor, device: Any) -> torch.Tensor:
     """``t`` on ``device`` (None: stays on the host, sharing the snapshot's memory)."""
     return t if device is None else t.to(device)
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype of a torch dtype (ml_dtypes for bfloat16 and float8)."""
+    if dtype in _VIEWS:
+        return _VIEWS[dtype][1]
+    return torch.empty((), dtype=dtype).numpy().dtype

@@ -20,20 +20,20 @@ import torch
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, float_pools
-from ._torch import from_numpy, place, to_numpy
+from ._torch import from_numpy, place
 
 
-def _pools(cache: Any, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
+def _pools(cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(cache, tuple | list):
-        k, v = (to_numpy(c) for c in cache)
+        k, v = cache
     else:
-        a = to_numpy(cache)
-        if a.ndim != 5 or a.shape[1] != 2:
+        if cache.dim() != 5 or cache.shape[1] != 2:
             raise HurrayError(f"a FlashInfer paged cache is (num_pages, 2, ...), got "
-                              f"{list(a.shape)}", field="paged_kv_cache", value=list(a.shape))
-        k, v = a[:, 0], a[:, 1]
+                              f"{list(cache.shape)}", field="paged_kv_cache",
+                              value=list(cache.shape))
+        k, v = cache[:, 0], cache[:, 1]
     if kv_layout == "HND":
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
     elif kv_layout != "NHD":
         raise HurrayError(f"kv_layout {kv_layout!r} is NHD or HND", field="kv_layout",
                           value=kv_layout)
@@ -41,7 +41,8 @@ def _pools(cache: Any, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def from_flashinfer(paged_kv_caches: Sequence[Any], kv_indptr: Any, kv_indices: Any,
-                    kv_last_page_len: Any, kv_layout: str = "NHD") -> KVCacheSnapshot:
+                    kv_last_page_len: Any, kv_layout: str = "NHD", lazy: bool | None = None
+                    ) -> KVCacheSnapshot:
     pools = [_pools(c, kv_layout) for c in paged_kv_caches]
     if not pools:
         raise HurrayError("paged_kv_caches is empty", field="paged_kv_caches")
@@ -60,7 +61,7 @@ def from_flashinfer(paged_kv_caches: Sequence[Any], kv_indptr: Any, kv_indices: 
                           f"{page_size} tokens", field=f"kv_last_page_len[{s}]",
                           value=int(last[s]), rule="FlashInfer page table")
     lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    return build(pools, indices, indptr, lens)
+    return build(pools, indices, indptr, lens, lazy=lazy)
 
 
 def to_flashinfer(snapshot: KVCacheSnapshot, kv_layout: str = "NHD", device: Any = None

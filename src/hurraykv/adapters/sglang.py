@@ -20,12 +20,12 @@ import torch
 from ..errors import HurrayError, LayoutError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, float_pools
-from ._torch import from_numpy, place, to_numpy
+from ._torch import from_numpy, place
 
 
 def from_sglang(k_buffers: Sequence[Any], v_buffers: Sequence[Any], req_to_token: Any,
-                seq_lens: Any, page_size: int = 1, req_pool_indices: Any = None
-                ) -> KVCacheSnapshot:
+                seq_lens: Any, page_size: int = 1, req_pool_indices: Any = None,
+                lazy: bool | None = None) -> KVCacheSnapshot:
     """A snapshot of the requests ``req_pool_indices`` (default: rows 0..len(seq_lens)-1)."""
     lens = as_array(seq_lens).astype(np.int64)
     table = as_array(req_to_token)
@@ -33,8 +33,7 @@ def from_sglang(k_buffers: Sequence[Any], v_buffers: Sequence[Any], req_to_token
             else table[: len(lens)]).astype(np.int64)
     ps = int(page_size)
     pools = []
-    for k, v in zip(k_buffers, v_buffers, strict=True):
-        ka, va = to_numpy(k), to_numpy(v)
+    for ka, va in zip(k_buffers, v_buffers, strict=True):
         slots, heads, dim = ka.shape
         if slots % ps:
             raise LayoutError.at("k_buffer.shape[0]", None, slots,
@@ -59,7 +58,7 @@ def from_sglang(k_buffers: Sequence[Any], v_buffers: Sequence[Any], req_to_token
                              int(slot[bad]), f"with page_size {ps} the slots of one page are "
                              "page * page_size + offset")
     pages = -(-lens // ps)
-    return build(pools, page[first], np.concatenate([[0], np.cumsum(pages)]), lens)
+    return build(pools, page[first], np.concatenate([[0], np.cumsum(pages)]), lens, lazy=lazy)
 
 
 def to_sglang(snapshot: KVCacheSnapshot, device: Any = None

@@ -19,8 +19,9 @@ Layouts, per layer, checked against vLLM's source:
   kernels' docstrings); transposed to the interchange layout and back, as the spec
   requires of producers.
 
-Device tensors are copied to the host once (the snapshot is host memory, its descriptors
-say CPU); ``to_vllm(..., device="cuda")`` puts the caches back on a device.  Block tables
+Caches on a GPU stay there until the snapshot is read or written (their descriptors record
+the device; what is written is a host copy, described as CPU memory);
+``to_vllm(..., device="cuda")`` puts caches back on a device.  Block tables
 are vLLM's padded ``[num_seqs, max_blocks]`` int32 tensor plus per-sequence
 lengths.  fp8 caches (``kv_cache_dtype`` "fp8"/"fp8_e4m3"/"fp8_e5m2"; vLLM may hold them as
 uint8) keep their per-layer ``k_scale``/``v_scale`` in the snapshot's ``kv_scales``
@@ -38,34 +39,45 @@ import torch
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, build, checked_int32, csr_to_padded, float_pools, padded_to_csr
-from ._torch import from_numpy, place, scalar, to_numpy
+from ._torch import FP8, from_numpy, place, scalar
 
 LAYOUTS = ("flash_attn", "flashinfer", "cpu", "paged_attention_v1")
 
 
-def _pools(cache: Any, layout: str, kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def _as_fp8(t: Any, kv_cache_dtype: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise HurrayError(f"expected a torch.Tensor, got {type(t).__name__}", field="kv_caches")
+    return t.view(FP8[kv_cache_dtype]) if kv_cache_dtype in FP8 and t.dtype == torch.uint8 \
+        else t
+
+
+def _pools(cache: Any, layout: str, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's key and value pools as ``[num_blocks, block_size, H, D]`` tensors on the
+    cache's own device (views where the layout allows)."""
     if layout == "paged_attention_v1":
-        key, value = (to_numpy(c, kv_cache_dtype=kv_cache_dtype) for c in cache)
+        key, value = (_as_fp8(c, kv_cache_dtype) for c in cache)
         nb, heads, dx, bs, x = key.shape
-        k = key.transpose(0, 3, 1, 2, 4).reshape(nb, bs, heads, dx * x)
-        v = value.transpose(0, 3, 1, 2)
+        k = key.permute(0, 3, 1, 2, 4).reshape(nb, bs, heads, dx * x)
+        v = value.permute(0, 3, 1, 2)
         return k, v
-    a = to_numpy(cache, kv_cache_dtype=kv_cache_dtype)
-    if a.ndim != 5:
+    a = _as_fp8(cache, kv_cache_dtype)
+    if a.dim() != 5:
         raise HurrayError(f"a vLLM {layout} cache is 5-D, got shape {list(a.shape)}",
                           field="kv_caches", value=list(a.shape), rule=f"{layout} layout")
     if layout == "flash_attn":
         return a[0], a[1]
     if layout == "flashinfer":
         return a[:, 0], a[:, 1]
-    return a[0].transpose(0, 2, 1, 3), a[1].transpose(0, 2, 1, 3)  # cpu: HND -> NHD
+    return a[0].permute(0, 2, 1, 3), a[1].permute(0, 2, 1, 3)  # cpu: HND -> NHD
 
 
 def from_vllm(kv_caches: Sequence[Any], block_table: Any, seq_lens: Any,
               layout: str = "flash_attn", k_scales: Sequence[Any] | None = None,
-              v_scales: Sequence[Any] | None = None, kv_cache_dtype: str = "auto"
-              ) -> KVCacheSnapshot:
-    """A snapshot of vLLM's per-layer caches (views where the layout allows)."""
+              v_scales: Sequence[Any] | None = None, kv_cache_dtype: str = "auto",
+              lazy: bool | None = None) -> KVCacheSnapshot:
+    """A snapshot of vLLM's per-layer caches (views where the layout allows).  Caches on
+    a GPU stay there (descriptors record the device) until the snapshot is read or
+    written; ``lazy=True`` does the same for CPU caches."""
     if layout not in LAYOUTS:
         raise HurrayError(f"layout {layout!r} is not one of {LAYOUTS}", field="layout",
                           value=layout)
@@ -80,7 +92,7 @@ def from_vllm(kv_caches: Sequence[Any], block_table: Any, seq_lens: Any,
         ks = k_scales if k_scales is not None else [1.0] * len(pools)
         vs = v_scales if v_scales is not None else [1.0] * len(pools)
         scales = [(scalar(k), scalar(v)) for k, v in zip(ks, vs, strict=True)]
-    return build(pools, flat, seq_ptr, lens, scales)
+    return build(pools, flat, seq_ptr, lens, scales, lazy=lazy)
 
 
 def to_vllm(snapshot: KVCacheSnapshot, layout: str = "flash_attn", device: Any = None
