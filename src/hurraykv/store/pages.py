@@ -70,6 +70,21 @@ _INCREF = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 return redis.call('INCR', KEYS[2])
 """
+# The same for many pages in one call (a single server: no slot rule to respect).
+_INCREF_MANY = """
+local out = {}
+for i = 1, #KEYS, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 0 then out[#out + 1] = 0
+  else out[#out + 1] = redis.call('INCR', KEYS[i + 1]) end
+end
+return out
+"""
+_EXISTS_MANY = """
+local out = {}
+for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end
+return out
+"""
+MANY = 512  # pages per *_MANY call
 _DECREF = """
 local n = redis.call('DECR', KEYS[2])
 if n <= 0 then
@@ -163,19 +178,19 @@ class _Member:
         self.geometry = geometry
 
     def digests(self) -> list[bytes]:
-        """One digest per page (ZERO for unreferenced pages).  SHA-256 (hardware-assisted
-        where the CPU has it) truncated to 128 bits; hashlib releases the GIL on whole
-        pages, so two threads hash two pages at once."""
+        """One digest per page (ZERO for unreferenced pages): SHA-256 (hardware-assisted
+        where the CPU has it) truncated to 128 bits.  The loop's body hashes a whole page
+        in C with the GIL released, so members hash in parallel on worker threads."""
         geometry = hashlib.sha256(self.geometry)
-
-        def one(i: int) -> bytes:
+        out = []
+        for i, row in enumerate(self.rows):
             if not self.referenced[i]:
-                return ZERO
+                out.append(ZERO)
+                continue
             h = geometry.copy()
-            h.update(self.rows[i])
-            return h.digest()[:DIGEST]
-
-        return list(_hash_pool().map(one, range(len(self.rows)), chunksize=64))
+            h.update(row)
+            out.append(h.digest()[:DIGEST])
+        return out
 
     def skeleton(self) -> bytes:
         t = self.tensor
@@ -215,7 +230,9 @@ class PageStore:
         self.client = client
         self.zero_unused = zero_unused
         self._scripts = {name: _Script(client, lua) for name, lua in (
-            ("incref", _INCREF), ("decref", _DECREF), ("del_if", _DEL_IF))}
+            ("incref", _INCREF), ("incref_many", _INCREF_MANY),
+            ("exists_many", _EXISTS_MANY), ("decref", _DECREF), ("del_if", _DEL_IF))}
+        self._cluster = hasattr(client, "get_primaries")
         self._incref = self._scripts["incref"]
         self._decref = self._scripts["decref"]
         self._del_if = self._scripts["del_if"]
@@ -255,37 +272,25 @@ class PageStore:
             raise StoreError("a snapshot without seq_lens cannot be stored", field="seq_lens")
         members = [_Member(snapshot.tensor(*k), self.zero_unused)
                    for k in snapshot.member_keys()]
-        digests = [m.digests() for m in members]
-        values: dict[bytes, memoryview] = {}
-        logical = 0
-        for m, ds in zip(members, digests, strict=True):
+        # Members are hashed on worker threads (hashlib releases the GIL) while the pages
+        # of the members already hashed travel to Redis: hashing overlaps the network.
+        futures = [_hash_pool().submit(m.digests) for m in members]
+        digests: list[list[bytes]] = []
+        seen: set[bytes] = set()
+        logical = new_bytes = new_pages = 0
+        for m, future in zip(members, futures, strict=True):
+            ds = future.result()
+            digests.append(ds)
+            batch: dict[bytes, memoryview] = {}
             for i, d in enumerate(ds):
                 if d != ZERO:
-                    values.setdefault(d, memoryview(m.rows[i]))
                     logical += m.rows.shape[1]
-        keys = list(values)
-        exists = self._batched(keys, [0] * len(keys), lambda p, d: p.exists(page_key(d)))
-        todo = [d for d, e in zip(keys, exists, strict=True) if not e]
-        counted = [d for d, e in zip(keys, exists, strict=True) if e]
-        new_bytes = new_pages = 0
-        for _attempt in range(5):
-            # store the missing pages' bytes (SET NX: a racing writer's copy is identical)
-            created = self._batched(todo, [values[d].nbytes for d in todo],
-                                    lambda p, d: p.set(page_key(d), values[d], nx=True))
-            for d, c in zip(todo, created, strict=True):
-                if c:
-                    new_pages += 1
-                    new_bytes += values[d].nbytes
-            refs = self._batched(counted + todo, [0] * (len(counted) + len(todo)),
-                                 lambda p, d: self._incref(keys=[page_key(d), ref_key(d)],
-                                                           client=p))
-            todo = [d for d, n in zip(counted + todo, refs, strict=True) if n == 0]
-            counted = []
-            if not todo:
-                break
-        else:
-            raise StoreError(f"pages of {snapshot_id!r} kept vanishing while being stored "
-                             "(concurrent deletes)", field="page")
+                    if d not in seen:
+                        seen.add(d)
+                        batch[d] = memoryview(m.rows[i])
+            pages, nbytes = self._store_pages(snapshot_id, batch)
+            new_pages += pages
+            new_bytes += nbytes
         manifest = self._manifest(snapshot, members, digests, token_ids)
         old = self.client.get(manifest_key(snapshot_id))
         pipe = self._pipe()
@@ -301,7 +306,54 @@ class PageStore:
         if token_ids is not None:
             self._index_prefixes(snapshot_id, snapshot, token_ids)
         return {"logical_bytes": logical, "new_bytes": new_bytes, "new_pages": new_pages,
-                "pages": len(keys)}
+                "pages": len(seen)}
+
+    def _exists_all(self, digests: list[bytes]) -> list[int]:
+        if self._cluster:
+            return self._batched(digests, [0] * len(digests),
+                                 lambda p, d: p.exists(page_key(d)))
+        groups = [digests[a:a + MANY] for a in range(0, len(digests), MANY)]
+        many = self._scripts["exists_many"]
+        out = self._batched(groups, [0] * len(groups), lambda p, g: many(
+            keys=[page_key(d) for d in g], client=p))
+        return [int(n) for group in out for n in group]
+
+    def _incref_all(self, digests: list[bytes]) -> list[int]:
+        """New reference counts (0: the page is gone).  A cluster needs one script call per
+        page (its keys share a slot); a single server takes hundreds per call."""
+        if self._cluster:
+            return self._batched(digests, [0] * len(digests), lambda p, d: self._incref(
+                keys=[page_key(d), ref_key(d)], client=p))
+        groups = [digests[a:a + MANY] for a in range(0, len(digests), MANY)]
+        many = self._scripts["incref_many"]
+        out = self._batched(groups, [0] * len(groups), lambda p, g: many(
+            keys=[k for d in g for k in (page_key(d), ref_key(d))], client=p))
+        return [int(n) for group in out for n in group]
+
+    def _store_pages(self, snapshot_id: str, values: dict[bytes, memoryview]
+                     ) -> tuple[int, int]:
+        """Count one reference to each page, storing the pages Redis lacks; returns the
+        pages and bytes newly stored."""
+        keys = list(values)
+        exists = self._exists_all(keys)
+        todo = [d for d, e in zip(keys, exists, strict=True) if not e]
+        counted = [d for d, e in zip(keys, exists, strict=True) if e]
+        new_bytes = new_pages = 0
+        for _attempt in range(5):
+            # store the missing pages' bytes (SET NX: a racing writer's copy is identical)
+            created = self._batched(todo, [values[d].nbytes for d in todo],
+                                    lambda p, d: p.set(page_key(d), values[d], nx=True))
+            for d, c in zip(todo, created, strict=True):
+                if c:
+                    new_pages += 1
+                    new_bytes += values[d].nbytes
+            refs = self._incref_all(counted + todo)
+            todo = [d for d, n in zip(counted + todo, refs, strict=True) if n == 0]
+            counted = []
+            if not todo:
+                return new_pages, new_bytes
+        raise StoreError(f"pages of {snapshot_id!r} kept vanishing while being stored "
+                         "(concurrent deletes)", field="page")
 
     def _manifest(self, snapshot: KVCacheSnapshot, members: list[_Member],
                   digests: list[list[bytes]], token_ids: Any) -> bytes:
