@@ -103,3 +103,26 @@ def test_progress_bar_only_on_a_terminal_after_a_second(monkeypatch):
     assert "saving [" in err.getvalue() and "50.0%" in err.getvalue()
     quiet = cli.Progress("saving", quiet=True)
     assert not quiet.enabled
+
+
+def test_validate_a_stream_of_plain_tensors(tmp_path):
+    import hurraykv as hk
+    from hurraykv.io.stream import write_tensor
+    from tests.vectors.make_vectors import WORKED, WORKED_BUFFERS
+
+    path = tmp_path / "plain.stream"
+    with open(path, "wb") as f:
+        head = hk.TensorDescriptor(0x11, (1,), hk.wire.Composite(1, 1))
+        write_tensor(f, head, [])  # a partition group around one tensor: no KV snapshot
+        write_tensor(f, WORKED, WORKED_BUFFERS)
+    p = run("validate", str(path))
+    assert p.returncode == 0 and "no KV snapshot" in p.stdout, p.stderr
+    torn = path.read_bytes()[:-5]  # the partition's member cut short: rejected
+    (tmp_path / "torn.stream").write_bytes(torn)
+    p = run("validate", str(tmp_path / "torn.stream"))
+    assert p.returncode == 1 and "StreamError" in p.stderr
+    with open(path, "wb") as f:
+        write_tensor(f, hk.TensorDescriptor(0x03, (2,), hk.wire.RowMajor(),
+                                            (hk.BufferHandle(8),)), [bytes(8)])
+    p = run("validate", str(path))
+    assert p.returncode == 0 and "no KV snapshot" in p.stdout, p.stderr

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import HurrayError
+from .errors import HurrayError, SnapshotError
 from .io.hrry import HrryFile
 from .io.snapshots import save_snapshot, snapshot_from_file
 from .io.stream import SnapshotStreamReader, TensorStreamReader
@@ -195,7 +195,13 @@ def _load_any(path: str, quiet: bool) -> tuple[KVCacheSnapshot | None, HrryFile 
         return _try_snapshot(f), f
     if kind == "stream":
         with open(path, "rb") as fh:
-            return SnapshotStreamReader(fh).read(), None
+            try:
+                return SnapshotStreamReader(fh).read(), None
+            except SnapshotError:  # a valid stream of tensors that is no KV snapshot
+                fh.seek(0)
+                for _ in TensorStreamReader(fh):
+                    pass
+                return None, None
     return None, None
 
 
@@ -222,8 +228,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         _build_all(snap, args.quiet)
         print(f"{args.path}: valid {kind}, {snap!r}")
     else:
-        count = len(f.names) if f is not None else 0
-        print(f"{args.path}: valid {kind}, {count} tensors")
+        what = f"{len(f.names)} tensors" if f is not None else "tensors, no KV snapshot"
+        print(f"{args.path}: valid {kind}, {what}")
     return 0
 
 
