@@ -45,7 +45,7 @@ def _tensors():
 
 def test_missing_layer_and_role_are_rejected():
     _s, ts = _tensors()
-    with pytest.raises(hk.SnapshotError, match=r"layers \[1\] are missing"):
+    with pytest.raises(hk.SnapshotError, match=r"layer 1 is missing"):
         KVCacheSnapshot.from_tensors([t for t in ts if t.layer_index != 1])
     with pytest.raises(hk.SnapshotError, match=r"layer 2 has roles \['key'\]"):
         KVCacheSnapshot.from_tensors(ts[:-1])

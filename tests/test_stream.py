@@ -196,3 +196,22 @@ def test_fuzzed_streams_raise_only_hurray_errors(data):
 
 
 _FUZZ_BASE = stream_bytes(make_snapshot("int8", layers=2, heads=1, dim=4))
+
+
+def test_empty_heads_with_huge_token_counts_cost_nothing():
+    """heads = 0 makes every page 0 bytes whatever page_size and num_pages claim: nothing
+    may then size an array by the claimed token count (found by the fuzz test)."""
+    from hurraykv.wire.buffers import BufferHandle
+    from hurraykv.wire.layouts import BlockPaged
+
+    ps, tokens = 1 << 30, 3 << 30
+    desc = hk.TensorDescriptor(0x01, (tokens, 0, 8), BlockPaged(ps, 1 << 31, 1, 2, 0),
+                               (BufferHandle(0), BufferHandle(12), BufferHandle(8)))
+    bufs = [b"", np.array([0, 1, 2], "<u4").tobytes(), np.array([0, 3], "<u4").tobytes()]
+    t = hk.BlockPagedTensor.from_descriptor(desc, bufs)
+    assert t.to_dense().shape == (tokens, 0, 8) and t.gather(0).nbytes == 0
+    assert list(t.shared_pages) == [] and t.copy().zero_unused_slots() == 0
+    buf = io.BytesIO()
+    write_tensor(buf, desc, bufs)
+    snap = hk.read_snapshot_stream(io.BytesIO(buf.getvalue()))
+    assert snap.layer(0)[0].to_dense().shape == (tokens, 0, 8)

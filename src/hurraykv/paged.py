@@ -19,6 +19,7 @@ are held packed, one byte-aligned row per page (decision D11).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -300,7 +301,7 @@ class BlockPagedTensor:
         """``[num_pages, page_size, H, D]``: a view, or an unpacked copy for sub-byte types."""
         shape = (self.num_pages, self.page_size, self.num_heads, self.head_dim)
         if self.element_type.sub_byte:
-            return unpack(self._rows, self.element_type, int(np.prod(shape))).reshape(shape)
+            return unpack(self._rows, self.element_type, math.prod(shape)).reshape(shape)
         return self._rows.reshape(shape)
 
     @property
@@ -315,8 +316,8 @@ class BlockPagedTensor:
     @property
     def shared_pages(self) -> np.ndarray:
         """Sorted physical page IDs named more than once (aliased prefixes)."""
-        counts = np.bincount(self.block_table.astype(np.int64), minlength=self.num_pages)
-        return np.flatnonzero(counts > 1)
+        pages, counts = np.unique(self.block_table, return_counts=True)  # O(entries), not
+        return pages[counts > 1].astype(np.int64)  # O(num_pages): pools may be huge
 
     def __repr__(self) -> str:
         layer = "-" if self.layer_index is None else self.layer_index
@@ -464,6 +465,10 @@ class BlockPagedTensor:
                 mode="clip")
         return out
 
+    def _empty(self, tokens: int, dequantize: bool) -> np.ndarray:
+        dtype = np.float32 if dequantize and not self.element_type.is_float else self.dtype
+        return np.empty((tokens, self.num_heads, self.head_dim), dtype)
+
     def gather(self, s: int, out: np.ndarray | None = None, *,
                dequantize: bool = False) -> np.ndarray:
         """Sequence ``s`` as a dense ``[T_s, H, D]`` array (a copy; never reads past T_s).
@@ -472,12 +477,21 @@ class BlockPagedTensor:
         fp8 pools times ``fp8_scale``).  ``out`` lets a caller reuse one buffer."""
         if not 0 <= s < self.num_seqs:
             raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
+        if not self._has_data():
+            return self._empty(int(self._lens()[s]), dequantize)
         return self._read(self._slots(np.array([s])), out, dequantize)
 
     def to_dense(self, out: np.ndarray | None = None, *,
                  dequantize: bool = False) -> np.ndarray:
         """The logical tensor ``[total_tokens, H, D]``, sequences back to back."""
+        if not self._has_data():
+            return self._empty(int(self._lens().sum()), dequantize)
         return self._read(self._slots(np.arange(self.num_seqs)), out, dequantize)
+
+    def _has_data(self) -> bool:
+        """False when heads or head_dim is 0: every token is empty, and token counts (which
+        then cost no bytes) must not size any index array."""
+        return self.num_heads * self.head_dim > 0
 
     def _read(self, slots: np.ndarray, out: np.ndarray | None, dequantize: bool) -> np.ndarray:
         if not dequantize or (self.quantization is None and self.fp8_scale is None
@@ -551,6 +565,8 @@ class BlockPagedTensor:
         if not self._rows.flags.writeable:
             raise BufferError("page_pool is read-only (e.g. memory-mapped); copy() first",
                               field="page_pool", rule="zeroing needs a writable pool")
+        if not self._has_data():
+            return 0
         unused = ~self.used_slots()
         self._zero_rows(self._rows, unused)
         if isinstance(self.quantization, PerBlockAffine):
@@ -577,7 +593,7 @@ class BlockPagedTensor:
         for pages every slot of which is in use, zeroed copies for the others - so the
         tensor is not modified and the bulk is not copied."""
         views = list(self.buffers())
-        if self.seq_lens is None or self.num_pages == 0:
+        if self.seq_lens is None or self.num_pages == 0 or not self._has_data():
             return views
         unused = ~self.used_slots()
         dirty = unused.reshape(self.num_pages, self.page_size).any(axis=1)

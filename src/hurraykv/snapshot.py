@@ -16,6 +16,7 @@ only one that knows what a snapshot is made of.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -118,8 +119,9 @@ class KVCacheSnapshot:
                             f"snapshot {np.asarray(seq_lens).tolist()}", "seq_lens")
             members[key] = (t.descriptor(), t.buffers)
             cache[key] = t
-        if kv_scales is None and any(t.fp8_scale is not None for t in tensors):
-            layers = max(k[0] for k in members) + 1
+        layers = max((k[0] for k in members), default=-1) + 1
+        if kv_scales is None and any(t.fp8_scale is not None for t in tensors) and \
+                layers <= len(tensors):  # else a layer is missing: the validation says so
             kv_scales = np.ones((layers, 2), np.float32)
             for (layer, role), t in cache.items():
                 if t.fp8_scale is not None:
@@ -195,9 +197,11 @@ class KVCacheSnapshot:
         keys = list(self._members)
         layers = sorted({k[0] for k in keys})
         if layers != list(range(len(layers))):
-            missing = sorted(set(range(layers[-1] + 1)) - set(layers))
-            raise _fail(f"layers {missing} are missing: a snapshot has layers 0..L-1",
-                        "layer_index", missing)
+            # the first gap, found without listing a range a hostile layer_index could make
+            # billions long
+            first = next(i for i, layer in enumerate(layers) if layer != i)
+            raise _fail(f"layer {first} is missing (layers present: {len(layers)}, highest "
+                        f"{layers[-1]}): a snapshot has layers 0..L-1", "layer_index", first)
         for i in layers:
             roles = {k[1] for k in keys if k[0] == i}
             if roles not in ({"key", "value"}, {"fused"}):
@@ -464,7 +468,7 @@ def is_kv_scales(desc: TensorDescriptor) -> bool:
 def row_major_array(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
     et = desc.element_type
     raw = byte_view(buffers[0]) if len(buffers) else memoryview(b"")
-    count = int(np.prod(desc.shape))
+    count = math.prod(desc.shape)  # exact: shapes are u64, NumPy would wrap
     need = desc.byte_offset + et.nbytes(count)
     if raw.nbytes < need or raw.nbytes != desc.buffers[0].byte_size:
         raise _fail(f"{desc.element_type_name} {list(desc.shape)} at byte_offset "
