@@ -397,3 +397,14 @@ def test_received_memory_is_recycled_without_leaking_old_bytes():
             assert back.equal(s)
             del back
         assert st.server.pool.recycled >= 2
+
+
+def test_a_put_claiming_more_memory_than_exists_is_refused(server):
+    huge = hk.TensorDescriptor(0x11, (1 << 50,), hk.wire.RowMajor(), (hk.BufferHandle(1 << 50),))
+    raw = Raw(server.address)
+    raw.send(T.TENSOR_PUT, 3, m.Put("petabyte", huge, 1 << 50).encode())
+    assert raw.error_code() == E.STORE_FULL
+    raw.send(T.PING, 5, b"ok")
+    assert raw.recv() == (T.PONG, 5, b"ok")
+    raw.close()
+    _healthy(server.address, "petabyte")

@@ -457,11 +457,15 @@ class DataAssembler:
         self.desc = desc
         self.total = total_data_bytes(desc)
         self._map: Any = None
-        if pool is not None and self.total >= POOL_MIN:
-            self.data, mm, recycled = pool.take(self.total)
-            self._map = None if recycled else mm
-        else:
-            self.data = np.empty(self.total, np.uint8)
+        try:
+            if pool is not None and self.total >= POOL_MIN:
+                self.data, mm, recycled = pool.take(self.total)
+                self._map = None if recycled else mm
+            else:
+                self.data = np.empty(self.total, np.uint8)
+        except (MemoryError, OSError, ValueError) as e:
+            raise _bad(f"cannot hold a tensor of {self.total} bytes: {e}", ErrorCode.STORE_FULL,
+                       "total_data_bytes", value=self.total) from None
         self.received = 0
 
     def target(self, offset: int, length: int) -> memoryview:
