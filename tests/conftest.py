@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI (CI=true) replays a fixed set of examples so a run is reproducible; local runs keep
+# exploring new ones.  No deadlines: a loaded 2-core machine is slow, not wrong.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "reference"
 VECTORS = Path(__file__).parent / "vectors"
