@@ -125,6 +125,17 @@ def test_sequential_reader_on_a_pipe(tmp_path):
     assert back.equal(s)
 
 
+def test_sequential_reader_names_a_tensor_region_cut_short(tmp_path):
+    _, path = saved(tmp_path, "float16")
+    last = HrryFile.open(path).entries[-1].descriptor_offset
+    cut = path.read_bytes()[:last]  # the hint promises one more tensor than arrives
+    with pytest.raises(hk.ContainerError, match=r"tensor_count_hint at byte 28 is \d+; the file"):
+        list(iter_hrry_sequential(io.BytesIO(cut)))
+    torn = path.read_bytes()[:last + 40]  # inside the last descriptor
+    with pytest.raises(hk.StreamError, match="descriptor"):
+        list(iter_hrry_sequential(io.BytesIO(torn)))
+
+
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     s, path = saved(tmp_path, "float16")
     before = path.read_bytes()

@@ -534,26 +534,16 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
         HrryFile.from_bytes(header + bytes(TRAILER.size))  # raises the header's own error
     reader.read_exact(first - 64, "padding")
     offsets = []
-    for _ in range(hint):
-        start = reader.offset
-        if start % 8:
-            reader.read_exact(8 - start % 8, "padding")
-            start = reader.offset
-        first10 = reader.read_exact(10, "descriptor").tobytes()
-        length = struct.unpack_from("<I", first10, 6)[0]
-        if not 20 <= length <= (16 << 20):
-            raise _bad(f"descriptor_length at byte {start + 6}: found {length}",
-                       "descriptor_length", start + 6, length)
-        desc = decode_descriptor(first10 + reader.read_exact(length - 10, "descriptor").tobytes())
-        buffers = []
-        for i, h in enumerate(desc.buffers):
-            reader.read_exact(_align(reader.offset, align) - reader.offset, "padding")
-            buffers.append(reader.read_exact(h.byte_size, f"buffers[{i}]"))
-        if desc.buffers:
-            reader.read_exact(_align(reader.offset, align) - reader.offset, "padding")
-        offsets.append(start)
-        yield None, desc, buffers
-    reader.read_exact(_align(reader.offset, 8) - reader.offset, "padding")
+    for k in range(hint):
+        reader.pad_to(8)
+        item = reader.read_tensor(align)
+        if item is None:
+            raise _bad(f"tensor_count_hint at byte 28 is {hint}; the file ends after {k} "
+                       "tensors", "tensor_count_hint",
+                       28, hint, "the tensor region holds tensor_count_hint tensors")
+        offsets.append(item.offset)
+        yield None, item.desc, item.buffers
+    reader.pad_to(8)
     boundary = reader.offset
     tail = f.read()
     t_off = len(tail) - TRAILER.size

@@ -212,8 +212,15 @@ class TensorStreamReader:
                               rule="a buffer holds exactly byte_size bytes")
         return buf
 
-    def read_tensor(self) -> Item | None:
-        """The next tensor (descriptor and buffers), or None at a clean end of stream."""
+    def pad_to(self, align: int) -> None:
+        """Skip the padding up to the next multiple of ``align`` (file containers)."""
+        if self.offset % align:
+            self.read_exact(align - self.offset % align, "padding")
+
+    def read_tensor(self, align: int = 1) -> Item | None:
+        """The next tensor (descriptor and buffers), or None at a clean end of stream.
+        ``align`` > 1 reads a .hrry tensor region: each buffer, and the end of the last,
+        sit on that alignment."""
         start = self.offset
         first = np.empty(10, np.uint8)
         got = self._fill(memoryview(first)[:1], "descriptor")
@@ -240,7 +247,10 @@ class TensorStreamReader:
                                   f"byte_size {h.byte_size} exceeds max_buffer_bytes "
                                   f"{self.max_buffer_bytes}", field=f"buffers[{i}]",
                                   offset=start, value=h.byte_size, rule="max_buffer_bytes")
+            self.pad_to(align)
             buffers.append(self.read_exact(h.byte_size, f"buffers[{i}]"))
+        if desc.buffers:
+            self.pad_to(align)
         return Item(desc, buffers, start)
 
     def read_item(self, depth: int = 0) -> Item | None:
