@@ -43,6 +43,8 @@ def test_round_trip_bit_exact(store, kind):
     assert key.equal(zeroed(s).layer(2)[0]) and value.equal(zeroed(s).layer(2)[1])
     if kind == "fp8":
         assert value.fp8_scale == s.layer(2)[1].fp8_scale
+    with pytest.raises(StoreError, match=f"has no layer {s.num_layers}"):
+        store.get_layer("snap", s.num_layers)
 
 
 def _prompt_batch(seed: int, shared_pages: int, own_pages: int, layers: int = 2):

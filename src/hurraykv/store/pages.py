@@ -43,11 +43,9 @@ from ..io.stream import write_tensor
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
     KVCacheSnapshot,
+    SnapshotAssembler,
     group_head,
-    is_kv_scales,
-    is_seq_lens,
     kv_scales_member,
-    row_major_array,
     seq_lens_member,
 )
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
@@ -425,19 +423,12 @@ class PageStore:
         if not members:
             raise StoreError(f"snapshot {snapshot_id!r} has no layer {layer}", field="layer",
                              value=layer)
-        seq_lens = kv_scales = None
-        for _, desc, bufs in scalars:
-            if is_seq_lens(desc):
-                seq_lens = row_major_array(desc, bufs).astype(np.int64)
-            elif is_kv_scales(desc):
-                kv_scales = row_major_array(desc, bufs)
-        out = []
-        for _, desc, bufs in sorted(members, key=lambda m: m[1].layout.kv_role):
-            scale = None
-            if kv_scales is not None:
-                scale = float(kv_scales[layer, 1 if desc.layout.kv_role == 1 else 0])
-            out.append(BlockPagedTensor.from_descriptor(desc, bufs, seq_lens, fp8_scale=scale))
-        return tuple(out)
+        asm = SnapshotAssembler()
+        done = [asm.add(desc, bufs) for _, desc, bufs in scalars + members]
+        if done[-1] is None:
+            raise StoreError(f"snapshot {snapshot_id!r}: layer {layer} lacks one of its roles",
+                             field="kv_role", value=layer)
+        return done[-1][1]
 
     def _assemble(self, snapshot_id: str, items: list, table: list[bytes],
                   only_layer: int | None) -> tuple[list, list]:
@@ -581,7 +572,13 @@ class PageStore:
             self._unindex(snapshot_id, items, tokens)
 
     def _unindex(self, snapshot_id: str, items: list, tokens: bytes) -> None:
-        seq_lens = next(row_lens for d, b in items if (row_lens := _seq_lens(d, b)) is not None)
+        asm = SnapshotAssembler()
+        for desc, bufs in items:
+            if not isinstance(desc.layout, BlockPaged):
+                asm.add(desc, bufs)
+        seq_lens = asm.seq_lens
+        if seq_lens is None:  # not a manifest put() wrote; lookup_prefix skips dead ids anyway
+            return
         page_size = next(d.layout.page_size for d, _ in items
                          if isinstance(d.layout, BlockPaged))
         ids = np.frombuffer(tokens, "<i8")
@@ -612,10 +609,6 @@ def _parse_prefix_value(value: bytes) -> tuple[str, int, int]:
     (n,) = struct.unpack_from("<I", value)
     seq, count = struct.unpack_from("<IQ", value, 4 + n)
     return value[4:4 + n].decode("utf-8"), seq, count
-
-
-def _seq_lens(desc: TensorDescriptor, bufs: list) -> np.ndarray | None:
-    return row_major_array(desc, bufs).astype(np.int64) if is_seq_lens(desc) else None
 
 
 def _parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], bytes]:
