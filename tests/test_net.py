@@ -343,7 +343,15 @@ def test_restart_with_persist_serves_the_same_bytes(tmp_path):
         assert st.server.store._objects == {}  # nothing in memory: served from the file
         with KVClient(st.address) as c:
             assert c.pull("kept").equal(first)
+            mapped = st.server.store._mapped["kept"]
+            assert c.pull("kept").equal(first) and st.server.store._mapped["kept"] is mapped
+            other = make_snapshot("fp8", seed=9)
+            c.push("kept", other)  # replaces the file: the old mapping must not be served
+            st.server.store._objects.clear()
+            st.server.store.memory_bytes = 0
+            assert c.pull("kept").equal(zeroed(other)) and not c.pull("kept").equal(first)
             c.delete("kept")
+            assert "kept" not in st.server.store._mapped
     assert list(tmp_path.glob("*.hrry")) == []
 
 

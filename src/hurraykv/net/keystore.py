@@ -75,6 +75,9 @@ class KeyStore:
         self.zero_unused = zero_unused
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()
         self._files: dict[str, Path] = {}
+        # Persisted objects already opened: their index is parsed and validated once, not
+        # per pull.  They live in the page cache (mmap), outside the memory budget.
+        self._mapped: dict[str, StoredObject] = {}
         self.memory_bytes = 0
         if self.persist:
             self.persist.mkdir(parents=True, exist_ok=True)
@@ -108,12 +111,17 @@ class KeyStore:
         if obj is not None:
             self._objects.move_to_end(key)
             return obj
+        obj = self._mapped.get(key)
+        if obj is not None:
+            return obj
         path = self._files.get(key)
         if path is None:
             return self._from_backing(key)
         f = HrryFile.open(path)  # served zero-copy from the mapping
         items = [(f.descriptor(n), f.buffers(n)) for n in f.names]
-        return StoredObject(items, sum(h.byte_size for d, _ in items for h in d.buffers), path)
+        obj = StoredObject(items, sum(h.byte_size for d, _ in items for h in d.buffers), path)
+        self._mapped[key] = obj
+        return obj
 
     def _from_backing(self, key: str) -> StoredObject | None:
         if self.backing is None or key not in self.backing:
@@ -158,6 +166,7 @@ class KeyStore:
         self._evict()
 
     def _drop_memory(self, key: str) -> None:
+        self._mapped.pop(key, None)  # a replaced file is a new inode: map it afresh
         old = self._objects.pop(key, None)
         if old is not None:
             self.memory_bytes -= old.nbytes
