@@ -17,11 +17,9 @@ import time
 
 import numpy as np
 
-import hurraykv as hk
 from bench_paged import best, print_table
+from bench_snapshot import make
 from hurraykv.net.client import KVClient
-
-HEADS, DIM, PAGE = 8, 128, 16
 
 RAW_PEER = r"""
 import socket, sys, numpy as np
@@ -43,18 +41,6 @@ while True:
         break
     conn.close()
 """
-
-
-def make(layers: int, pages: int) -> hk.KVCacheSnapshot:
-    rng = np.random.default_rng(0)
-    seqs = max(1, min(64, pages // 2))
-    per = pages // seqs
-    block_table = rng.permutation(pages)[: per * seqs]
-    seq_ptr = np.arange(0, per * seqs + 1, per)
-    lens = np.full(seqs, per * PAGE) - rng.integers(0, PAGE, seqs)
-    pools = [rng.standard_normal((pages, PAGE, HEADS, DIM), dtype=np.float32).astype(np.float16)
-             for _ in range(2 * layers)]
-    return hk.KVCacheSnapshot.from_arrays(pools[0::2], pools[1::2], block_table, seq_ptr, lens)
 
 
 def raw_send(port: int, n: int, data: np.ndarray, op: bytes = b"r") -> None:
@@ -127,7 +113,7 @@ def main() -> None:
          f"{min(firsts) / min(wholes):.3f} of whole", ""),
         ("iter_pull: whole snapshot", f"{min(wholes) * 1e3:.1f} ms", "1.000", ""),
     ]
-    print_table(f"snapshot {total / gib:.2f} GiB float16 ({layers} layers x key/value), "
+    print_table(f"snapshot {total / gib:.2f} GiB {snap.dtype} ({layers} layers x key/value), "
                 f"loopback, server in its own process; best of {r}", rows)
 
 
