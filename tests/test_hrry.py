@@ -229,9 +229,12 @@ def test_index_bit_flips_fail_the_crc(small_file):
         raw[index_off + 8 + bit // 8] ^= 1 << (bit % 8)
         with pytest.raises(hk.ContainerError, match="index_crc32c"):
             _load(bytes(raw))
+        with pytest.raises(hk.ContainerError, match="index_crc32c"):
+            list(iter_hrry_sequential(io.BytesIO(bytes(raw))))
 
 
 def test_header_and_trailer_rules(small_file):
+    assert struct.unpack_from("<Q", small_file, 28)[0] == 4  # streamed tensor by tensor
     cases = [(0, b"HRRYFILX", "magic"), (8, b"\x02", "container_version_major"),
              (12, b"\x08", "file_flags"), (16, struct.pack("<I", 1000), "alignment"),
              (20, struct.pack("<Q", 12), "first_descriptor_offset"), (40, b"\x01", "reserved"),
@@ -242,6 +245,8 @@ def test_header_and_trailer_rules(small_file):
         raw[off:off + len(patch)] = patch
         with pytest.raises(hk.ContainerError, match=match):
             _load(bytes(raw))
+        with pytest.raises(hk.ContainerError, match=match):  # the same rules, streaming
+            list(iter_hrry_sequential(io.BytesIO(bytes(raw))))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -304,64 +304,10 @@ class HrryFile:
         if size < HEADER.size + TRAILER.size:
             raise _bad(f"{self.source}: {size} bytes cannot hold a 64-byte header and a 40-byte "
                        "trailer", "file_size", value=size)
-        (magic, major, _minor, rsv, flags, align, first, hint,
-         rsv2) = HEADER.unpack(self._read(0, 64))
+        flags, align, first, hint = parse_header(self._read(0, 64), size)
         self.flags, self.alignment, self.first_descriptor_offset = flags, align, first
         self.tensor_count_hint = hint
-        if magic != MAGIC:
-            raise _bad(f"magic at byte 0: found {magic!r}; a .hrry file starts with HRRYFILE",
-                       "magic", 0, magic)
-        if major != 1:
-            raise _bad(f"container_version_major at byte 8: found {major}; this reader "
-                       "supports 1", "container_version_major", 8, major)
-        if any(rsv) or any(rsv2):
-            raise _bad("header reserved bytes MUST be 0", "header._reserved",
-                       10 if any(rsv) else 36)
-        if flags & ~7:
-            raise _bad(f"file_flags at byte 12: found 0x{flags:x}; bits 3-31 are reserved",
-                       "file_flags", 12, flags)
-        if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT:
-            raise _bad(f"data_buffer_alignment at byte 16: found {align}; a power of two in "
-                       "[4096, 2097152]", "data_buffer_alignment", 16, align)
-        if first < 64 or first % 8 or first > size - TRAILER.size:
-            raise _bad(f"first_descriptor_offset at byte 20: found {first}; >= 64, 8-aligned "
-                       "and inside the file", "first_descriptor_offset", 20, first)
-        t_off = size - TRAILER.size
-        (index_off, index_len, kv_off, kv_len, crc, rsv3,
-         tmagic) = TRAILER.unpack(self._read(t_off, TRAILER.size))
-        if tmagic != TRAILER_MAGIC:
-            raise _bad(f"trailer_magic at byte {t_off + 36}: found {tmagic!r}; expected b'HRRY' "
-                       "(truncated or not a .hrry file)", "trailer_magic", t_off + 36, tmagic)
-        if any(rsv3):
-            raise _bad("trailer reserved bytes MUST be 0", "trailer._reserved", t_off + 32)
-        if index_off + index_len > t_off or index_off < first or index_off % 8 or index_len < 8:
-            raise _bad(f"index_offset {index_off} + index_length {index_len} at byte {t_off}: the "
-                       f"index lies 8-aligned between the tensors (from {first}) and the "
-                       f"trailer ({t_off})", "index_offset", t_off, index_off)
-        region_end = index_off
-        self.kv: dict[str, Any] = {}
-        if kv_off or kv_len:
-            if (kv_off % 8 or kv_off < first or kv_off + kv_len > index_off
-                    or not kv_off or not kv_len):
-                raise _bad(f"kv_offset {kv_off} / kv_length {kv_len} at byte {t_off + 16}: the "
-                           f"KV section lies 8-aligned before the index ({index_off})",
-                           "kv_offset", t_off + 16, kv_off)
-            region_end = kv_off
-        elif flags & HAS_KV_METADATA:
-            raise _bad("HAS_KV_METADATA is set but the trailer locates no KV section",
-                       "file_flags", 12, flags)
-        index = self._read(index_off, index_len)
-        if flags & HAS_INDEX_CRC32C:
-            if crc32c(index) != crc:
-                raise _bad(f"index_crc32c at byte {t_off + 28}: stored 0x{crc:08x}, the index "
-                           f"hashes to 0x{crc32c(index):08x}", "index_crc32c", t_off + 28, crc,
-                           "the index MUST match its CRC-32C")
-        elif crc:
-            raise _bad(f"index_crc32c at byte {t_off + 28} is 0x{crc:08x} without "
-                       "HAS_INDEX_CRC32C; it MUST be 0", "index_crc32c", t_off + 28, crc)
-        if kv_len:
-            self.kv = decode_kv(self._read(kv_off, kv_len), kv_off)
-        self.entries = parse_index(index, index_off, flags)
+        region_end, self.kv, self.entries = parse_tail(self._read, size, first, flags)
         self._by_name = {e.name: e for e in self.entries}
         self._descs = {e.name: self._check_tensor(e, region_end) for e in self.entries}
         self.entries.sort(key=lambda e: e.descriptor_offset)
@@ -509,6 +455,74 @@ def parse_index(index: bytes, base: int, flags: int) -> list[IndexEntry]:
     return entries
 
 
+def parse_header(raw: bytes, size: int | None) -> tuple[int, int, int, int]:
+    """``(file_flags, data_buffer_alignment, first_descriptor_offset, tensor_count_hint)``
+    of a 64-byte header, every rule checked (``size``: the file's, when known)."""
+    (magic, major, _minor, rsv, flags, align, first, hint, rsv2) = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise _bad(f"magic at byte 0: found {magic!r}; a .hrry file starts with HRRYFILE",
+                   "magic", 0, magic)
+    if major != 1:
+        raise _bad(f"container_version_major at byte 8: found {major}; this reader "
+                   "supports 1", "container_version_major", 8, major)
+    if any(rsv) or any(rsv2):
+        raise _bad("header reserved bytes MUST be 0", "header._reserved",
+                   10 if any(rsv) else 36)
+    if flags & ~7:
+        raise _bad(f"file_flags at byte 12: found 0x{flags:x}; bits 3-31 are reserved",
+                   "file_flags", 12, flags)
+    if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT:
+        raise _bad(f"data_buffer_alignment at byte 16: found {align}; a power of two in "
+                   "[4096, 2097152]", "data_buffer_alignment", 16, align)
+    if first < 64 or first % 8 or (size is not None and first > size - TRAILER.size):
+        raise _bad(f"first_descriptor_offset at byte 20: found {first}; >= 64, 8-aligned "
+                   "and inside the file", "first_descriptor_offset", 20, first)
+    return flags, align, first, hint
+
+
+def parse_tail(read: Callable[[int, int], bytes], size: int, first: int, flags: int
+               ) -> tuple[int, dict[str, Any], list[IndexEntry]]:
+    """Trailer, KV section and index of a file of ``size`` bytes whose bytes ``read(offset,
+    n)`` returns: ``(end of the tensor region, KV metadata, index entries)``.  Random-access
+    and sequential reading share it, so both enforce the same rules."""
+    t_off = size - TRAILER.size
+    (index_off, index_len, kv_off, kv_len, crc, rsv3,
+     tmagic) = TRAILER.unpack(read(t_off, TRAILER.size))
+    if tmagic != TRAILER_MAGIC:
+        raise _bad(f"trailer_magic at byte {t_off + 36}: found {tmagic!r}; expected b'HRRY' "
+                   "(truncated or not a .hrry file)", "trailer_magic", t_off + 36, tmagic)
+    if any(rsv3):
+        raise _bad("trailer reserved bytes MUST be 0", "trailer._reserved", t_off + 32)
+    if index_off + index_len > t_off or index_off < first or index_off % 8 or index_len < 8:
+        raise _bad(f"index_offset {index_off} + index_length {index_len} at byte {t_off}: the "
+                   f"index lies 8-aligned between the tensors (from {first}) and the "
+                   f"trailer ({t_off})", "index_offset", t_off, index_off)
+    region_end = index_off
+    kv: dict[str, Any] = {}
+    if kv_off or kv_len:
+        if (kv_off % 8 or kv_off < first or kv_off + kv_len > index_off
+                or not kv_off or not kv_len):
+            raise _bad(f"kv_offset {kv_off} / kv_length {kv_len} at byte {t_off + 16}: the "
+                       f"KV section lies 8-aligned before the index ({index_off})",
+                       "kv_offset", t_off + 16, kv_off)
+        region_end = kv_off
+    elif flags & HAS_KV_METADATA:
+        raise _bad("HAS_KV_METADATA is set but the trailer locates no KV section",
+                   "file_flags", 12, flags)
+    index = read(index_off, index_len)
+    if flags & HAS_INDEX_CRC32C:
+        if crc32c(index) != crc:
+            raise _bad(f"index_crc32c at byte {t_off + 28}: stored 0x{crc:08x}, the index "
+                       f"hashes to 0x{crc32c(index):08x}", "index_crc32c", t_off + 28, crc,
+                       "the index MUST match its CRC-32C")
+    elif crc:
+        raise _bad(f"index_crc32c at byte {t_off + 28} is 0x{crc:08x} without "
+                   "HAS_INDEX_CRC32C; it MUST be 0", "index_crc32c", t_off + 28, crc)
+    if kv_len:
+        kv = decode_kv(read(kv_off, kv_len), kv_off)
+    return region_end, kv, parse_index(index, index_off, flags)
+
+
 # --------------------------------------------------------------------------- sequential
 def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescriptor, list]]:
     """Read a .hrry file from a non-seekable source, in order (file-format.md § Sequential
@@ -519,19 +533,12 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
 
     reader = TensorStreamReader(f)
     header = reader.read_exact(64, "header").tobytes()
-    if header[:8] != MAGIC:
-        raise _bad(f"magic at byte 0: found {header[:8]!r}", "magic", 0, header[:8])
-    hint = struct.unpack_from("<Q", header, 28)[0]
-    align = struct.unpack_from("<I", header, 16)[0]
-    first = struct.unpack_from("<Q", header, 20)[0]
+    flags, align, first, hint = parse_header(header, None)
     if hint == UNKNOWN_COUNT:
-        rest = f.read()
-        parsed = HrryFile.from_bytes(header + rest)
+        parsed = HrryFile.from_bytes(header + f.read())
         for name in parsed.names:
             yield name, parsed.descriptor(name), parsed.buffers(name)
         return
-    if align & (align - 1) or not DEFAULT_ALIGNMENT <= align <= MAX_ALIGNMENT or first < 64:
-        HrryFile.from_bytes(header + bytes(TRAILER.size))  # raises the header's own error
     reader.read_exact(first - 64, "padding")
     offsets = []
     for k in range(hint):
@@ -546,40 +553,26 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
     reader.pad_to(8)
     boundary = reader.offset
     tail = f.read()
-    t_off = len(tail) - TRAILER.size
-    if t_off < 0:
-        raise _bad("the file ends before its trailer", "trailer", boundary + len(tail))
-    index_off, _, kv_off, *_ = TRAILER.unpack_from(tail, t_off)
-    if boundary not in (kv_off or index_off, index_off):
-        raise _bad(f"after {hint} tensors the reader is at byte {boundary}, which is neither the "
-                   f"KV section ({kv_off}) nor the index ({index_off})", "tensor_count_hint",
-                   28, hint, "the running offset lands on a declared section boundary")
-    _check_tail(header, boundary, tail, offsets)
+    size = boundary + len(tail)
+    if len(tail) < TRAILER.size:
+        raise _bad(f"the file ends at byte {size}, {len(tail)} bytes after the tensors: too "
+                   "short for the trailer", "trailer", size)
 
+    def read(off: int, n: int) -> bytes:
+        if off < boundary:  # the tensors are streamed past, not kept
+            raise _bad(f"byte {off} lies in the tensor region (before {boundary})",
+                       "index_offset", off, rule="KV section and index follow the tensors")
+        return tail[off - boundary:off - boundary + n]
 
-def _check_tail(header: bytes, boundary: int, tail: bytes, offsets: list[int]) -> None:
-    """KV, index and trailer of a sequentially read file, against the tensors seen."""
-    flags = struct.unpack_from("<I", header, 12)[0]
-    t_off = len(tail) - TRAILER.size
-    index_off, index_len, kv_off, kv_len, crc, _, magic = TRAILER.unpack_from(tail, t_off)
-    if magic != TRAILER_MAGIC:
-        raise _bad(f"trailer_magic: found {magic!r}", "trailer_magic", boundary + t_off + 36)
-    rel = index_off - boundary
-    if rel < 0 or rel + index_len > t_off:
-        raise _bad(f"index_offset {index_off} lies outside the tail after byte {boundary}",
-                   "index_offset", boundary + t_off, index_off)
-    index = tail[rel:rel + index_len]
-    if (flags & HAS_INDEX_CRC32C and crc32c(index) != crc) or (
-            not flags & HAS_INDEX_CRC32C and crc):
-        raise _bad(f"index_crc32c: stored 0x{crc:08x}, the index hashes to "
-                   f"0x{crc32c(index):08x}", "index_crc32c", boundary + t_off + 28, crc)
-    if kv_len:
-        decode_kv(tail[kv_off - boundary:kv_off - boundary + kv_len], kv_off)
-    entries = parse_index(index, index_off, flags)
+    region_end, _, entries = parse_tail(read, size, first, flags)
+    if boundary != region_end:
+        raise _bad(f"after {hint} tensors the reader is at byte {boundary}, not at the end of "
+                   f"the tensor region ({region_end})", "tensor_count_hint", 28, hint,
+                   "the running offset lands on the section after the tensors")
     located = sorted(e.descriptor_offset for e in entries)
     if located != offsets:
         raise _bad(f"the index locates descriptors at {located}, the tensor region held them "
-                   f"at {offsets}", "descriptor_offset", index_off)
+                   f"at {offsets}", "descriptor_offset", region_end)
 
 
 __all__ = ["HrryFile", "HrryWriter", "IndexEntry", "iter_hrry_sequential", "write_hrry"]
