@@ -12,14 +12,17 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "reference"
 VECTORS = Path(__file__).parent / "vectors"
+# The reference project's golden vectors, vendored so a clone anywhere tests against them;
+# SHARED_REFERENCE is the workspace copy they came from (checked equal when present).
+REFERENCE = VECTORS / "reference"
+SHARED_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "reference"
 
 
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
     if not (REFERENCE / "manifest.json").exists():
-        pytest.fail(f"reference conformance vectors not found at {REFERENCE} (../shared)")
+        pytest.fail(f"reference conformance vectors not found at {REFERENCE}")
     return REFERENCE
 
 

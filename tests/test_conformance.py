@@ -1,4 +1,5 @@
-"""Reference vectors (../shared/conformance/reference) and our own (tests/vectors)."""
+"""Reference vectors (tests/vectors/reference, from the reference project) and our own
+(tests/vectors)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,18 @@ def test_worked_example_bytes_match_the_wire_notes_hex_dump():
     03 80 02 00 00 00 00 00 00 40 00 00 00 00 00 00 00 0c 00 00 00 00 00 00 00 40 00 00
     00 00 00 00 00 0c 00 00 00 00 00 00 00 40 00 00 00 00 00 00 00"""
     assert make_vectors.WORKED.encode() == bytes.fromhex(dump)
+
+
+def test_vendored_reference_vectors_match_the_workspace_copy(reference_dir):
+    """tests/vectors/reference is a copy of ../shared/conformance/reference: where the
+    workspace copy exists (a developer checkout), the two hold the same files and bytes."""
+    from tests.conftest import SHARED_REFERENCE
+
+    if not SHARED_REFERENCE.is_dir():
+        pytest.skip(f"no workspace copy at {SHARED_REFERENCE} (a standalone clone)")
+
+    def files(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes()
+                for p in sorted(root.rglob("*")) if p.is_file() and p.name != "PROVENANCE.md"}
+
+    assert files(reference_dir) == files(SHARED_REFERENCE)
