@@ -147,12 +147,15 @@ def redis_cluster_url(tmp_path_factory):
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-        for _ in range(200):
-            info = redis.Redis(port=ports[0]).cluster("info")
-            state = info.get("cluster_state") if isinstance(info, dict) else None
-            if state in ("ok", b"ok") or (isinstance(info, (bytes, str))
-                                          and "cluster_state:ok" in str(info)):
-                break
+        # Every node must see all slots covered before the first command: a node that has
+        # not yet heard of the others answers CLUSTERDOWN.
+        deadline = time.monotonic() + 60
+        waiting = list(ports)
+        while waiting:
+            waiting = [p for p in waiting if "cluster_state:ok" not in str(
+                redis.Redis(port=p).execute_command("CLUSTER", "INFO"))]
+            if waiting and time.monotonic() > deadline:
+                pytest.fail(f"Redis Cluster nodes {waiting} did not reach cluster_state:ok")
             time.sleep(0.05)
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:
