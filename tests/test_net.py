@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import socket
 import struct
@@ -20,6 +19,7 @@ from hurraykv.net.client import KVClient
 from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.messages import MessageType as T
 from hurraykv.net.server import KVServer
+from tests.certs import PKI, name
 from tests.snapshots import make_snapshot
 
 KINDS = ["float16", "bfloat16", "int8", "fp8"]
@@ -265,52 +265,17 @@ def test_limits_budget_connections_and_timeouts(caplog):
         raw = Raw(st.address)
         raw.sock.sendall(m.message(T.PING, 3, b"x" * 10)[:15])  # then stall
         assert raw.error_code() == E.TIMEOUT
-    assert any("put key='a' bytes=" in r.message and "GB/s=" in r.message
+    assert any("put key='a' bytes=" in r.message and "GiB/s=" in r.message
                for r in caplog.records)
     assert any("get key='c'" in r.message for r in caplog.records)
 
 
-def _certs(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def make(name: str, issuer=None, ca: bool = False, san: bool = False):
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        b = (x509.CertificateBuilder().subject_name(subject)
-             .issuer_name(issuer[0].subject if issuer else subject)
-             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress").ip_address(
-                    "127.0.0.1"))]), critical=False)
-        cert = b.sign(issuer[1] if issuer else key, hashes.SHA256())
-        (tmp_path / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (tmp_path / f"{name}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-        return cert, key
-
-    ca = make("test-ca", ca=True)
-    make("server", ca, san=True)
-    make("tenant-a", ca)
-    make("tenant-b", ca)
-    return {n: (str(tmp_path / f"{n}.pem"), str(tmp_path / f"{n}.key"))
-            for n in ("test-ca", "server", "tenant-a", "tenant-b")}
-
-
 def test_mutual_tls_scopes_keys_by_client_subject(tmp_path):
-    certs = _certs(tmp_path)
-    ca = certs["test-ca"][0]
-    with KVServer(listen="127.0.0.1:0", tls_cert=certs["server"][0],
-                  tls_key=certs["server"][1], tls_ca=ca).run_in_thread() as st:
+    pki = PKI(tmp_path)
+    ca = pki.ca_pem
+    certs = {n: pki.client(n, name(("CN", n))) for n in ("tenant-a", "tenant-b")}
+    with KVServer(listen="127.0.0.1:0", tls_cert=pki.pair("server")[0],
+                  tls_key=pki.pair("server")[1], tls_ca=ca).run_in_thread() as st:
         a_snap, b_snap = make_snapshot("float16", seed=1), make_snapshot("int8", seed=2)
 
         def client(name: str) -> KVClient:

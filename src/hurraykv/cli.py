@@ -15,23 +15,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import stat
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import HurrayError, SnapshotError
+from .errors import HurrayError, StreamError
 from .io.hrry import HrryFile
 from .io.snapshots import save_snapshot, snapshot_from_file
-from .io.stream import SnapshotStreamReader, TensorStreamReader
-from .snapshot import KVCacheSnapshot, member_name
+from .io.stream import TensorStreamReader
+from .paged import BlockPagedTensor
+from .snapshot import GROUP, KVCacheSnapshot, member_name
 from .wire.annotate import format_rows, layout_fields, quantization_fields, to_json
 from .wire.descriptor import TensorDescriptor, decode_descriptor
-from .wire.layouts import BlockPaged, layout_name
+from .wire.layouts import BlockPaged, Composite, layout_name
 
 
 class Progress:
@@ -62,28 +66,78 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _read_head(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(10)
-    except OSError as e:
-        raise SystemExit(_usage_error(f"cannot read {path}: {e.strerror}")) from None
-
-
 def _usage_error(msg: str) -> int:
     print(f"hurraykv: {msg}", file=sys.stderr)
     return 2
 
 
-def kind_of(path: str) -> str:
-    head = _read_head(path)
-    if head[:8] == b"HRRYFILE":
-        return "hrry"
-    if len(head) == 10 and head[:4] == b"HRRY":
-        length = int.from_bytes(head[6:10], "little")
-        if 20 <= length < os.path.getsize(path):
-            return "stream"  # bytes follow the first descriptor: its buffers, more tensors
-    return "descriptor"  # one descriptor, or let the decoder say what is wrong with it
+class Input:
+    """What the user named: a regular file (read lazily, mapped), or standard input and
+    any other non-seekable source (``-``, ``/dev/stdin``, a pipe), read once into memory,
+    so that sniffing the kind never consumes bytes the reader then misses."""
+
+    def __init__(self, path: str) -> None:
+        self.name = "<stdin>" if path == "-" else path
+        self.path: str | None = None
+        self.data: memoryview | None = None
+        try:
+            if path == "-":
+                self.data = _read_all(sys.stdin.buffer)
+            else:
+                with open(path, "rb") as f:
+                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        self.path = path
+                    else:
+                        self.data = _read_all(f)
+        except OSError as e:
+            raise SystemExit(_usage_error(f"cannot read {self.name}: {e.strerror}")) from None
+
+    @property
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else os.path.getsize(self.path)
+
+    def head(self, n: int) -> bytes:
+        if self.data is not None:
+            return bytes(self.data[:n])
+        with open(self.path, "rb") as f:
+            return f.read(n)
+
+    def read(self) -> bytes | memoryview:
+        return self.data if self.data is not None else Path(self.path).read_bytes()
+
+    def hrry(self) -> HrryFile:
+        if self.data is not None:
+            return HrryFile.from_bytes(self.data, self.name)
+        return HrryFile.open(self.path)
+
+    def stream(self) -> BinaryIO:
+        return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")
+
+    @property
+    def kind(self) -> str:
+        head = self.head(10)
+        if head[:8] == b"HRRYFILE":
+            return "hrry"
+        if len(head) == 10 and head[:4] == b"HRRY":
+            length = int.from_bytes(head[6:10], "little")
+            if 20 <= length < self.size:
+                return "stream"  # bytes follow the first descriptor: buffers, more tensors
+        return "descriptor"  # one descriptor, or let the decoder say what is wrong with it
+
+
+def _read_all(f: BinaryIO) -> memoryview:
+    """Everything ``f`` yields, in one growing buffer (memory follows the bytes that come)."""
+    buf = bytearray(1 << 16)
+    got = 0
+    while True:
+        if got == len(buf):
+            bigger = bytearray(2 * len(buf))
+            bigger[:got] = buf
+            buf = bigger
+        n = f.readinto(memoryview(buf)[got:])
+        if not n:
+            return memoryview(buf)[:got]
+        got += n
 
 
 def _jsonable(v: Any) -> Any:
@@ -130,36 +184,104 @@ def _snapshot_rows(snap: KVCacheSnapshot) -> list[dict[str, Any]]:
     return rows
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    kind = kind_of(args.path)
+@dataclass
+class Contents:
+    """What an input holds: one descriptor, a KV snapshot, or standalone tensors."""
+
+    kind: str  # "descriptor", "hrry" or "stream"
+    desc: TensorDescriptor | None = None
+    snapshot: KVCacheSnapshot | None = None
+    tensors: list[tuple[str | None, TensorDescriptor, Any]] = field(default_factory=list)
+    file: HrryFile | None = None
+
+
+def _torn_head(desc: TensorDescriptor) -> str:
+    """Why a lone descriptor is a cut stream: a composite head whose members never came."""
+    layout = desc.layout
+    if isinstance(layout, Composite) and layout.member_count:
+        return (f"a composite head announcing {layout.member_count} members, and none "
+                "follow: as a stream this is truncated")
+    return ""
+
+
+def _is_group(desc: TensorDescriptor) -> bool:
+    return isinstance(desc.layout, Composite) and desc.layout.rule == GROUP
+
+
+def _has_block_paged(descs: list[TensorDescriptor]) -> bool:
+    return any(isinstance(d.layout, BlockPaged) for d in descs)
+
+
+def load_contents(inp: Input, permissive: bool = False) -> Contents:
+    """Read an input once.  A group whose members include block-paged tensors is a KV
+    snapshot and held to the snapshot rules; anything else is a set of tensors, each
+    held to its own rules."""
+    kind = inp.kind
     if kind == "descriptor":
-        desc = decode_descriptor(Path(args.path).read_bytes(), strict=not args.permissive)
+        return Contents(kind, desc=decode_descriptor(inp.read(), strict=not permissive))
+    if kind == "hrry":
+        f = inp.hrry()
+        heads = [n for n in f.names if isinstance(f.descriptor(n).layout, Composite)]
+        if any(_is_group(f.descriptor(h)) and _has_block_paged(
+                [f.descriptor(m) for m in f.members(h)]) for h in heads):
+            return Contents(kind, snapshot=snapshot_from_file(f), file=f)
+        return Contents(kind, tensors=[(n, f.descriptor(n), f.buffers(n)) for n in f.names
+                                       if n not in heads], file=f)
+    with inp.stream() as fh:
+        items = list(TensorStreamReader(fh))
+    if (len(items) == 1 and _is_group(items[0].desc)
+            and _has_block_paged([m.desc for m in items[0].members])):
+        return Contents(kind, snapshot=KVCacheSnapshot.from_members(
+            [(None, m.desc, m.buffers) for m in items[0].members]))
+    flat: list[tuple[str | None, TensorDescriptor, Any]] = []
+
+    def walk(item: Any) -> None:
+        if not isinstance(item.desc.layout, Composite):
+            flat.append((None, item.desc, item.buffers))
+        for m in item.members:
+            walk(m)
+
+    for item in items:
+        walk(item)
+    return Contents(kind, tensors=flat)
+
+
+def _check_tensors(contents: Contents) -> list[BlockPagedTensor | None]:
+    """Each standalone block-paged tensor built (index invariants; lengths per D6)."""
+    return [BlockPagedTensor.from_descriptor(d, b) if isinstance(d.layout, BlockPaged)
+            else None for _, d, b in contents.tensors]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    inp = Input(args.path)
+    contents = load_contents(inp, args.permissive)
+    if contents.desc is not None:
+        desc = contents.desc
         if args.json:
             print(json.dumps(to_json(desc), indent=2))
         else:
             print(_summary(desc))
+            if _torn_head(desc):
+                print(f"  note         : {_torn_head(desc)}")
             print()
             print(format_rows(desc))
         return 0
-    if kind == "hrry":
-        f = HrryFile.open(args.path)
-        snap = _try_snapshot(f)
-        rows = _snapshot_rows(snap) if snap is not None else [
-            _tensor_row(n, f.descriptor(n)) for n in f.names]
-        out = {"kind": "hrry", "snapshot": snap is not None, "tensors": rows,
-               "kv": {k: _jsonable(v) for k, v in f.kv.items()},
-               "data_buffer_alignment": f.alignment}
+    snap, f = contents.snapshot, contents.file
+    if snap is not None:
+        rows = _snapshot_rows(snap)
     else:
-        with open(args.path, "rb") as fh:
-            reader = SnapshotStreamReader(fh)
-            try:
-                snap = reader.read()
-                rows, extra = _snapshot_rows(snap), {}
-            except HurrayError:
-                fh.seek(0)
-                items = list(TensorStreamReader(fh))
-                snap, rows, extra = None, [_tensor_row(None, i.desc) for i in items], {}
-        out = {"kind": "stream", "snapshot": snap is not None, "tensors": rows} | extra
+        rows = []
+        for (name, desc, _), t in zip(contents.tensors, _check_tensors(contents), strict=True):
+            row = _tensor_row(name, desc)
+            if t is not None:
+                row |= {"num_pages": t.num_pages, "pages_referenced": len(t.referenced_pages),
+                        "pages_shared": len(t.shared_pages)}
+            rows.append(row)
+    out: dict[str, Any] = {"kind": contents.kind, "snapshot": snap is not None,
+                           "tensors": rows}
+    if f is not None:
+        out |= {"kv": {k: _jsonable(v) for k, v in f.kv.items()},
+                "data_buffer_alignment": f.alignment}
     if snap is not None:
         out |= {"num_layers": snap.num_layers, "num_seqs": snap.num_seqs,
                 "seq_lens": _jsonable(snap.seq_lens), "page_size": snap.page_size,
@@ -169,40 +291,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    title = f"{args.path}: {out['kind']}"
-    if snap is not None:
-        title += f", {snap!r}"
+    title = f"{inp.name}: {out['kind']}"
+    title += f", {snap!r}" if snap is not None else f", {len(rows)} tensors, no KV snapshot"
     print(title)
     print(_table(rows))
     for k, v in out.get("kv", {}).items():
         print(f"  kv {k} = {v}")
     return 0
-
-
-def _try_snapshot(f: HrryFile) -> KVCacheSnapshot | None:
-    try:
-        return snapshot_from_file(f)
-    except HurrayError:
-        if any(isinstance(f.descriptor(n).layout, BlockPaged) for n in f.names):
-            raise
-        return None
-
-
-def _load_any(path: str, quiet: bool) -> tuple[KVCacheSnapshot | None, HrryFile | None]:
-    kind = kind_of(path)
-    if kind == "hrry":
-        f = HrryFile.open(path)
-        return _try_snapshot(f), f
-    if kind == "stream":
-        with open(path, "rb") as fh:
-            try:
-                return SnapshotStreamReader(fh).read(), None
-            except SnapshotError:  # a valid stream of tensors that is no KV snapshot
-                fh.seek(0)
-                for _ in TensorStreamReader(fh):
-                    pass
-                return None, None
-    return None, None
 
 
 def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
@@ -217,24 +312,32 @@ def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    kind = kind_of(args.path)
-    if kind == "descriptor":
-        desc = decode_descriptor(Path(args.path).read_bytes(), strict=not args.permissive)
+    inp = Input(args.path)
+    contents = load_contents(inp, args.permissive)
+    if contents.desc is not None:
+        desc = contents.desc
+        torn = _torn_head(desc)
+        if torn:
+            raise StreamError(f"{inp.name}: {torn}", field="member_count",
+                              value=desc.layout.member_count,
+                              rule="a composite closes at its Nth member")
         note = f" (permissive: relaxed {len(desc.relaxed)} rule(s))" if desc.relaxed else ""
-        print(f"{args.path}: valid descriptor{note}")
+        print(f"{inp.name}: valid descriptor{note}")
         return 0
-    snap, f = _load_any(args.path, args.quiet)
-    if snap is not None:
-        _build_all(snap, args.quiet)
-        print(f"{args.path}: valid {kind}, {snap!r}")
-    else:
-        what = f"{len(f.names)} tensors" if f is not None else "tensors, no KV snapshot"
-        print(f"{args.path}: valid {kind}, {what}")
+    if contents.snapshot is not None:
+        _build_all(contents.snapshot, args.quiet)
+        print(f"{inp.name}: valid {contents.kind}, {contents.snapshot!r}")
+        return 0
+    built = _check_tensors(contents)
+    paged = sum(t is not None for t in built)
+    print(f"{inp.name}: valid {contents.kind}, {len(built)} tensors ({paged} block-paged), "
+          "no KV snapshot")
     return 0
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    snap, _ = _load_any(args.input, args.quiet)
+    contents = load_contents(Input(args.input))
+    snap = contents.snapshot
     if snap is None:
         raise SystemExit(_usage_error(f"{args.input} holds no KV snapshot"))
     before = sum(t.num_pages for t in snap.tensors())

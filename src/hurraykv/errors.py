@@ -92,3 +92,22 @@ class StreamError(HurrayError):
 
 class ContainerError(HurrayError):
     """The .hrry file container: header, trailer, index, KV metadata, regions."""
+
+
+class TransportError(HurrayError):
+    """A connection that could not be made, broke, or timed out (the address is named)."""
+
+
+class RemoteError(HurrayError):
+    """The peer answered with an Hurray ERROR message: ``code`` and ``remote_message``."""
+
+    def __init__(self, code: int, message: str, name: str | None = None) -> None:
+        shown = name or f"0x{code:x}"
+        super().__init__(f"peer error {shown} ({code}): {message}", field="error_code",
+                         value=code, rule="the peer rejected the request")
+        self.code = code
+        self.remote_message = message
+
+
+class StoreError(HurrayError):
+    """A snapshot or page that is not in the Redis store, or a manifest that does not parse."""

@@ -254,6 +254,7 @@ class BlockPagedTensor:
                                       f"{desc.element_type_name}")
         total, heads, dim = desc.shape
         ps = layout.page_size
+        _check_row(ps, heads, dim)
         if et.sub_byte:
             rows = np.frombuffer(views[0], np.uint8).reshape(
                 layout.num_pages, et.nbytes(ps * heads * dim))
@@ -769,6 +770,18 @@ def _check_fp8_scale(et: ElementType, scale: float | None) -> float | None:
         raise QuantizationError.at("fp8_scale", None, scale, "fp8_scale MUST be finite and "
                                    "non-zero")
     return value
+
+
+MAX_ROW = np.iinfo(np.intp).max
+
+
+def _check_row(page_size: int, heads: int, dim: int) -> None:
+    """A page row (page_size*num_heads*head_dim elements) must be an array NumPy can
+    shape, even in a pool of 0 pages whose byte size the product never touches."""
+    if page_size * heads * dim > MAX_ROW:
+        raise UnsupportedError.at("shape", None, [page_size, heads, dim],
+                                  f"a page of page_size x num_heads x head_dim elements must "
+                                  f"be at most {MAX_ROW} (2^63-1) elements to be held")
 
 
 def _check_subbyte_pages(et: ElementType, page_elems: int) -> None:

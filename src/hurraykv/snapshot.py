@@ -291,7 +291,12 @@ class KVCacheSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(h.byte_size for d, _ in self._members.values() for h in d.buffers)
+        """Bytes of every member's buffers (seq_lens and kv_scales included): what a
+        stream, a file region or a push carries beside descriptors and padding."""
+        extra = 8 * len(self.seq_lens) if self.seq_lens is not None else 0
+        extra += 0 if self.kv_scales is None else self.kv_scales.size * 4
+        extra += sum(h.byte_size for _, d, _ in self.extras for h in d.buffers)
+        return extra + sum(h.byte_size for d, _ in self._members.values() for h in d.buffers)
 
     def descriptor(self, layer: int, role: str) -> TensorDescriptor:
         return self._members[self._key(layer, role)][0]

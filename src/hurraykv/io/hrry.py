@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,20 +107,22 @@ class HrryWriter:
         self._kv = encode_kv(kv) if kv else b""  # encoded first: errors before any write
         self.entries: list[IndexEntry] = []
         self._names: set[str] = set()
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                   dir=self.path.parent if str(self.path.parent) else ".")
-        self._tmp = tmp
+        fd, self._tmp = _create_temp(self.path)
         self._f = os.fdopen(fd, "wb", buffering=0)
-        if reserve and hasattr(os, "posix_fallocate"):
-            # Reserve the blocks up front: the file system allocates once rather than on
-            # every write (finish() trims what was not used).
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(fd, 0, reserve)
-        self.pos = 0
-        count = UNKNOWN_COUNT if tensor_count is None else tensor_count
-        self.flags = SORTED_INDEX | HAS_INDEX_CRC32C | (HAS_KV_METADATA if self._kv else 0)
-        self._write(HEADER.pack(MAGIC, 1, 0, b"\0\0", self.flags, alignment, HEADER.size,
-                                count, bytes(28)))
+        try:
+            if reserve and hasattr(os, "posix_fallocate"):
+                # Reserve the blocks up front: the file system allocates once rather than on
+                # every write (finish() trims what was not used).
+                with contextlib.suppress(OSError):
+                    os.posix_fallocate(fd, 0, reserve)
+            self.pos = 0
+            count = UNKNOWN_COUNT if tensor_count is None else tensor_count
+            self.flags = SORTED_INDEX | HAS_INDEX_CRC32C | (HAS_KV_METADATA if self._kv else 0)
+            self._write(HEADER.pack(MAGIC, 1, 0, b"\0\0", self.flags, alignment, HEADER.size,
+                                    count, bytes(28)))
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, data: bytes | memoryview) -> None:
         mv = memoryview(data).cast("B")
@@ -230,6 +232,31 @@ def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescr
         raise
 
 
+TEMP_SUFFIX = ".tmp"
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file ``.NAME.XXXXXXXX.tmp`` beside ``path``, created with mode
+    0666 less the process umask (as ``open`` would create ``path`` itself), so a reader
+    running as another user sees the same permissions as for any file written here."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ContainerError(f"cannot write {path}: the directory {parent} does not exist",
+                             field="path", value=str(path), rule="an existing directory")
+    for _ in range(100):
+        tmp = parent / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                           0o666), str(tmp)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ContainerError(f"cannot write {path}: {e.strerror}", field="path",
+                                 value=str(path), rule="a writable directory") from None
+    raise ContainerError(f"no free temporary name beside {path}", field="path",
+                         value=str(path))
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -246,6 +273,8 @@ def _fsync_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- reading
 class HrryFile:
     """A parsed, validated .hrry file; tensor buffers are zero-copy views of an mmap."""
+
+    _held: dict[str, list] | None = None  # buffers already read (the sequential reader)
 
     def __init__(self, data: Any, size: int, read: Callable[[int, int], bytes],
                  source: str) -> None:
@@ -305,58 +334,18 @@ class HrryFile:
             raise _bad(f"{self.source}: {size} bytes cannot hold a 64-byte header and a 40-byte "
                        "trailer", "file_size", value=size)
         flags, align, first, hint = parse_header(self._read(0, 64), size)
+        region_end, kv, entries = parse_tail(self._read, size, first, flags)
+        self._set(flags, align, first, hint, kv, entries,
+                  check_entries(entries, self._read, first, region_end, align))
+
+    def _set(self, flags: int, align: int, first: int, hint: int, kv: dict[str, Any],
+             entries: list[IndexEntry], descs: dict[str, TensorDescriptor]) -> None:
         self.flags, self.alignment, self.first_descriptor_offset = flags, align, first
         self.tensor_count_hint = hint
-        region_end, self.kv, self.entries = parse_tail(self._read, size, first, flags)
-        self._by_name = {e.name: e for e in self.entries}
-        self._descs = {e.name: self._check_tensor(e, region_end) for e in self.entries}
-        self.entries.sort(key=lambda e: e.descriptor_offset)
-        self._check_overlaps(region_end)
-
-    def _check_tensor(self, e: IndexEntry, region_end: int) -> TensorDescriptor:
-        what = f"tensor {e.name!r}"
-        if (e.descriptor_offset < self.first_descriptor_offset or e.descriptor_offset % 8
-                or e.descriptor_length < 20
-                or e.descriptor_offset + e.descriptor_length > region_end):
-            raise _bad(f"{what}: descriptor at {e.descriptor_offset} (+{e.descriptor_length}) "
-                       f"is not 8-aligned inside the tensor region [{self.first_descriptor_offset}"
-                       f", {region_end})", "descriptor_offset", e.descriptor_offset, e.name)
-        raw = self._read(e.descriptor_offset, e.descriptor_length)
-        try:
-            desc = decode_descriptor(raw)
-        except HurrayError as err:
-            raise type(err)(f"{what} (descriptor at file offset {e.descriptor_offset}): {err}",
-                            field=err.field, offset=err.offset, value=err.value,
-                            rule=err.rule) from None
-        own = int.from_bytes(raw[6:10], "little")  # the decoder checked it is exact
-        if own != e.descriptor_length:
-            raise _bad(f"{what}: the index says descriptor_length {e.descriptor_length}, the "
-                       f"descriptor says {own}", "descriptor_length", e.descriptor_offset, own)
-        span = data_span(desc, self.alignment)
-        if desc.buffers:
-            if (e.data_offset % self.alignment or e.data_length != span
-                    or e.data_offset < e.descriptor_offset + e.descriptor_length
-                    or e.data_offset + e.data_length > region_end):
-                raise _bad(f"{what}: data at {e.data_offset} (+{e.data_length}) must start "
-                           f"{self.alignment}-aligned after its descriptor, span exactly "
-                           f"{span} bytes and end by {region_end}", "data_offset",
-                           e.descriptor_offset, e.data_offset)
-        elif e.data_length or e.data_offset > region_end:
-            raise _bad(f"{what} has no buffers but data_length {e.data_length}", "data_length",
-                       e.descriptor_offset, e.data_length)
-        return desc
-
-    def _check_overlaps(self, region_end: int) -> None:
-        prev_end, prev = 0, None
-        for e in self.entries:
-            if e.descriptor_offset < prev_end:
-                raise _bad(f"tensor {e.name!r} at {e.descriptor_offset} overlaps tensor "
-                           f"{prev!r}, which ends at {prev_end}", "descriptor_offset",
-                           e.descriptor_offset, e.name, "tensor regions do not overlap")
-            end = e.descriptor_offset + e.descriptor_length
-            if self._descs[e.name].buffers:
-                end = max(end, e.data_offset + e.data_length)
-            prev_end, prev = end, e.name
+        self.kv = kv
+        self._by_name = {e.name: e for e in entries}
+        self._descs = descs
+        self.entries = sorted(entries, key=lambda e: e.descriptor_offset)
 
     # -- access -------------------------------------------------------------------
     @property
@@ -378,6 +367,8 @@ class HrryFile:
     def buffers(self, name: str) -> list[memoryview]:
         """Zero-copy views of the tensor's buffers in the mapped file."""
         e, desc = self.entry(name), self.descriptor(name)
+        if self._held is not None:
+            return list(self._held[name])
         out, off = [], e.data_offset
         view = self._view
         for h in desc.buffers:
@@ -412,6 +403,59 @@ class HrryFile:
             raise _bad(f"{name!r} is not a composite head", "layout_tag", value=name)
         take(1, layout.member_count)
         return out
+
+
+def check_entries(entries: list[IndexEntry], read: Callable[[int, int], bytes], first: int,
+                  region_end: int, alignment: int) -> dict[str, TensorDescriptor]:
+    """Every index entry against the tensor region and its own descriptor (decoded here):
+    8-aligned descriptors inside the region, index descriptor_length = the descriptor's,
+    data aligned after it spanning exactly its buffers, no overlaps.  Both readers use it."""
+    descs = {e.name: _check_tensor(e, read, first, region_end, alignment) for e in entries}
+    prev_end, prev = 0, None
+    for e in sorted(entries, key=lambda e: e.descriptor_offset):
+        if e.descriptor_offset < prev_end:
+            raise _bad(f"tensor {e.name!r} at {e.descriptor_offset} overlaps tensor "
+                       f"{prev!r}, which ends at {prev_end}", "descriptor_offset",
+                       e.descriptor_offset, e.name, "tensor regions do not overlap")
+        end = e.descriptor_offset + e.descriptor_length
+        if descs[e.name].buffers:
+            end = max(end, e.data_offset + e.data_length)
+        prev_end, prev = end, e.name
+    return descs
+
+
+def _check_tensor(e: IndexEntry, read: Callable[[int, int], bytes], first: int,
+                  region_end: int, alignment: int) -> TensorDescriptor:
+    what = f"tensor {e.name!r}"
+    if (e.descriptor_offset < first or e.descriptor_offset % 8 or e.descriptor_length < 20
+            or e.descriptor_offset + e.descriptor_length > region_end):
+        raise _bad(f"{what}: descriptor at {e.descriptor_offset} (+{e.descriptor_length}) "
+                   f"is not 8-aligned inside the tensor region [{first}, {region_end})",
+                   "descriptor_offset", e.descriptor_offset, e.name)
+    raw = read(e.descriptor_offset, e.descriptor_length)
+    try:
+        desc = decode_descriptor(raw)
+    except HurrayError as err:
+        raise type(err)(f"{what} (descriptor at file offset {e.descriptor_offset}): {err}",
+                        field=err.field, offset=err.offset, value=err.value,
+                        rule=err.rule) from None
+    own = int.from_bytes(raw[6:10], "little")  # the decoder checked it is exact
+    if own != e.descriptor_length:
+        raise _bad(f"{what}: the index says descriptor_length {e.descriptor_length}, the "
+                   f"descriptor says {own}", "descriptor_length", e.descriptor_offset, own)
+    span = data_span(desc, alignment)
+    if desc.buffers:
+        if (e.data_offset % alignment or e.data_length != span
+                or e.data_offset < e.descriptor_offset + e.descriptor_length
+                or e.data_offset + e.data_length > region_end):
+            raise _bad(f"{what}: data at {e.data_offset} (+{e.data_length}) must start "
+                       f"{alignment}-aligned after its descriptor, span exactly "
+                       f"{span} bytes and end by {region_end}", "data_offset",
+                       e.descriptor_offset, e.data_offset)
+    elif e.data_length or e.data_offset > region_end:
+        raise _bad(f"{what} has no buffers but data_length {e.data_length}", "data_length",
+                   e.descriptor_offset, e.data_length)
+    return desc
 
 
 def parse_index(index: bytes, base: int, flags: int) -> list[IndexEntry]:
@@ -524,11 +568,15 @@ def parse_tail(read: Callable[[int, int], bytes], size: int, first: int, flags: 
 
 
 # --------------------------------------------------------------------------- sequential
-def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescriptor, list]]:
+def iter_hrry_sequential(f: BinaryIO, result: list[HrryFile] | None = None
+                         ) -> Iterator[tuple[str | None, TensorDescriptor, list]]:
     """Read a .hrry file from a non-seekable source, in order (file-format.md § Sequential
     Reader).  With a tensor_count_hint, tensors are yielded as they arrive (names come from
-    the index at the end, so they are None here) and the tail is checked against the
-    trailer; without one, the file is buffered and read through its trailer."""
+    the index at the end, so they are None here); without one, the file is buffered and
+    read through its trailer.  Either way the whole file is then held to the random-access
+    reader's rules (header, trailer, KV section, index, every entry against the tensor the
+    region really held) before the iterator ends; the validated file, whose buffers are
+    the bytes read, is appended to ``result``."""
     from .stream import TensorStreamReader
 
     reader = TensorStreamReader(f)
@@ -538,9 +586,11 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
         parsed = HrryFile.from_bytes(header + f.read())
         for name in parsed.names:
             yield name, parsed.descriptor(name), parsed.buffers(name)
+        if result is not None:
+            result.append(parsed)
         return
     reader.read_exact(first - 64, "padding")
-    offsets = []
+    seen = {}  # descriptor offset -> the tensor read there
     for k in range(hint):
         reader.pad_to(8)
         item = reader.read_tensor(align)
@@ -548,7 +598,7 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
             raise _bad(f"tensor_count_hint at byte 28 is {hint}; the file ends after {k} "
                        "tensors", "tensor_count_hint",
                        28, hint, "the tensor region holds tensor_count_hint tensors")
-        offsets.append(item.offset)
+        seen[item.offset] = item
         yield None, item.desc, item.buffers
     reader.pad_to(8)
     boundary = reader.offset
@@ -559,20 +609,45 @@ def iter_hrry_sequential(f: BinaryIO) -> Iterator[tuple[str | None, TensorDescri
                    "short for the trailer", "trailer", size)
 
     def read(off: int, n: int) -> bytes:
-        if off < boundary:  # the tensors are streamed past, not kept
-            raise _bad(f"byte {off} lies in the tensor region (before {boundary})",
-                       "index_offset", off, rule="KV section and index follow the tensors")
-        return tail[off - boundary:off - boundary + n]
+        if off >= boundary:
+            return tail[off - boundary:off - boundary + n]
+        if off in seen:  # the tensors are streamed past; their descriptors are kept
+            return seen[off].raw[:n]
+        raise _bad(f"byte {off} lies in the tensor region (before {boundary}) where no "
+                   "descriptor was read", "descriptor_offset", off,
+                   rule="the index locates the tensors the region holds")
 
-    region_end, _, entries = parse_tail(read, size, first, flags)
+    region_end, kv, entries = parse_tail(read, size, first, flags)
     if boundary != region_end:
         raise _bad(f"after {hint} tensors the reader is at byte {boundary}, not at the end of "
                    f"the tensor region ({region_end})", "tensor_count_hint", 28, hint,
                    "the running offset lands on the section after the tensors")
+    descs = check_entries(entries, read, first, region_end, align)
     located = sorted(e.descriptor_offset for e in entries)
-    if located != offsets:
+    if located != sorted(seen):
         raise _bad(f"the index locates descriptors at {located}, the tensor region held them "
-                   f"at {offsets}", "descriptor_offset", region_end)
+                   f"at {sorted(seen)}", "descriptor_offset", region_end)
+    for e in entries:
+        item = seen[e.descriptor_offset]
+        if descs[e.name].buffers and e.data_offset != item.data_offset:
+            raise _bad(f"tensor {e.name!r}: the index says its data starts at {e.data_offset}, "
+                       f"the tensor region has it at {item.data_offset}", "data_offset",
+                       e.descriptor_offset, e.data_offset)
+    if result is not None:
+        held = HrryFile.__new__(HrryFile)
+        held.source, held.size, held._read, held._data = "<sequential>", size, read, b""
+        held._set(flags, align, first, hint, kv, entries, descs)
+        held._held = {e.name: seen[e.descriptor_offset].buffers for e in entries}
+        result.append(held)
 
 
-__all__ = ["HrryFile", "HrryWriter", "IndexEntry", "iter_hrry_sequential", "write_hrry"]
+def read_hrry_sequential(f: BinaryIO) -> HrryFile:
+    """The whole file from a non-seekable source, validated as ``HrryFile.open`` would."""
+    out: list[HrryFile] = []
+    for _ in iter_hrry_sequential(f, out):
+        pass
+    return out[0]
+
+
+__all__ = ["HrryFile", "HrryWriter", "IndexEntry", "iter_hrry_sequential", "read_hrry_sequential",
+           "write_hrry"]

@@ -17,9 +17,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import ContainerError
-from ..snapshot import KVCacheSnapshot
+from ..snapshot import GROUP, KVCacheSnapshot
 from ..wire.layouts import BlockPaged, Composite
-from .hrry import HrryFile, Progress, iter_hrry_sequential, write_hrry
+from .hrry import HrryFile, Progress, read_hrry_sequential, write_hrry
 
 HEAD_NAME = "snapshot"
 RESERVED_PREFIX = "hurraykv."
@@ -59,7 +59,8 @@ def load_snapshot(path: str | os.PathLike, *, mmap: bool = True) -> KVCacheSnaps
 
 
 def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:
-    heads = [n for n in f.names if isinstance(f.descriptor(n).layout, Composite)]
+    heads = [n for n in f.names if isinstance(f.descriptor(n).layout, Composite)
+             and f.descriptor(n).layout.rule == GROUP]
     if heads:
         head = HEAD_NAME if HEAD_NAME in heads else heads[0]
         names = f.members(head)
@@ -87,7 +88,6 @@ def _check_mirrors(f: HrryFile, snap: KVCacheSnapshot) -> None:
 
 
 def read_snapshot_sequential(fileobj: BinaryIO) -> KVCacheSnapshot:
-    """A snapshot from a .hrry file on a non-seekable source (a pipe), read in order."""
-    items = list(iter_hrry_sequential(fileobj))
-    members = [(None, d, b) for _, d, b in items if not isinstance(d.layout, Composite)]
-    return KVCacheSnapshot.from_members(members)
+    """A snapshot from a .hrry file on a non-seekable source (a pipe), read in order and
+    held to exactly the rules of ``load_snapshot``."""
+    return snapshot_from_file(read_hrry_sequential(fileobj))

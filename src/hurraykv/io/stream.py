@@ -154,6 +154,8 @@ class Item:
     buffers: list[np.ndarray]
     offset: int
     members: list[Item] = field(default_factory=list)
+    raw: bytes = b""  # the descriptor's bytes as read
+    data_offset: int = 0  # where its first buffer starts (after any alignment padding)
 
 
 class TensorStreamReader:
@@ -238,9 +240,10 @@ class TensorStreamReader:
                               f"this reader takes descriptors up to {self.max_descriptor_bytes} "
                               "bytes", field="descriptor_length", offset=start + 6,
                               value=length, rule="max_descriptor_bytes")
-        rest = self.read_exact(length - 10, "descriptor")
-        desc = decode_descriptor(first.tobytes() + rest.tobytes())
+        raw = first.tobytes() + self.read_exact(length - 10, "descriptor").tobytes()
+        desc = decode_descriptor(raw)
         buffers = []
+        data_offset = self.offset
         for i, h in enumerate(desc.buffers):
             if self.max_buffer_bytes is not None and h.byte_size > self.max_buffer_bytes:
                 raise StreamError(f"buffers[{i}] of the tensor at stream offset {start}: "
@@ -248,10 +251,12 @@ class TensorStreamReader:
                                   f"{self.max_buffer_bytes}", field=f"buffers[{i}]",
                                   offset=start, value=h.byte_size, rule="max_buffer_bytes")
             self.pad_to(align)
+            if i == 0:
+                data_offset = self.offset
             buffers.append(self.read_exact(h.byte_size, f"buffers[{i}]"))
         if desc.buffers:
             self.pad_to(align)
-        return Item(desc, buffers, start)
+        return Item(desc, buffers, start, raw=raw, data_offset=data_offset)
 
     def read_item(self, depth: int = 0) -> Item | None:
         """The next tensor; a composite head comes with its members (torn groups raise)."""

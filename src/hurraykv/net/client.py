@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import HurrayError
+from ..errors import HurrayError, TransportError
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
@@ -29,7 +29,6 @@ from .messages import (
     MessageType,
     ProtocolError,
     Put,
-    RemoteError,
     Request,
     decode_descriptor_message,
     decode_error,
@@ -37,10 +36,16 @@ from .messages import (
     decode_hello,
     encode_data_header,
     message,
+    remote_error,
 )
 from .server import parse_address
 
 Progress = Callable[[int, int], None]
+
+
+def _show(where: tuple[str, int]) -> str:
+    host, port = where
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class KVClient:
@@ -50,21 +55,26 @@ class KVClient:
                  tls_key: str | None = None, tls_ca: str | None = None,
                  server_hostname: str | None = None, max_message_size: int = 16 << 20,
                  frame_bytes: int = 4 << 20) -> None:
-        self.address = address
         where = parse_address(address)
-        if isinstance(where, str):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect(where)
-        else:
-            sock = socket.create_connection(where, timeout=timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls_ca or tls_cert:
-            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca)
-            if tls_cert:
-                ctx.load_cert_chain(tls_cert, tls_key)
-            host = server_hostname or (where[0] if not isinstance(where, str) else "localhost")
-            sock = ctx.wrap_socket(sock, server_hostname=host)
+        self.address = where if isinstance(where, str) else _show(where)
+        self.timeout = timeout
+        try:
+            if isinstance(where, str):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                sock.connect(where)
+            else:
+                sock = socket.create_connection(where, timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls_ca or tls_cert:
+                ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca)
+                if tls_cert:
+                    ctx.load_cert_chain(tls_cert, tls_key)
+                host = server_hostname or (where[0] if not isinstance(where, str)
+                                           else "localhost")
+                sock = ctx.wrap_socket(sock, server_hostname=host)
+        except OSError as e:
+            raise self._transport(e, "connecting to") from None
         self.sock = sock
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.max_message_size = max_message_size
@@ -74,13 +84,31 @@ class KVClient:
         self._off = bytearray(8)
         self.server_hello = self._handshake()
 
+    def _transport(self, e: OSError, doing: str = "talking to") -> TransportError:
+        """A socket failure as a HurrayError that names the address and what to do."""
+        if isinstance(e, TimeoutError | socket.timeout):
+            why = f"no answer within {self.timeout:g} s (timeout=)"
+        elif isinstance(e, ConnectionRefusedError | FileNotFoundError):
+            why = "connection refused: is `hurraykv serve` running there?"
+        elif isinstance(e, ssl.SSLError):
+            why = f"TLS failed: {e.reason or e}"
+        else:
+            why = e.strerror or str(e) or type(e).__name__
+        return TransportError(f"{doing} {self.address}: {why}", field="address",
+                              value=self.address, rule="a reachable hurraykv server")
+
     # -- plumbing --------------------------------------------------------------------
     def _next_stream(self) -> int:
         self._stream = self._stream % 0xFFFFFFFF + 1
         return self._stream
 
     def _send(self, *parts: Any) -> None:
-        views = [byte_view(p) for p in parts]
+        try:
+            self._send_views([byte_view(p) for p in parts])
+        except OSError as e:
+            raise self._transport(e) from None
+
+    def _send_views(self, views: list[memoryview]) -> None:
         if self.tls or not hasattr(self.sock, "sendmsg"):
             for v in views:
                 self.sock.sendall(v)
@@ -98,10 +126,14 @@ class KVClient:
     def _recv_into(self, view: memoryview) -> None:
         got = 0
         while got < len(view):
-            n = self.sock.recv_into(view[got:])
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as e:
+                raise self._transport(e) from None
             if not n:
-                raise ProtocolError(f"the server closed the connection ({got} of {len(view)} "
-                                    "bytes of a message received)")
+                raise TransportError(f"{self.address} closed the connection ({got} of "
+                                     f"{len(view)} bytes of a message received)",
+                                     field="address", value=self.address)
             got += n
 
     def _recv(self) -> tuple[int, int, int]:
@@ -119,7 +151,7 @@ class KVClient:
         mtype, sid, length = self._recv()
         if mtype == MessageType.ERROR:
             err = decode_error(self._payload(length))
-            raise RemoteError(err.code, err.message)
+            raise remote_error(err.code, err.message)
         if sid != stream or mtype not in types:
             self._payload(length)
             raise ProtocolError(f"expected {[MessageType(t).name for t in types]} on stream "
@@ -136,7 +168,7 @@ class KVClient:
         payload = self._payload(length)
         if mtype == MessageType.ERROR:
             err = decode_error(payload)
-            raise RemoteError(err.code, err.message)
+            raise remote_error(err.code, err.message)
         if mtype != MessageType.SERVER_HELLO:
             raise ProtocolError(f"expected SERVER_HELLO, got message 0x{mtype:x}")
         hello = decode_hello(payload, "server_hello")
@@ -209,7 +241,7 @@ class KVClient:
             payload = self._payload(length)
             if mtype == MessageType.ERROR:
                 err = decode_error(payload)
-                raise RemoteError(err.code, err.message)
+                raise remote_error(err.code, err.message)
             if mtype == MessageType.TENSOR_DATA_END and sid == stream:
                 return msg.descriptor, asm.finish()
             raise ProtocolError(f"unexpected message 0x{mtype:x} on stream {sid} inside a "

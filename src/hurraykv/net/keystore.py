@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HurrayError
-from ..io.hrry import HrryFile, write_hrry
+from ..io.hrry import TEMP_SUFFIX, HrryFile, write_hrry
 from ..io.snapshots import HEAD_NAME, snapshot_kv
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
@@ -27,6 +27,18 @@ from ..wire.layouts import BlockPaged, Composite
 
 log = logging.getLogger("hurraykv.server")
 Items = list[tuple[TensorDescriptor, list[Any]]]
+
+
+class StoreFull(HurrayError):
+    """A PUT the memory budget cannot hold; answered with ERROR STORE_FULL."""
+
+    def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int) -> None:
+        super().__init__(
+            f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) but the memory budget is "
+            f"{budget} bytes ({budget / (1 << 30):.3f} GiB), of which {in_flight} are "
+            f"reserved by PUTs in flight and {kept} hold the key's current value",
+            field="total_data_bytes", value=nbytes, rule="--memory-budget")
+        self.nbytes, self.budget, self.in_flight, self.kept = nbytes, budget, in_flight, kept
 
 
 @dataclass
@@ -67,24 +79,70 @@ def object_from_items(items: Items, zero_unused: bool) -> tuple[StoredObject, An
 
 
 class KeyStore:
+    """Committed objects by key, in memory under ``memory_budget`` (LRU), persisted
+    and backed when configured.
+
+    The budget bounds everything the server holds for data: committed objects in memory,
+    the bytes of PUTs still arriving (reserved before their data is accepted) and the
+    receive pool's idle buffers.  A reservation that does not fit first drops idle
+    buffers, then evicts least recently used objects - never the current value of the
+    key being replaced, which must survive a PUT that fails - and is refused otherwise."""
+
     def __init__(self, memory_budget: int | None = None, persist: str | os.PathLike | None = None,
-                 zero_unused: bool = True, backing: Any = None) -> None:
+                 zero_unused: bool = True, backing: Any = None, pool: Any = None) -> None:
         self.backing = backing  # a hurraykv.store.PageStore: snapshots beyond this machine
         self.memory_budget = memory_budget
         self.persist = Path(persist) if persist else None
         self.zero_unused = zero_unused
+        self.pool = pool  # a ReceivePool whose idle bytes count against the budget
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()
         self._files: dict[str, Path] = {}
         # Persisted objects already opened: their index is parsed and validated once, not
         # per pull.  They live in the page cache (mmap), outside the memory budget.
         self._mapped: dict[str, StoredObject] = {}
         self.memory_bytes = 0
+        self.reserved_bytes = 0
         if self.persist:
             self.persist.mkdir(parents=True, exist_ok=True)
             self._scan()
 
+    # -- the budget ----------------------------------------------------------------------
+    def idle_room(self) -> int | None:
+        """Bytes the receive pool may keep idle now (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        return max(0, self.memory_budget - self.memory_bytes - self.reserved_bytes)
+
+    def reserve(self, nbytes: int, *, keep: str | None = None) -> None:
+        """Account ``nbytes`` of a PUT before its data arrives, or raise ``StoreFull``."""
+        budget = self.memory_budget
+        if budget is None:
+            self.reserved_bytes += nbytes
+            return
+        kept = self._objects[keep].nbytes if keep in self._objects else 0
+        if self.reserved_bytes + kept + nbytes > budget:  # not even by evicting everything
+            raise StoreFull(nbytes, budget, self.reserved_bytes, kept)
+        if self.pool is not None:
+            self.pool.trim(max(0, budget - self.memory_bytes - self.reserved_bytes - nbytes))
+        for key in list(self._objects):
+            if self.memory_bytes + self.reserved_bytes + nbytes <= budget:
+                break
+            if key != keep:
+                self._evict_key(key)
+        self.reserved_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+
     def _scan(self) -> None:
+        """Index the persisted objects; temporary files that a killed server left behind
+        (``.NAME.XXXX.tmp``, its own writer's names) are removed."""
         assert self.persist is not None
+        stale = [p for p in self.persist.glob(".*" + TEMP_SUFFIX) if p.is_file()]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("removed %d stale temporary file(s) from %s", len(stale), self.persist)
         for path in sorted(self.persist.glob("*.hrry")):
             try:
                 key = HrryFile.open(path).kv.get("hurraykv.key")
@@ -98,9 +156,6 @@ class KeyStore:
     def _path(self, key: str) -> Path:
         assert self.persist is not None
         return self.persist / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".hrry")
-
-    def fits(self, nbytes: int) -> bool:
-        return self.memory_budget is None or nbytes <= self.memory_budget
 
     def __contains__(self, key: str) -> bool:
         return key in self._objects or key in self._files or (
@@ -156,14 +211,17 @@ class KeyStore:
         write_hrry(path, tensors, kv)
         return path
 
-    def commit(self, key: str, obj: StoredObject, path: Path | None) -> None:
+    def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0
+               ) -> None:
+        """Make ``obj`` the value of ``key`` (its ``reserved`` bytes become held bytes)."""
         self._drop_memory(key)
+        self.release(reserved)
         if path is not None:
             self._files[key] = path
             obj.path = path
         self._objects[key] = obj
         self.memory_bytes += obj.nbytes
-        self._evict()
+        self._evict(keep=key)
 
     def _drop_memory(self, key: str) -> None:
         self._mapped.pop(key, None)  # a replaced file is a new inode: map it afresh
@@ -171,14 +229,21 @@ class KeyStore:
         if old is not None:
             self.memory_bytes -= old.nbytes
 
-    def _evict(self) -> None:
+    def _evict_key(self, key: str) -> None:
+        old = self._objects.pop(key)
+        self.memory_bytes -= old.nbytes
+        log.info("evicted %r (%d bytes)%s", key, old.nbytes,
+                 "; still on disk" if key in self._files else "")
+
+    def _evict(self, keep: str) -> None:
+        """Objects loaded from the backing store may overshoot: evict down to the budget."""
         if self.memory_budget is None:
             return
-        while self.memory_bytes > self.memory_budget and len(self._objects) > 1:
-            key, old = self._objects.popitem(last=False)
-            self.memory_bytes -= old.nbytes
-            log.info("evicted %r (%d bytes)%s", key, old.nbytes,
-                     "; still on disk" if key in self._files else "")
+        for key in list(self._objects):
+            if self.memory_bytes + self.reserved_bytes <= self.memory_budget:
+                return
+            if key != keep:
+                self._evict_key(key)
 
     def delete(self, key: str) -> bool:
         found = key in self

@@ -15,6 +15,7 @@ import contextlib
 import mmap
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,8 +24,13 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module has no name for it ye
 
 
 class ReceivePool:
-    def __init__(self, max_idle_bytes: int = 1 << 30) -> None:
+    """Idle mappings by size class, at most ``max_idle_bytes`` of them and never more
+    than ``room()`` says (the server's memory budget left over)."""
+
+    def __init__(self, max_idle_bytes: int = 1 << 30,
+                 room: Callable[[], int | None] | None = None) -> None:
         self.max_idle_bytes = max_idle_bytes
+        self.room = room
         self.idle_bytes = 0
         self.recycled = 0
         self._free: dict[int, list[mmap.mmap]] = {}
@@ -49,13 +55,31 @@ class ReceivePool:
         return arr, mm, recycled
 
     def _give(self, mm: mmap.mmap, size: int) -> None:
+        room = self.room() if self.room is not None else None
         with self._lock:
-            if self.idle_bytes + size <= self.max_idle_bytes:
+            limit = self.max_idle_bytes if room is None else min(room, self.max_idle_bytes)
+            if self.idle_bytes + size <= limit:
                 self._free.setdefault(size, []).append(mm)
                 self.idle_bytes += size
                 return
-        with contextlib.suppress(BufferError, ValueError):
-            mm.close()
+        _close(mm)
+
+    def trim(self, keep_bytes: int) -> None:
+        """Unmap idle buffers until at most ``keep_bytes`` stay idle."""
+        dropped = []
+        with self._lock:
+            for size in sorted(self._free, reverse=True):
+                free = self._free[size]
+                while free and self.idle_bytes > keep_bytes:
+                    dropped.append(free.pop())
+                    self.idle_bytes -= size
+        for mm in dropped:
+            _close(mm)
+
+
+def _close(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError, ValueError):
+        mm.close()
 
 
 def populate(mm: mmap.mmap, start: int, length: int) -> bool:

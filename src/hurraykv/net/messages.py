@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from ..errors import HurrayError
+from ..errors import HurrayError, RemoteError
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from .memory import populate
 
@@ -80,6 +80,7 @@ class ErrorCode(IntEnum):
     STORE_FULL = 0xF1
     TIMEOUT = 0xF2
     INTERNAL = 0xF3
+    UNAUTHORIZED = 0xF4
 
 
 CAP_TRANSCODING, CAP_PARALLEL_STREAMS, CAP_RDMA, CAP_RDMA_GPUDIRECT = 1, 2, 4, 8
@@ -96,15 +97,10 @@ class ProtocolError(HurrayError):
         self.code = code
 
 
-class RemoteError(HurrayError):
-    """The peer answered with ERROR."""
-
-    def __init__(self, code: int, message: str) -> None:
-        name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else f"0x{code:x}"
-        super().__init__(f"peer error {name} ({code}): {message}", field="error_code",
-                         value=code, rule="the peer rejected the request")
-        self.code = code
-        self.remote_message = message
+def remote_error(code: int, message: str) -> RemoteError:
+    """The error a client raises for an ERROR message, the code named where known."""
+    name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else None
+    return RemoteError(code, message, name)
 
 
 def _bad(msg: str, code: ErrorCode = ErrorCode.INVALID_MESSAGE, field_: str = "payload",

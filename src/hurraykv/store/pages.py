@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import HurrayError
+from ..errors import StoreError
 from ..io.stream import write_tensor
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
@@ -120,10 +120,6 @@ class _Script:
                  ) -> Any:
         target = client if client is not None else self.client
         return target.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
-
-
-class StoreError(HurrayError):
-    """A snapshot or page that is not in the store, or a manifest that does not parse."""
 
 
 def page_key(digest: bytes) -> str:

@@ -1,0 +1,510 @@
+"""One client connection of ``hurraykv serve``: framing, handshake, PUTs and pulls.
+
+Each connection is an ``asyncio.BufferedProtocol`` state machine: headers and control
+payloads land in small buffers that grow only as bytes arrive, and TENSOR_DATA bytes land
+straight in the destination buffer of the tensor being received (no intermediate copy).
+Pulls write descriptors and data frames from the stored buffers (mmap views for persisted
+objects) under transport flow control.
+
+Rules kept here (decisions H32-H42 and H52-H56 in docs/spec-decisions.md):
+
+* CLIENT_HELLO first, answered by SERVER_HELLO; anything else first, or a first message
+  over 64 KiB, closes the connection.  Under mutual TLS a certificate that names nobody
+  is answered with ERROR UNAUTHORIZED and the connection closes.
+* A group PUT is all or nothing: ``TENSOR_PUT(head)`` + ``TENSOR_DATA_END``, then one
+  ``TENSOR_PUT`` + ``TENSOR_DATA``* + ``TENSOR_DATA_END`` per member; one ACK or ERROR
+  after the Nth member.  Each member's bytes are reserved against the memory budget before
+  its data is accepted; a group the budget cannot hold is read to its end and discarded,
+  and the ERROR names the bytes it needs.  Nothing is visible before the commit, and the
+  previous value of the key stays whole on any failure.
+* A stream answered with ERROR is closed: whatever else of its PUT arrives is discarded,
+  never taken for a new PUT.
+* Every PUT is answered: a failure inside the commit is an ERROR (INTERNAL for the
+  unexpected), never a silent task death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import HurrayError
+from ..wire.layouts import Composite
+from .keystore import StoredObject, StoreFull, object_from_items
+from .messages import (
+    HEADER,
+    DataAssembler,
+    DataPlan,
+    DescriptorMessage,
+    ErrorCode,
+    ErrorMessage,
+    Hello,
+    MessageType,
+    ProtocolError,
+    decode_delete,
+    decode_empty,
+    decode_error,
+    decode_header,
+    decode_hello,
+    decode_put,
+    decode_request,
+    encode_data_header,
+    message,
+)
+from .tenants import scoped_key, tenant_identity
+
+if TYPE_CHECKING:
+    from .server import KVServer
+
+log = logging.getLogger("hurraykv.server")
+SCRATCH = 1 << 20
+PUMP_BYTES = 64 << 20  # read at most this much per event before letting others run
+PRE_HELLO_MAX = 64 << 10  # the largest message accepted before the handshake
+FIRST_CHUNK = 64 << 10  # control payloads start this big and grow as bytes arrive
+CLOSED_STREAMS = 4096  # closed stream ids remembered per connection
+
+
+@dataclass
+class _Put:
+    key: str  # the internal (tenant-scoped) key
+    shown: str  # the key as the client named it
+    expected: int  # tensors this PUT carries: 1, or a group head and its members
+    items: list = field(default_factory=list)
+    assembler: DataAssembler | None = None
+    open: bool = False  # a member's TENSOR_PUT arrived, its TENSOR_DATA_END not yet
+    closed: int = 0  # members whose TENSOR_DATA_END arrived
+    nbytes: int = 0  # bytes announced so far
+    reserved: int = 0  # of those, reserved against the memory budget
+    refused: StoreFull | None = None  # read to the end, discarded, then answered
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, server: KVServer) -> None:
+        self.server = server
+        self.cfg = server.config
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.tenant = ""  # tenant id (hex) under mutual TLS
+        self.refusal: str | None = None  # why the handshake will be refused
+        self.hello: Hello | None = None
+        self.busy = False
+        self.closed = False
+        self.puts: dict[int, _Put] = {}
+        self.dead: OrderedDict[int, None] = OrderedDict()  # streams closed by an ERROR
+        self.tasks: set[asyncio.Task] = set()
+        self._header = bytearray(HEADER.size)
+        self._offset = bytearray(8)
+        self._payload = bytearray()
+        self._need = 0
+        self._target: memoryview = memoryview(self._header)
+        self._got = 0
+        self._state = "header"
+        self._msg: tuple[int, int, int] = (0, 0, 0)
+        self._discard = 0
+        self._last = self.loop.time()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._raw: socket.socket | None = None
+
+    # -- transport callbacks ---------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections += 1
+        self.busy = self.server.connections > self.cfg.max_connections
+        if self.cfg.tls_ca:
+            identity = tenant_identity(transport.get_extra_info("peercert") or {})
+            if identity is None:
+                self.refusal = ("the client certificate has neither a subject nor a "
+                                "subjectAltName: it names no tenant")
+                log.warning("refusing a client: %s", self.refusal)
+            else:
+                self.tenant, readable = identity
+                log.info("tenant %s (%s) connected", self.tenant, readable)
+        elif transport.get_extra_info("sslcontext") is None:
+            # A duplicate of the plain socket lets buffer_updated keep reading while bytes
+            # are waiting, instead of one event-loop round per kernel-buffer's worth.
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                self._raw = socket.socket(sock.family, sock.type, sock.proto,
+                                          fileno=os.dup(sock.fileno()))
+                self._raw.setblocking(False)
+        self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections -= 1
+        for put in self.puts.values():  # unfinished PUTs leave nothing behind
+            self.server.store.release(put.reserved)
+        self.puts.clear()
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+        for task in self.tasks:
+            task.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._consume(nbytes)
+        budget = PUMP_BYTES
+        while self._raw is not None and not self.closed and budget > 0:
+            try:
+                n = self._raw.recv_into(self._target[self._got:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # the transport sees the same error and closes
+            if n == 0:
+                return  # end of stream: the transport reports it
+            budget -= n
+            self._consume(n)
+
+    def _consume(self, nbytes: int) -> None:
+        self._last = self.loop.time()
+        self._got += nbytes
+        if self._got < len(self._target):
+            return
+        try:
+            self._advance()
+        except ProtocolError as e:  # a framing problem outside any stream: drop the line
+            self._send_error(self._msg[1] or 1, e.code, str(e))
+            self._close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def _check_timeouts(self) -> None:
+        if self.closed:
+            return
+        idle = self.loop.time() - self._last
+        mid = self._state != "header" or self._got > 0 or self.puts
+        if idle > (self.cfg.read_timeout if mid else self.cfg.idle_timeout):
+            log.info("closing connection: %s for %.1f s", "stalled" if mid else "idle", idle)
+            if mid and self._msg[1]:
+                self._send_error(self._msg[1], ErrorCode.TIMEOUT, "read timeout")
+            self._close()
+            return
+        self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
+
+    # -- framing -----------------------------------------------------------------------
+    def _expect(self, state: str, target: memoryview) -> None:
+        self._state, self._target, self._got = state, target, 0
+        if len(target) == 0:
+            self._advance()
+
+    def _advance(self) -> None:
+        state = self._state
+        if state == "header":
+            self._on_header()
+        elif state == "data_offset":
+            mtype, stream, length = self._msg
+            put = self.puts[stream]
+            offset = int.from_bytes(self._offset, "little")
+            try:
+                target = put.assembler.target(offset, length - 8)  # type: ignore[union-attr]
+            except ProtocolError as e:
+                self._stream_error(stream, e, length - 8)
+                return
+            self._expect("data", target)
+        elif state == "data":
+            self._expect("header", memoryview(self._header))
+        elif state == "payload":
+            done = len(self._payload)
+            if done < self._need:  # grow only as bytes arrive: a claim allocates nothing
+                grown = bytearray(min(self._need, 2 * done))
+                grown[:done] = self._payload
+                self._payload = grown
+                self._expect("payload", memoryview(grown)[done:])
+                return
+            payload = memoryview(self._payload)
+            self._payload = bytearray()
+            mtype, stream, _ = self._msg
+            self._expect("header", memoryview(self._header))
+            try:
+                self._dispatch(mtype, stream, payload)
+            except ProtocolError as e:
+                self._stream_error(stream, e, 0)
+            except HurrayError as e:
+                self._stream_error(stream, ProtocolError(str(e)), 0)
+        elif state == "discard":
+            self._discard -= self._got
+            if self._discard > 0:
+                self._expect("discard", self.server.scratch[:min(self._discard, SCRATCH)])
+            else:
+                self._expect("header", memoryview(self._header))
+
+    def _on_header(self) -> None:
+        limit = self.cfg.max_message_size if self.hello is not None else PRE_HELLO_MAX
+        try:
+            self._msg = decode_header(self._header, limit)
+        except ProtocolError as e:
+            mtype, stream, length = HEADER.unpack(self._header)
+            if e.code == ErrorCode.MESSAGE_TOO_LARGE and stream and self.hello is not None:
+                self._send_error(stream, e.code, str(e))
+                self._abort_stream(stream)
+                self._msg = (mtype, stream, length)
+                self._start_discard(length)
+                return
+            raise
+        mtype, stream, length = self._msg
+        if stream in self.dead and mtype in (MessageType.TENSOR_PUT, MessageType.TENSOR_DATA,
+                                             MessageType.TENSOR_DATA_END):
+            self._start_discard(length)  # the rest of a PUT already answered with ERROR
+            return
+        put = self.puts.get(stream)
+        if mtype == MessageType.TENSOR_DATA and put is not None and put.open:
+            if put.assembler is None:  # a refused group: read to its end, keep nothing
+                self._start_discard(length)
+                return
+            if length < 8:
+                self._stream_error(stream, ProtocolError("tensor_data shorter than its "
+                                                         "u64 byte_offset"), length)
+                return
+            self._expect("data_offset", memoryview(self._offset))
+            return
+        self._need = length
+        self._payload = bytearray(min(length, FIRST_CHUNK))
+        self._expect("payload", memoryview(self._payload))
+
+    def _start_discard(self, n: int) -> None:
+        self._discard = n
+        if n == 0:
+            self._expect("header", memoryview(self._header))
+        else:
+            self._expect("discard", self.server.scratch[:min(n, SCRATCH)])
+
+    def _stream_error(self, stream: int, e: ProtocolError, discard: int) -> None:
+        log.info("stream %d: %s", stream, e)
+        self._send_error(stream, e.code, str(e))
+        self._abort_stream(stream)
+        self._start_discard(discard)
+
+    def _abort_stream(self, stream: int) -> None:
+        """Close ``stream``: an unfinished PUT on it is dropped and what follows of it
+        is discarded, not taken for a new PUT."""
+        put = self.puts.pop(stream, None)
+        if put is not None:
+            self.server.store.release(put.reserved)
+        self.dead[stream] = None
+        if len(self.dead) > CLOSED_STREAMS:
+            self.dead.popitem(last=False)
+
+    # -- output ----------------------------------------------------------------------
+    def _write(self, *parts: Any) -> None:
+        if not self.closed and self.transport is not None:
+            for p in parts:
+                self.transport.write(p)
+
+    def _send_error(self, stream: int, code: int, text: str) -> None:
+        self._write(message(MessageType.ERROR, stream, ErrorMessage(int(code), text).encode()))
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- messages --------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        try:
+            return scoped_key(self.tenant, key)
+        except HurrayError as e:
+            raise ProtocolError(str(e), field="key", value=e.value) from None
+
+    def _dispatch(self, mtype: int, stream: int, payload: memoryview) -> None:
+        if self.hello is None:
+            if mtype != MessageType.CLIENT_HELLO:
+                self._send_error(stream, ErrorCode.INVALID_MESSAGE,
+                                 "CLIENT_HELLO must be the first message")
+                self._close()
+                return
+            self._on_hello(stream, payload)
+            return
+        self.dead.pop(stream, None)  # a new exchange on this stream id (after the PUT)
+        if mtype == MessageType.TENSOR_REQUEST:
+            req = decode_request(payload)
+            obj = self.server.store.get(self._key(req.key))
+            if obj is None:
+                raise ProtocolError(f"no tensor under key {req.key!r}", ErrorCode.UNKNOWN_TENSOR)
+            if req.preferred_device not in (0,) and 0 not in self.hello.devices:
+                raise ProtocolError(f"device 0x{req.preferred_device:02x} is unavailable and "
+                                    "the client does not take CPU", ErrorCode.DEVICE_UNAVAILABLE)
+            self._spawn(self._send_object(stream, req.key, obj))
+        elif mtype == MessageType.TENSOR_PUT:
+            self._on_put(stream, payload)
+        elif mtype == MessageType.TENSOR_DATA:
+            raise ProtocolError("tensor_data without a TENSOR_PUT open on this stream")
+        elif mtype == MessageType.TENSOR_DATA_END:
+            decode_empty(payload, "tensor_data_end")
+            self._on_data_end(stream)
+        elif mtype == MessageType.PING:
+            self._write(message(MessageType.PONG, stream, bytes(payload)))
+        elif mtype == MessageType.DELETE:
+            key = decode_delete(payload).key
+            if not self.server.store.delete(self._key(key)):
+                raise ProtocolError(f"no tensor under key {key!r}", ErrorCode.UNKNOWN_TENSOR)
+            log.info("delete key=%r", key)
+            self._write(message(MessageType.DELETE_ACK, stream))
+        elif mtype == MessageType.ERROR:
+            err = decode_error(payload)
+            log.info("stream %d: client error %d: %s", stream, err.code, err.message)
+            self._abort_stream(stream)
+        elif mtype == MessageType.CLIENT_HELLO:
+            raise ProtocolError("CLIENT_HELLO may be sent once per connection")
+        elif mtype in (MessageType.RDMA_REGISTER, MessageType.RDMA_READY):
+            raise ProtocolError("the RDMA data plane is not offered (capability bit 2 clear)")
+        elif mtype in MessageType._value2member_map_:
+            raise ProtocolError(f"{MessageType(mtype).name} does not travel client to server")
+        else:
+            raise ProtocolError(f"unknown message_type 0x{mtype:x}")
+
+    def _on_hello(self, stream: int, payload: memoryview) -> None:
+        try:
+            hello = decode_hello(payload, "client_hello")
+        except ProtocolError as e:
+            self._send_error(stream, e.code, str(e))
+            self._close()
+            return
+        refusal = None
+        if self.refusal is not None:
+            refusal = (ErrorCode.UNAUTHORIZED, self.refusal)
+        elif hello.protocol_version < 1:
+            refusal = (ErrorCode.PROTOCOL_VERSION_MISMATCH,
+                       f"protocol_version {hello.protocol_version}; this server speaks 1")
+        elif self.busy:
+            refusal = (ErrorCode.SERVER_BUSY, f"more than {self.cfg.max_connections} "
+                       "connections")
+        if refusal is not None:
+            self._send_error(stream, *refusal)
+            self._close()
+            return
+        self.hello = hello
+        reply = Hello(1, self.cfg.max_message_size, 0)
+        self._write(message(MessageType.SERVER_HELLO, stream, reply.encode()))
+
+    def _on_put(self, stream: int, payload: memoryview) -> None:
+        put_msg = decode_put(payload)
+        desc = put_msg.descriptor
+        put = self.puts.get(stream)
+        if put is None:
+            expected = 1 + (desc.layout.member_count if isinstance(desc.layout, Composite)
+                            else 0)
+            put = _Put(self._key(put_msg.key), put_msg.key, expected)
+            self.puts[stream] = put
+        elif put.open:
+            raise ProtocolError("TENSOR_PUT while the previous tensor's data is still open")
+        elif put_msg.key != put.shown:
+            raise ProtocolError(f"member pushed under key {put_msg.key!r} inside the group of "
+                                f"{put.shown!r}")
+        elif isinstance(desc.layout, Composite):
+            raise ProtocolError("nested composites are not stored by this server")
+        put.open = True
+        put.nbytes += put_msg.total_data_bytes
+        if put.refused is None:
+            try:
+                self.server.store.reserve(put_msg.total_data_bytes, keep=put.key)
+            except StoreFull as e:
+                e.in_flight -= put.reserved  # what other PUTs hold, not this one's members
+                self.server.store.release(put.reserved)
+                put.reserved, put.refused = 0, e
+            else:
+                put.reserved += put_msg.total_data_bytes
+        if put.refused is None:
+            put.assembler = DataAssembler(desc, pool=self.server.pool)
+
+    def _on_data_end(self, stream: int) -> None:
+        put = self.puts.get(stream)
+        if put is None or not put.open:
+            raise ProtocolError("tensor_data_end without an open TENSOR_PUT")
+        if put.assembler is not None:
+            buffers = put.assembler.finish()
+            put.items.append((put.assembler.desc, buffers))
+        put.assembler, put.open = None, False
+        put.closed += 1
+        if put.closed < put.expected:
+            return
+        del self.puts[stream]  # the group closes at its Nth member
+        if put.refused is not None:
+            what = "snapshot" if put.expected > 1 else "tensor"
+            self._send_error(stream, ErrorCode.STORE_FULL,
+                             f"{what} {put.shown!r} {_needs(put.nbytes, put.refused)}")
+            log.info("refused put key=%r: %d bytes over the memory budget", put.shown,
+                     put.nbytes)
+            return
+        self._spawn(self._commit(stream, put))
+
+    async def _commit(self, stream: int, put: _Put) -> None:
+        store = self.server.store
+        try:
+            obj, snap = object_from_items(put.items, self.cfg.zero_unused)
+            path = await self.loop.run_in_executor(None, store.persist_object, put.key, obj,
+                                                   snap)
+        except asyncio.CancelledError:
+            store.release(put.reserved)
+            raise
+        except HurrayError as e:
+            store.release(put.reserved)
+            self._send_error(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE),
+                             f"rejected: {e}")
+            return
+        except Exception as e:  # a bug must still answer the client, and be seen
+            store.release(put.reserved)
+            log.exception("put key=%r failed", put.shown)
+            self._send_error(stream, ErrorCode.INTERNAL,
+                             f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
+            return
+        store.commit(put.key, obj, path, put.reserved)
+        seconds = time.perf_counter() - put.started
+        log.info("put key=%r bytes=%d seconds=%.3f GiB/s=%.2f", put.shown, obj.nbytes, seconds,
+                 obj.nbytes / max(seconds, 1e-9) / (1 << 30))
+        self._write(message(MessageType.TENSOR_PUT_ACK, stream))
+
+    async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
+        started = time.perf_counter()
+        max_frame = min(self.cfg.frame_bytes, (self.hello.max_message_size if self.hello
+                                                else self.cfg.max_message_size) - 8)
+        for desc, buffers in obj.items:
+            total = sum(h.byte_size for h in desc.buffers)
+            self._write(message(MessageType.TENSOR_DESCRIPTOR, stream,
+                                DescriptorMessage(desc, total).encode()))
+            for offset, parts in DataPlan([memoryview(b).cast("B") for b in buffers]).frames(
+                    max_frame):
+                if self.closed:
+                    return
+                size = sum(p.nbytes for p in parts)
+                self._write(encode_data_header(stream, offset, size), *parts)
+                if not self._writable.is_set():
+                    await self._writable.wait()
+            self._write(message(MessageType.TENSOR_DATA_END, stream))
+        seconds = time.perf_counter() - started
+        log.info("get key=%r bytes=%d seconds=%.3f GiB/s=%.2f", key, obj.nbytes, seconds,
+                 obj.nbytes / max(seconds, 1e-9) / (1 << 30))
+
+
+def _needs(nbytes: int, refused: StoreFull) -> str:
+    return (f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB); the memory budget is "
+            f"{refused.budget} bytes ({refused.budget / (1 << 30):.3f} GiB), of which "
+            f"{refused.in_flight} are reserved by other PUTs in flight and {refused.kept} hold the "
+            "key's current value")
