@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,5 +27,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_net.py
 	$(PY) benchmarks/bench_store.py
 
+FUZZ_SECONDS ?= 120
+fuzz: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[fuzz]'
+	$(PY) -m tests.fuzz.run --seconds $(FUZZ_SECONDS)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis fuzz-findings

@@ -335,6 +335,10 @@ class HrryFile:
                        "trailer", "file_size", value=size)
         flags, align, first, hint = parse_header(self._read(0, 64), size)
         region_end, kv, entries = parse_tail(self._read, size, first, flags)
+        if hint not in (UNKNOWN_COUNT, len(entries)):  # the sequential reader relies on it
+            raise _bad(f"tensor_count_hint at byte 28 is {hint}, the index has "
+                       f"{len(entries)} entries", "tensor_count_hint", 28, hint,
+                       "tensor_count_hint is 0xFFFFFFFFFFFFFFFF (unknown) or the tensor count")
         self._set(flags, align, first, hint, kv, entries,
                   check_entries(entries, self._read, first, region_end, align))
 

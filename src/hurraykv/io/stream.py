@@ -41,7 +41,7 @@ from ..wire.layouts import Composite
 
 MAX_DESCRIPTOR_BYTES = 16 << 20
 MAX_DEPTH = 8
-GROW_CHUNK = 1 << 20  # first allocation for a claimed size not yet seen; doubles as bytes arrive
+GROW_CHUNK = 64 << 10  # first allocation for a claimed size not yet seen; doubles as bytes arrive
 
 
 # --------------------------------------------------------------------------- writing
@@ -171,12 +171,18 @@ class TensorStreamReader:
         self._regular = _is_regular(f)
 
     def _remaining(self) -> int | None:
-        if not self._regular:
-            return None
+        """Bytes left in a regular file or other seekable source (None for pipes)."""
         try:
-            return os.fstat(self.f.fileno()).st_size - self.f.tell()
-        except (OSError, ValueError):
-            return None
+            if self._regular:
+                return os.fstat(self.f.fileno()).st_size - self.f.tell()
+            if self.f.seekable():
+                here = self.f.tell()
+                end = self.f.seek(0, os.SEEK_END)
+                self.f.seek(here)
+                return end - here
+        except (AttributeError, OSError, ValueError):
+            pass
+        return None
 
     def _fill(self, mv: memoryview, what: str) -> int:
         got = 0

@@ -6,7 +6,7 @@ straight in the destination buffer of the tensor being received (no intermediate
 Pulls write descriptors and data frames from the stored buffers (mmap views for persisted
 objects) under transport flow control.
 
-Rules kept here (decisions H32-H42 and H52-H56 in docs/spec-decisions.md):
+Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
 * CLIENT_HELLO first, answered by SERVER_HELLO; anything else first, or a first message
   over 64 KiB, closes the connection.  Under mutual TLS a certificate that names nobody
