@@ -211,8 +211,16 @@ class KVCacheSnapshot:
         d0, load0 = self._members[first_key]
         facts0 = _facts(d0)
         sp0 = _seq_ptr(d0, load0())
-        for key in keys[1:]:
+        role_dims: dict[str, tuple[tuple[int, str], int]] = {}
+        for key in keys:
             desc, load = self._members[key]
+            # a role's head_dim is its own (key and value may differ: DIFFKV, MLA-style)
+            first, dim = role_dims.setdefault(key[1], (key, desc.shape[2]))
+            if desc.shape[2] != dim:
+                raise _fail(f"{member_name(*key)} has head_dim {desc.shape[2]}, "
+                            f"{member_name(*first)} has {dim}", "head_dim", desc.shape[2])
+            if key == first_key:
+                continue
             facts = _facts(desc)
             for field, a, b in zip(_FACT_NAMES, facts0, facts, strict=True):
                 if a != b:
@@ -224,7 +232,7 @@ class KVCacheSnapshot:
                             f"{member_name(*first_key)}; every member shares one", "seq_ptr")
         if self.seq_lens is not None:
             lens = self.seq_lens
-            num_seqs, page_size, total = facts0[0], facts0[1], facts0[4]
+            num_seqs, page_size, total = facts0[0], facts0[1], facts0[3]
             if lens.ndim != 1 or len(lens) != num_seqs:
                 raise _fail(f"seq_lens has {lens.size} entries for {num_seqs} sequences",
                             "seq_lens", lens.size)
@@ -244,7 +252,7 @@ class KVCacheSnapshot:
                             f"[{len(layers)}, 2]", "kv_scales", list(ks.shape))
             if not (np.isfinite(ks).all() and (ks != 0).all()):
                 raise _fail("kv_scales MUST be finite and non-zero", "kv_scales")
-            pool_type = ELEMENT_TYPES[facts0[5]].name
+            pool_type = ELEMENT_TYPES[facts0[4]].name
             if pool_type not in ("float8_e4m3", "float8_e5m2"):
                 raise _fail(f"kv_scales belong to fp8 caches, not {pool_type} pools",
                             "kv_scales", pool_type)
@@ -275,7 +283,13 @@ class KVCacheSnapshot:
 
     @property
     def head_dim(self) -> int:
+        """The key's (or fused member's) head_dim."""
         return self._first().shape[2]
+
+    @property
+    def head_dim_v(self) -> int:
+        """The value's head_dim (differs from the key's on DIFFKV caches)."""
+        return self.descriptor(0, self.roles[-1]).shape[2]
 
     @property
     def total_tokens(self) -> int:
@@ -303,9 +317,11 @@ class KVCacheSnapshot:
 
     def __repr__(self) -> str:
         fp8 = ", fp8 scales" if self.kv_scales is not None else ""
+        dims = f"head_dim={self.head_dim}" + (
+            f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         return (f"KVCacheSnapshot({self.num_layers} layers x {'/'.join(self.roles)}, "
                 f"{self.num_seqs} seqs, {self.total_tokens} tokens, {self.dtype}, "
-                f"heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"heads={self.num_kv_heads}, {dims}, "
                 f"page_size={self.page_size}{fp8})")
 
     # ----------------------------------------------------------------- members
@@ -434,13 +450,12 @@ class SnapshotAssembler:
         return snap
 
 
-_FACT_NAMES = ("num_seqs", "page_size", "num_heads", "head_dim", "total_tokens", "type_tag")
+_FACT_NAMES = ("num_seqs", "page_size", "num_heads", "total_tokens", "type_tag")
 
 
 def _facts(desc: TensorDescriptor) -> tuple[int, ...]:
     layout = desc.layout
-    return (layout.num_seqs, layout.page_size, desc.shape[1], desc.shape[2], desc.shape[0],
-            desc.type_tag)
+    return (layout.num_seqs, layout.page_size, desc.shape[1], desc.shape[0], desc.type_tag)
 
 
 def _role_rank(role: str) -> int:

@@ -155,12 +155,12 @@ def protocol(data: bytes) -> None:
         for decode in _DECODERS:
             with contextlib.suppress(hk.HurrayError):
                 decode(payload)
-    with socket.create_connection(_LiveServer.address(), timeout=5) as s:
-        with contextlib.suppress(OSError):
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(1 << 16):
-                pass
+    with socket.create_connection(_LiveServer.address(), timeout=5) as s, \
+            contextlib.suppress(OSError):
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(1 << 16):
+            pass
     with socket.create_connection(_LiveServer.address(), timeout=5) as s:
         s.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode()) + m.message(T.PING, 2, b"?"))
         got = b""

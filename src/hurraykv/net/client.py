@@ -9,6 +9,7 @@ zeroed copies only of the pages that hold unused slots (``zero_unused``).
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import ssl
 import time
@@ -24,6 +25,7 @@ from .messages import (
     HEADER,
     DataAssembler,
     DataPlan,
+    Delete,
     ErrorCode,
     Hello,
     MessageType,
@@ -32,9 +34,14 @@ from .messages import (
     Request,
     decode_descriptor_message,
     decode_error,
+    decode_flags,
     decode_header,
     decode_hello,
+    decode_listing,
+    decode_text,
     encode_data_header,
+    encode_keys,
+    encode_text,
     message,
     remote_error,
 )
@@ -278,11 +285,36 @@ class KVClient:
 
     # -- others ------------------------------------------------------------------------
     def delete(self, key: str) -> None:
-        from .messages import Delete
-
         stream = self._next_stream()
         self._send(message(MessageType.DELETE, stream, Delete(key).encode()))
         self._expect(stream, MessageType.DELETE_ACK)
+
+    def has(self, keys: list[str]) -> list[bool]:
+        """Which of ``keys`` the server holds (one round trip)."""
+        stream = self._next_stream()
+        self._send(message(MessageType.HAS, stream, encode_keys(list(keys))))
+        _, payload = self._expect(stream, MessageType.HAS_REPLY)
+        return decode_flags(payload, len(keys))
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        """``(key, bytes)`` of every key (starting with ``prefix``) this client may see."""
+        stream = self._next_stream()
+        self._send(message(MessageType.LIST, stream, encode_text(prefix)))
+        _, payload = self._expect(stream, MessageType.LIST_REPLY)
+        return decode_listing(payload)
+
+    def stat(self) -> dict[str, Any]:
+        """The server's counters: objects, bytes, budget, connections, uptime."""
+        stream = self._next_stream()
+        self._send(message(MessageType.STAT, stream))
+        _, payload = self._expect(stream, MessageType.STAT_REPLY)
+        try:
+            out = json.loads(decode_text(payload, "stat_reply"))
+        except ValueError as e:
+            raise ProtocolError(f"stat_reply is not a JSON object: {e}") from None
+        if not isinstance(out, dict):
+            raise ProtocolError("stat_reply is not a JSON object")
+        return out
 
     def ping(self, payload: bytes = b"") -> float:
         """Round-trip seconds of a PING; the PONG must echo its payload."""

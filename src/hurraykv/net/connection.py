@@ -26,6 +26,7 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -52,12 +53,17 @@ from .messages import (
     decode_error,
     decode_header,
     decode_hello,
+    decode_keys,
     decode_put,
     decode_request,
+    decode_text,
     encode_data_header,
+    encode_flags,
+    encode_listing,
+    encode_text,
     message,
 )
-from .tenants import scoped_key, tenant_identity
+from .tenants import client_key, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
     from .server import KVServer
@@ -367,6 +373,19 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError(f"no tensor under key {key!r}", ErrorCode.UNKNOWN_TENSOR)
             log.info("delete key=%r", key)
             self._write(message(MessageType.DELETE_ACK, stream))
+        elif mtype == MessageType.HAS:
+            store = self.server.store
+            flags = [self._key(k) in store for k in decode_keys(payload)]
+            self._write(message(MessageType.HAS_REPLY, stream, encode_flags(flags)))
+        elif mtype == MessageType.LIST:
+            prefix = decode_text(payload, "list")
+            mine = [(client_key(self.tenant, k), n) for k, n in self.server.store.listing()]
+            entries = [(k, n) for k, n in mine if k is not None and k.startswith(prefix)]
+            self._write(message(MessageType.LIST_REPLY, stream, encode_listing(entries)))
+        elif mtype == MessageType.STAT:
+            decode_empty(payload, "stat")
+            self._write(message(MessageType.STAT_REPLY, stream,
+                                encode_text(json.dumps(self.server.stats()))))
         elif mtype == MessageType.ERROR:
             err = decode_error(payload)
             log.info("stream %d: client error %d: %s", stream, err.code, err.message)

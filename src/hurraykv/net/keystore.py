@@ -245,6 +245,26 @@ class KeyStore:
             if key != keep:
                 self._evict_key(key)
 
+    def listing(self) -> list[tuple[str, int]]:
+        """Every key held in memory or on disk, with its data bytes (a file's size for an
+        object not loaded since a restart); keys only in the backing store are not listed."""
+        sizes = {key: obj.nbytes for key, obj in {**self._mapped, **self._objects}.items()}
+        for key, path in self._files.items():
+            if key not in sizes:
+                try:
+                    sizes[key] = path.stat().st_size
+                except OSError:
+                    continue
+        return sorted(sizes.items())
+
+    def stats(self) -> dict[str, Any]:
+        return {"objects_in_memory": len(self._objects), "persisted_objects": len(self._files),
+                "memory_bytes": self.memory_bytes, "reserved_bytes": self.reserved_bytes,
+                "memory_budget": self.memory_budget,
+                "idle_receive_bytes": self.pool.idle_bytes if self.pool is not None else 0,
+                "persist": str(self.persist) if self.persist else None,
+                "backing_store": self.backing is not None}
+
     def delete(self, key: str) -> bool:
         found = key in self
         if self.backing is not None and key in self.backing:

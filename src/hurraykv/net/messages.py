@@ -22,6 +22,11 @@ type  name                payload
 0x09  ERROR               u32 error_code, u32 n + utf8 message
 0x0A  PING / 0x0B PONG    opaque bytes (PONG echoes PING's)
 0xF0  DELETE (private)    u32 n + utf8 key; answered by 0xF1 DELETE_ACK (empty) or ERROR
+0xF2  LIST (private)      u32 n + utf8 key prefix; answered by 0xF3 LIST_REPLY: u32 count,
+                          then per key u32 n + utf8 key, u64 bytes
+0xF4  STAT (private)      empty; answered by 0xF5 STAT_REPLY: u32 n + utf8 JSON object
+0xF6  HAS (private)       u32 count, then per key u32 n + utf8 key; answered by 0xF7
+                          HAS_REPLY: u32 count, one byte (0 or 1) per key
 ====  ==================  ====================================================================
 
 A layout entry is one byte, or for a private tag (0xF0-0xFE) the byte, ``u16 ext_len`` and
@@ -64,6 +69,12 @@ class MessageType(IntEnum):
     RDMA_READY = 0x0D
     DELETE = 0xF0
     DELETE_ACK = 0xF1
+    LIST = 0xF2
+    LIST_REPLY = 0xF3
+    STAT = 0xF4
+    STAT_REPLY = 0xF5
+    HAS = 0xF6
+    HAS_REPLY = 0xF7
 
 
 class ErrorCode(IntEnum):
@@ -408,6 +419,70 @@ def decode_delete(payload: bytes | memoryview) -> Delete:
     key = r.text("key")
     r.end()
     return Delete(key)
+
+
+def encode_text(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw
+
+
+def decode_text(payload: bytes | memoryview, what: str) -> str:
+    """A payload that is one ``u32 n + utf8`` string (LIST's prefix, STAT_REPLY's JSON)."""
+    r = _Reader(payload, what)
+    text = r.text("text")
+    r.end()
+    return text
+
+
+MAX_KEYS = 65536  # keys one HAS may ask about
+
+
+def encode_keys(keys: list[str]) -> bytes:
+    return struct.pack("<I", len(keys)) + b"".join(encode_text(k) for k in keys)
+
+
+def decode_keys(payload: bytes | memoryview) -> list[str]:
+    r = _Reader(payload, "has")
+    n = r.unpack("I", "count")
+    if n > MAX_KEYS or n * 4 > r.left:
+        raise _bad(f"has.count {n}: at most {MAX_KEYS} keys, each at least 4 bytes of the "
+                   f"{r.left} left", field_="count", value=n)
+    keys = [r.text("key") for _ in range(n)]
+    r.end()
+    return keys
+
+
+def encode_flags(flags: list[bool]) -> bytes:
+    return struct.pack("<I", len(flags)) + bytes(int(bool(f)) for f in flags)
+
+
+def decode_flags(payload: bytes | memoryview, expected: int) -> list[bool]:
+    r = _Reader(payload, "has_reply")
+    n = r.unpack("I", "count")
+    if n != expected:
+        raise _bad(f"has_reply.count {n}: {expected} keys were asked about", field_="count",
+                   value=n)
+    out = bytes(r.take(n, "flags"))
+    r.end()
+    if any(b > 1 for b in out):
+        raise _bad("has_reply flags are 0 or 1", field_="flags")
+    return [b == 1 for b in out]
+
+
+def encode_listing(entries: list[tuple[str, int]]) -> bytes:
+    return struct.pack("<I", len(entries)) + b"".join(
+        encode_text(k) + struct.pack("<Q", n) for k, n in entries)
+
+
+def decode_listing(payload: bytes | memoryview) -> list[tuple[str, int]]:
+    r = _Reader(payload, "list_reply")
+    n = r.unpack("I", "count")
+    if n * 12 > r.left:
+        raise _bad(f"list_reply.count {n} cannot fit in {r.left} bytes", field_="count",
+                   value=n)
+    out = [(r.text("key"), r.unpack("Q", "bytes")) for _ in range(n)]
+    r.end()
+    return out
 
 
 @dataclass

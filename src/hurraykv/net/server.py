@@ -12,6 +12,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,9 +90,18 @@ class KVServer:
         self.pool = ReceivePool(self.config.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0
+        self.started = time.monotonic()
         self.scratch = memoryview(bytearray(SCRATCH))
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
+
+    def stats(self) -> dict[str, Any]:
+        """What ``hurraykv stat`` shows: objects, bytes, budget, connections."""
+        from .. import __version__
+
+        return {"version": __version__, "address": self.address,
+                "connections": self.connections, "max_connections": self.config.max_connections,
+                "uptime_s": round(time.monotonic() - self.started, 3), **self.store.stats()}
 
     def _ssl(self) -> ssl.SSLContext | None:
         c = self.config

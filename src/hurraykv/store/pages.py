@@ -595,6 +595,15 @@ class PageStore:
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))
 
+    def contains_many(self, snapshot_ids: Sequence[str]) -> list[bool]:
+        """Which snapshots are stored, in one pipelined round trip (per cluster node)."""
+        if not snapshot_ids:
+            return []
+        pipe = self._pipe()
+        for sid in snapshot_ids:
+            pipe.exists(manifest_key(sid))
+        return [bool(n) for n in pipe.execute()]
+
 
 def _prefix_value(snapshot_id: str, seq: int, count: int) -> bytes:
     raw = snapshot_id.encode("utf-8")

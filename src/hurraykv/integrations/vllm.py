@@ -1,0 +1,420 @@
+"""``HurrayConnector``: vLLM stores and loads KV through hurraykv.
+
+Selected with::
+
+    kv_transfer_config = {"kv_connector": "HurrayConnector",
+                          "kv_connector_module_path": "hurraykv.integrations.vllm",
+                          "kv_role": "kv_both",            # or kv_producer / kv_consumer
+                          "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"url": "file:///var/cache/kv"}}
+
+``url``: ``file:///DIR``, ``hurray://HOST:PORT`` or ``redis[+cluster]://HOST:PORT`` (see
+``chunks.py``).  Other extra-config keys: ``chunk_size`` (tokens per stored chunk, a
+multiple of the block size; default the block size, so prefixes are reused block by
+block), ``save_decode`` (also store chunks of generated tokens; default true),
+``model_id`` (the model name in the cache identity; default vLLM's ``model``).
+
+Scheduler side: ``get_num_new_matched_tokens`` finds the longest run of stored chunks
+at the start of the prompt (one existence query), ``build_connector_meta`` tells the
+workers which chunks to load into which blocks and which newly computed chunks to store.
+Worker side: ``start_load_kv`` fetches the chunks, ``wait_for_layer_load`` writes each
+layer's pages into the blocks vLLM allocated (in place, through ``adapters.vllm``),
+``save_kv_layer`` copies each layer's newly computed blocks out as the forward pass goes,
+and ``wait_for_save`` writes the chunks.  A chunk that is missing, truncated or does not
+parse is never written into the cache: its blocks (and the blocks after them) are
+reported by ``get_block_ids_with_load_errors`` so vLLM recomputes them, and one line is
+logged.  Multimodal requests and hybrid (several KV cache groups) models are passed
+through without storing or loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
+from ..errors import HurrayError
+from ..snapshot import KVCacheSnapshot
+from .chunks import ChunkKeys, identity_digest, open_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hurraykv.vllm")
+
+
+@dataclass
+class Transfer:
+    """Chunks of one request and the engine blocks that hold their pages: ``blocks[i]``
+    are the blocks of chunk ``keys[i]`` from its page ``first_page[i]`` on."""
+
+    req_id: str
+    keys: list[str] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
+    first_page: list[int] = field(default_factory=list)
+
+
+@dataclass
+class HurrayConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    request: Any
+    keys: ChunkKeys
+    local: int = 0  # tokens vLLM had cached itself when matching
+    matched: int = 0  # tokens the store holds for this prompt
+    load: int = 0  # tokens to load (0: none)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    stored: int = 0  # chunks known to be in the store
+    rewrite: bool = False  # a load from the store failed: store again, present or not
+
+
+class HurrayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = cfg.kv_connector_extra_config or {}
+        url = extra.get("url")
+        if not url:
+            raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
+                              "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
+                              field="url", rule="kv_connector_extra_config.url")
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_size = int(extra.get("chunk_size", self.block_size))
+        if self.chunk_size <= 0 or self.chunk_size % self.block_size:
+            raise HurrayError(f"chunk_size {self.chunk_size} is not a positive multiple of "
+                              f"the block size {self.block_size}", field="chunk_size",
+                              value=self.chunk_size)
+        self.save_decode = bool(extra.get("save_decode", True))
+        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        self.model_dtype = vllm_config.model_config.dtype
+        self.can_save = cfg.is_kv_producer
+        self.can_load = cfg.is_kv_consumer
+        self.store = open_store(url)
+        self.identity = self._identity(vllm_config, kv_cache_config, extra)
+        self.seed = identity_digest(self.identity)
+        self.disabled = self._why_disabled(kv_cache_config)
+        if self.disabled:
+            log.warning("HurrayConnector passes requests through: %s", self.disabled)
+        if role == KVConnectorRole.SCHEDULER and cfg.kv_load_failure_policy != "recompute":
+            log.warning("kv_load_failure_policy is %r: a damaged stored chunk fails its request"
+                        " instead of being recomputed; set it to 'recompute'",
+                        cfg.kv_load_failure_policy)
+        self._requests: dict[str, _Request] = {}
+        # worker state
+        self._layers: list[tuple[str, LayerView]] = []
+        self._index: dict[str, int] = {}
+        self._scales: list[tuple[float, float]] | None = None
+        self._fetched: list[tuple[list[int], KVCacheSnapshot, int]] = []
+        self._written: set[str] = set()
+        self._staged: dict[str, list[list[np.ndarray]]] = {}
+        self._failed: set[int] = set()
+        self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
+                      "layers_written": 0, "save_seconds": 0.0, "load_seconds": 0.0}
+
+    # ------------------------------------------------------------------ identity
+    def _identity(self, vllm_config: Any, kv_cache_config: Any, extra: dict) -> str:
+        spec = self._spec(kv_cache_config)
+        parallel = vllm_config.parallel_config
+        cache_dtype = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else str(
+            self.model_dtype).removeprefix("torch.")
+        parts = {"model": extra.get("model_id", vllm_config.model_config.model),
+                 "cache_dtype": cache_dtype, "chunk_size": self.chunk_size,
+                 "tp_size": parallel.tensor_parallel_size}
+        if spec is not None:
+            parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
+                      "kv_heads": getattr(spec, "num_kv_heads", None),
+                      "head_size": getattr(spec, "head_size", None),
+                      "head_size_v": getattr(spec, "head_size_v", None)}
+        return ";".join(f"{k}={v}" for k, v in parts.items())
+
+    @staticmethod
+    def _spec(kv_cache_config: Any) -> Any:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        return groups[0].kv_cache_spec if len(groups) == 1 else None
+
+    def _why_disabled(self, kv_cache_config: Any) -> str:
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            return f"{len(groups)} KV cache groups (hybrid model): not supported"
+        return ""
+
+    # ------------------------------------------------------------------ scheduler side
+    def _state(self, request: Request) -> _Request:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            st = _Request(request, ChunkKeys(self.seed, self.chunk_size))
+            self._requests[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.local = num_computed_tokens
+        if not self.can_load or self.disabled or request.mm_features:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        chunks = (len(prompt) - 1) // self.chunk_size  # the last token is always computed
+        keys = st.keys.upto(prompt, chunks)
+        try:
+            present = self.store.has(keys) if keys else []
+        except HurrayError as e:
+            log.warning("chunk lookup in %s failed, computing instead: %s", self.store.url, e)
+            return 0, False
+        found = next((i for i, p in enumerate(present) if not p), len(present))
+        st.matched = found * self.chunk_size
+        st.stored = max(st.stored, found)
+        return max(0, st.matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        st.load = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HurrayConnectorMetadata()
+        scheduled: list[_Request] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._requests.get(new.req_id)
+            if st is None:
+                continue
+            st.blocks = list(new.block_ids[0]) if new.block_ids else []
+            st.computed = new.num_computed_tokens
+            if st.load > 0:
+                meta.loads.append(self._transfer(st, st.local, st.local + st.load))
+                st.load = 0
+            scheduled.append(st)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._requests.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.blocks = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.blocks.extend(new_blocks[0])
+            st.computed = cached.num_computed_tokens[i]
+            scheduled.append(st)
+        if self.can_save and not self.disabled:
+            for st in scheduled:
+                save = self._saves(st, scheduler_output.num_scheduled_tokens.get(
+                    st.request.request_id, 0))
+                if save is not None:
+                    meta.saves.append(save)
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _transfer(self, st: _Request, start: int, end: int) -> Transfer:
+        """The chunks covering tokens ``[start, end)`` (whole blocks) and their blocks."""
+        out = Transfer(st.request.request_id)
+        per = self.chunk_size // self.block_size
+        keys = st.keys.upto(st.request.all_token_ids, -(-end // self.chunk_size))
+        first_block, last_block = start // self.block_size, end // self.block_size
+        for c in range(first_block // per, -(-last_block // per)):
+            lo, hi = max(c * per, first_block), min((c + 1) * per, last_block)
+            out.keys.append(keys[c])
+            out.blocks.append(st.blocks[lo:hi])
+            out.first_page.append(lo - c * per)
+        return out
+
+    def _saves(self, st: _Request, scheduled: int) -> Transfer | None:
+        request = st.request
+        if request.mm_features:
+            return None
+        upto = st.computed + scheduled
+        if not self.save_decode:
+            upto = min(upto, len(request.prompt_token_ids or []))
+        chunks = min(upto, len(st.blocks) * self.block_size) // self.chunk_size
+        if chunks <= st.stored:
+            return None
+        keys = st.keys.upto(request.all_token_ids, chunks)
+        todo = list(range(st.stored, chunks))
+        try:
+            present = [False] * len(todo) if st.rewrite else self.store.has(
+                [keys[c] for c in todo])
+        except HurrayError as e:
+            log.warning("chunk lookup in %s failed, not storing: %s", self.store.url, e)
+            return None
+        st.stored, st.rewrite = chunks, False
+        todo = [c for c, p in zip(todo, present, strict=True) if not p]
+        if not todo:
+            return None
+        out = Transfer(request.request_id)
+        per = self.chunk_size // self.block_size
+        for c in todo:
+            out.keys.append(keys[c])
+            out.blocks.append(st.blocks[c * per:(c + 1) * per])
+            out.first_page.append(0)
+        return out
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Chunks whose load failed are stored again once recomputed (the damaged object
+        is replaced), instead of failing every later request that finds them."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        per = self.chunk_size // self.block_size
+        for st in self._requests.values():
+            hits = [i for i, b in enumerate(st.blocks) if b in invalid]
+            if hits:
+                st.stored = min(st.stored, hits[0] // per)
+                st.rewrite = True
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.disabled:
+            return
+        layers = ordered_layers(kv_caches)
+        context = self._vllm_config.compilation_config.static_forward_context
+        first = context.get(layers[0][0])
+        backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
+        head_size = getattr(self._spec(self._kv_cache_config), "head_size", None)
+        isa = None
+        if backend == "CPU_ATTN":
+            isa = cpu_isa(self.model_dtype, self.block_size, head_size, self.kv_cache_dtype)
+        kind = backend_kind(backend, kv_cache_dtype=self.kv_cache_dtype, isa=isa)
+        self._layers = [(name, LayerView(t, kind, kv_cache_dtype=self.kv_cache_dtype,
+                                         head_size=head_size if kind != "mla" else None))
+                        for name, t in layers]
+        self._index = {name: i for i, (name, _) in enumerate(self._layers)}
+        if self.kv_cache_dtype != "auto":
+            self._scales = []
+            for name, _ in self._layers:
+                layer = context.get(name)
+                self._scales.append((float(getattr(layer, "_k_scale_float", 1.0)),
+                                     float(getattr(layer, "_v_scale_float", 1.0))))
+        self.backend = backend
+        log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s",
+                 len(self._layers), backend, kind, self.chunk_size, self.store.url)
+
+    def _check_chunk(self, snap: KVCacheSnapshot) -> None:
+        view = self._layers[0][1]
+        want = (len(self._layers), self.chunk_size, self.block_size, view.heads, *view.dims)
+        have = (snap.num_layers, snap.total_tokens, snap.page_size, snap.num_kv_heads,
+                *(t.head_dim for t in snap.layer(0)))
+        if want != have or snap.num_seqs != 1:
+            raise HurrayError(f"a stored chunk holds (layers, tokens, page_size, heads, dims) "
+                              f"{list(have)}, this engine needs {list(want)}",
+                              field="chunk", value=list(have), rule="the cache identity")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HurrayConnectorMetadata)
+        self._fetched, self._written = [], set()
+        started = time.perf_counter()
+        for load in meta.loads:
+            for i, key in enumerate(load.keys):
+                try:
+                    snap = self.store.get(key)
+                    self._check_chunk(snap)
+                    for t in snap.tensors():
+                        t.validate()
+                except HurrayError as e:
+                    failed = [b for blocks in load.blocks[i:] for b in blocks]
+                    self._failed.update(failed)
+                    self.stats["chunks_failed"] += 1
+                    log.warning("request %s: chunk %s could not be loaded (%s); %d blocks "
+                                "will be recomputed", load.req_id, key, e, len(failed))
+                    break
+                self._fetched.append((load.blocks[i], snap, load.first_page[i]))
+                self.stats["chunks_loaded"] += 1
+        self.stats["load_seconds"] += time.perf_counter() - started
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._fetched or layer_name in self._written or layer_name not in self._index:
+            return
+        started = time.perf_counter()
+        layer = self._index[layer_name]
+        view = self._layers[layer][1]
+        for blocks, snap, first in self._fetched:
+            pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
+            view.write(blocks, pages)
+        self._written.add(layer_name)
+        self.stats["layers_written"] += 1
+        self.stats["load_seconds"] += time.perf_counter() - started
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        if not self.has_connector_metadata() or layer_name not in self._index:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HurrayConnectorMetadata)
+        if not meta.saves:
+            return
+        started = time.perf_counter()
+        layer = self._index[layer_name]
+        view = self._layers[layer][1]
+        for save in meta.saves:
+            blocks = [b for chunk in save.blocks for b in chunk]
+            staged = self._staged.setdefault(save.req_id, [[] for _ in self._layers])
+            staged[layer] = pages_to_numpy(view.read(blocks))
+        self.stats["save_seconds"] += time.perf_counter() - started
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HurrayConnectorMetadata)
+        started = time.perf_counter()
+        per = self.chunk_size // self.block_size
+        for save in meta.saves:
+            staged = self._staged.pop(save.req_id, None)
+            if staged is None or any(not parts for parts in staged):
+                continue
+            for c, key in enumerate(save.keys):
+                pools = [[p[c * per:(c + 1) * per] for p in parts] for parts in staged]
+                try:
+                    self.store.put(key, self._chunk(pools), {"vllm.chunk_key": key,
+                                                             "vllm.identity": self.identity})
+                    self.stats["chunks_saved"] += 1
+                except HurrayError as e:
+                    log.warning("request %s: chunk %s was not stored: %s", save.req_id, key, e)
+        self._staged.clear()
+        self.stats["save_seconds"] += time.perf_counter() - started
+
+    def _chunk(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
+        per = pools[0][0].shape[0]
+        fused = len(pools[0]) == 1
+        keys = [p[0] for p in pools]
+        values = None if fused else [p[1] for p in pools]
+        scales = None if self._scales is None else np.array(self._scales, np.float32)
+        return KVCacheSnapshot.from_arrays(keys, values, np.arange(per), [0, per],
+                                           [self.chunk_size], kv_scales=scales,
+                                           model=self.identity)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+__all__ = ["HurrayConnector", "HurrayConnectorMetadata"]
