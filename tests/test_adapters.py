@@ -32,32 +32,22 @@ def vllm_tables(seed: int):
     return table, torch.tensor(lens, dtype=torch.int32)
 
 
-def random_caches(layout: str, dtype=torch.float16, seed: int = 0):
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLNHC": (1, 0, 3, 2, 4)}
+
+
+def random_caches(dtype=torch.float16, seed: int = 0, layout: str = "LBHNC", content=2 * D):
+    """Per-layer [num_blocks, H, block_size, C] views of one backing buffer whose physical
+    order is ``layout`` (the engine's allocation, see engine_tests for vLLM's own)."""
     g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        if dtype == torch.uint8:
-            return torch.randint(0, 120, shape, generator=g, dtype=torch.uint8)
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    if layout == "paged_attention_v1":
-        x = 16 // torch.tensor([], dtype=dtype).element_size()
-        return [(rnd(NB, H, D // x, BS, x), rnd(NB, H, D, BS)) for _ in range(L)]
-    shape = {"flash_attn": (2, NB, BS, H, D), "flashinfer": (NB, 2, BS, H, D),
-             "cpu": (2, NB, H, BS, D)}[layout]
-    return [rnd(*shape) for _ in range(L)]
-
-
-def engine_key(layout: str, cache, block: int, slot: int) -> torch.Tensor:
-    """The [H, D] key vectors of one block slot, read the engine's way."""
-    if layout == "flash_attn":
-        return cache[0, block, slot]
-    if layout == "flashinfer":
-        return cache[block, 0, slot]
-    if layout == "cpu":
-        return cache[0, block, :, slot]
-    key = cache[0]  # [nb, H, D/x, bs, x]
-    return key[block, :, :, slot, :].reshape(H, D)
+    order = LAYOUTS[layout]
+    logical = (L, NB, H, BS, content)
+    shape = [logical[i] for i in order]
+    if dtype == torch.uint8:
+        raw = torch.randint(0, 120, shape, generator=g, dtype=torch.uint8)
+    else:
+        raw = torch.randn(*shape, generator=g).to(dtype)
+    five = raw.permute(*np.argsort(order).tolist())
+    return [five[i] for i in range(L)]
 
 
 def same(a, b) -> bool:
@@ -66,60 +56,103 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("layout", vllm.LAYOUTS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_vllm_round_trip_bitwise(layout, dtype):
-    caches = random_caches(layout, dtype, seed=1)
+def test_vllm_split_round_trip_bitwise(layout, dtype):
+    caches = random_caches(dtype, seed=1, layout=layout)
     table, lens = vllm_tables(2)
-    snap = vllm.from_vllm(caches, table, lens, layout=layout)
+    snap = vllm.from_vllm(caches, table, lens, backend="FLASH_ATTN")
     assert snap.num_layers == L and snap.page_size == BS and snap.num_kv_heads == H
     assert len(snap.tensor(0, "key").shared_pages) == 2  # the shared prefix blocks
-    back, table2, lens2 = vllm.to_vllm(snap, layout=layout)
-    assert all(same(a, b) for a, b in zip(caches, back, strict=True))
-    assert torch.equal(table2, table) and torch.equal(lens2, lens)
-    # token 5 of sequence 0 lives in its block 1, slot 1: the engine and the snapshot agree
+    assert snap.tensor(0, "key").num_pages == len(np.unique(table[table > 0]))
+    back, table2, lens2 = vllm.to_vllm(snap, backend="FLASH_ATTN", layout=layout)
+    assert torch.equal(lens2, lens)
+    for a, b in zip(caches, back, strict=True):
+        for s in range(len(lens)):
+            n = -(-int(lens[s]) // BS)
+            assert same(a[table[s, :n].long()], b[table2[s, :n].long()])
+    # token 5 of sequence 0: block 1, slot 1, key = the first D of the content axis
     block = int(table[0, 1])
-    expected = engine_key(layout, caches[1], block, 1).float().numpy()
-    got = snap.layer(1)[0].gather(0)[5].astype(np.float32)
-    np.testing.assert_array_equal(got, expected)
+    expected = caches[1][block, :, 1, :D].float().numpy()
+    np.testing.assert_array_equal(snap.layer(1)[0].gather(0)[5].astype(np.float32), expected)
 
 
-def test_vllm_flash_attn_is_zero_copy():
-    caches = random_caches("flash_attn")
+def test_vllm_cpu_attn_keys_are_transposed_in_each_page():
+    caches = random_caches(torch.float32, seed=3)
     table, lens = vllm_tables(3)
-    snap = vllm.from_vllm(caches, table, lens)
-    pool = snap.tensor(2, "value").page_pool
-    assert np.shares_memory(pool, caches[2].numpy())
+    snap = vllm.from_vllm(caches, table, lens, backend="CPU_ATTN", isa="vec")
+    page = caches[0][int(table[0, 1])].reshape(H, 2 * BS * D)  # each head's page, flat
+    key_t = page[:, :BS * D].reshape(H, D, BS)  # the first half holds K as [D, block_size]
+    value = page[:, BS * D:].reshape(H, BS, D)  # the second half V as [block_size, D]
+    got_k, got_v = (t.gather(0)[BS + 2] for t in snap.layer(0))  # token 6: block 1, slot 2
+    np.testing.assert_array_equal(got_k, key_t[:, :, 2].numpy())
+    np.testing.assert_array_equal(got_v, value[:, 2, :].numpy())
+    back, table2, _ = vllm.to_vllm(snap, backend="CPU_ATTN")
+    assert same(back[0][table2[0, 1].long()], caches[0][int(table[0, 1])])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_vllm_fp8_cache_keeps_its_scales(kv_cache_dtype):
-    caches = random_caches("flash_attn", torch.uint8)  # vLLM may hold fp8 caches as uint8
+    caches = random_caches(torch.uint8)  # vLLM holds fp8 caches as uint8
     table, lens = vllm_tables(4)
     k_scales = [0.5, 0.25, 2.0]
     v_scales = [torch.tensor(1.5), torch.tensor(3.0), torch.tensor(0.125)]
-    snap = vllm.from_vllm(caches, table, lens, k_scales=k_scales, v_scales=v_scales,
-                          kv_cache_dtype=kv_cache_dtype)
+    snap = vllm.from_vllm(caches, table, lens, backend="CPU_ATTN", isa="vec",
+                          k_scales=k_scales, v_scales=v_scales, kv_cache_dtype=kv_cache_dtype)
     assert snap.dtype == ("float8_e4m3" if kv_cache_dtype == "fp8" else "float8_e5m2")
     np.testing.assert_array_equal(snap.kv_scales, [[0.5, 1.5], [0.25, 3.0], [2.0, 0.125]])
-    back, _, _ = vllm.to_vllm(snap)
-    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(caches, back, strict=True))
+    back, table2, _ = vllm.to_vllm(snap, backend="CPU_ATTN")
+    assert back[0].dtype == torch.uint8
+    assert same(back[2][table2[1, 0].long()], caches[2][int(table[1, 0])])
     raw = snap.layer(2)[0].gather(0).astype(np.float32)
     np.testing.assert_array_equal(snap.layer(2)[0].gather(0, dequantize=True), raw * 2.0)
 
 
+def test_vllm_layer_order_comes_from_the_names():
+    caches = random_caches(seed=6)
+    names = {f"model.layers.{i}.self_attn.attn": c for i, c in zip((2, 0, 1), caches,
+                                                                    strict=True)}
+    table, lens = vllm_tables(6)
+    snap = vllm.from_vllm(names, table, lens, backend="FLASH_ATTN")
+    direct = vllm.from_vllm([caches[1], caches[2], caches[0]], table, lens,
+                            backend="FLASH_ATTN")
+    assert snap.equal(direct)
+
+
+def test_vllm_load_into_running_caches_in_place():
+    caches = random_caches(seed=7)
+    table, lens = vllm_tables(7)
+    snap = vllm.from_vllm(caches, table, lens, backend="FLASH_ATTN")
+    target = random_caches(seed=8)
+    storage = [c.untyped_storage().data_ptr() for c in target]
+    free = iter([5, 20, 21, 17, 18, 19, 1, 0, 22, 23, 12])
+    blocks = [[next(free) for _ in range(-(-int(n) // BS))] for n in lens.tolist()]
+    written = vllm.load_into_vllm(snap, target, blocks, backend="FLASH_ATTN")
+    assert written == sum(len(b) for b in blocks)
+    assert [c.untyped_storage().data_ptr() for c in target] == storage  # no reallocation
+    for a, b in zip(caches, target, strict=True):
+        assert same(b[blocks[0]], a[table[0, :3].long()])
+
+
 def test_vllm_rejects_what_does_not_fit():
-    caches = random_caches("flash_attn")
+    caches = random_caches()
     table, lens = vllm_tables(5)
-    with pytest.raises(hk.HurrayError, match="layout 'xformers'"):
-        vllm.from_vllm(caches, table, lens, layout="xformers")
+    with pytest.raises(hk.UnsupportedError, match="XFORMERS"):
+        vllm.from_vllm(caches, table, lens, backend="XFORMERS")
     with pytest.raises(hk.LayoutError, match="needs 9 blocks"):
-        vllm.from_vllm(caches, table, torch.tensor([33, 4, 1, 2]))
-    q = vllm.from_vllm(caches, table, lens)
+        vllm.from_vllm(caches, table, torch.tensor([33, 4, 1, 2]), backend="FLASH_ATTN")
+    with pytest.raises(hk.LayoutError, match="4-D logical view"):
+        vllm.from_vllm([torch.zeros(2, NB, BS, H, D)], table, lens, backend="FLASH_ATTN")
+    with pytest.raises(hk.LayoutError, match="uint8 cache is fp8"):
+        vllm.from_vllm(random_caches(torch.uint8), table, lens, backend="FLASH_ATTN")
+    with pytest.raises(hk.UnsupportedError, match=r"int8_per_token_head.*not supported"):
+        vllm.from_vllm(caches, table, lens, backend="TRITON_ATTN",
+                       kv_cache_dtype="int8_per_token_head")
+    q = vllm.from_vllm(caches, table, lens, backend="FLASH_ATTN")
     q = hk.KVCacheSnapshot.from_tensors([t.quantize("per_block_affine", "int8")
                                          for t in q.tensors()])
     with pytest.raises(hk.HurrayError, match="dequantize"):
-        vllm.to_vllm(q)
+        vllm.to_vllm(q, backend="FLASH_ATTN")
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -250,34 +283,34 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 @needs_cuda
 def test_vllm_cuda_caches_round_trip_through_the_host():
-    caches = [c.cuda() for c in random_caches("flash_attn", seed=9)]
+    caches = [c.cuda() for c in random_caches(seed=9)]
     table, lens = vllm_tables(9)
-    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda())
-    back, table2, lens2 = vllm.to_vllm(snap, device="cuda")
-    assert all(b.is_cuda and torch.equal(a, b) for a, b in zip(caches, back, strict=True))
-    assert torch.equal(table2.cpu(), table) and torch.equal(lens2.cpu(), lens)
+    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda(), backend="FLASH_ATTN")
+    back, table2, lens2 = vllm.to_vllm(snap, backend="FLASH_ATTN", device="cuda")
+    assert all(b.is_cuda for b in back) and torch.equal(lens2.cpu(), lens)
+    for a, b in zip(caches, back, strict=True):
+        assert same(a[table[0, :3].long().cuda()], b[table2[0, :3].long()])
 
 
-@pytest.mark.parametrize("layout", vllm.LAYOUTS)
-def test_lazy_members_stay_with_the_engine_until_written(tmp_path, layout):
+def test_lazy_members_stay_with_the_engine_until_written(tmp_path):
     """The mechanism that keeps GPU caches on the GPU, exercised with CPU tensors."""
-    caches = random_caches(layout, seed=10)
+    caches = random_caches(seed=10)
     table, lens = vllm_tables(10)
-    snap = vllm.from_vllm(caches, table, lens, layout=layout, lazy=True)
+    snap = vllm.from_vllm(caches, table, lens, backend="FLASH_ATTN", lazy=True)
     buffers = [snap._members[k][1]() for k in snap.member_keys()]
     assert not any(b.copied for b in buffers)  # validated, described, nothing copied yet
     assert snap.descriptor(1, "value").buffers[0].device_tag == 0
     hk.save_snapshot(snap, tmp_path / "lazy.hrry")  # writing is when the pools are copied
     assert all(b.copied for b in buffers)
-    eager = vllm.from_vllm(caches, table, lens, layout=layout)
+    eager = vllm.from_vllm(caches, table, lens, backend="FLASH_ATTN")
     assert hk.load_snapshot(tmp_path / "lazy.hrry").equal(eager)
 
 
 @needs_cuda
 def test_cuda_caches_record_their_device_and_copy_only_when_written(tmp_path):
-    caches = [c.cuda() for c in random_caches("flash_attn", seed=11)]
+    caches = [c.cuda() for c in random_caches(seed=11)]
     table, lens = vllm_tables(11)
-    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda())
+    snap = vllm.from_vllm(caches, table.cuda(), lens.cuda(), backend="FLASH_ATTN")
     assert snap.descriptor(0, "key").buffers[0].device_tag == 1  # CUDA
     buffers = [snap._members[k][1]() for k in snap.member_keys()]
     assert not any(b.copied for b in buffers)
@@ -285,4 +318,5 @@ def test_cuda_caches_record_their_device_and_copy_only_when_written(tmp_path):
     assert all(b.copied for b in buffers)
     loaded = hk.load_snapshot(tmp_path / "gpu.hrry")
     assert loaded.descriptor(0, "key").buffers[0].device_tag == 0  # the file holds host bytes
-    assert loaded.equal(vllm.from_vllm([c.cpu() for c in caches], table, lens))
+    assert loaded.equal(vllm.from_vllm([c.cpu() for c in caches], table, lens,
+                                       backend="FLASH_ATTN"))

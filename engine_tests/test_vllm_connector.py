@@ -1,0 +1,221 @@
+"""``HurrayConnector`` in running vLLM engines, each in its own process as a separate
+deployment would be: store, reuse by prefix, proof of loading, faults, every URL kind,
+disaggregated prefill/decode, bfloat16 and fp8."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from engine_tests.conftest import run_engine
+from hurraykv.io.hrry import HrryFile
+
+BLOCK = 32
+
+
+def prompts() -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(1)
+    first = rng.integers(1, 1000, 200).tolist()
+    second = first[:64] + rng.integers(1, 1000, 100).tolist()  # shares only 64 tokens
+    return first, second
+
+
+def spec(model: Path, connector: dict | None, prompts_: list[list[int]], *,
+         dtype: str = "float32", kv_cache_dtype: str = "auto", max_tokens: int = 8) -> dict:
+    return {"model": str(model), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+            "prompts": prompts_, "max_tokens": max_tokens, "connector": connector,
+            "block_size": BLOCK}
+
+
+def conn(url: str, role: str = "kv_both") -> dict:
+    return {"url": url, "role": role, "extra": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tmp_path_factory):
+    """Greedy tokens of an engine without a connector, per dtype."""
+    cache: dict[tuple[str, str], list[list[int]]] = {}
+
+    def get(dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[list[int]]:
+        if (dtype, kv_cache_dtype) not in cache:
+            out = run_engine(spec(tiny_llama, None, list(prompts()), dtype=dtype,
+                                  kv_cache_dtype=kv_cache_dtype),
+                             tmp_path_factory.mktemp("ref"), "reference")
+            cache[(dtype, kv_cache_dtype)] = [o["tokens"] for o in out["outputs"]]
+        return cache[(dtype, kv_cache_dtype)]
+
+    return get
+
+
+def store_then_reuse(model: Path, url: str, tmp_path: Path, *, store_role: str = "kv_both",
+                     load_role: str = "kv_both", **kw) -> dict:
+    first, second = prompts()
+    out = run_engine(spec(model, conn(url, store_role), [first],
+                          max_tokens=1 if store_role == "kv_producer" else 8, **kw),
+                     tmp_path, "store")
+    assert out["stats"]["chunks_saved"] == len(first) // BLOCK
+    return run_engine(spec(model, conn(url, load_role), [first, second], **kw), tmp_path,
+                      "reuse")
+
+
+def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path, reference):
+    store = tmp_path / "kv"
+    out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path)
+    first, second = out["outputs"]
+    assert [first["tokens"], second["tokens"]] == reference()
+    assert first["num_cached_tokens"] == (200 - 1) // BLOCK * BLOCK  # 192: the stored blocks
+    assert second["num_cached_tokens"] == 64  # the shared prefix, in whole blocks
+    assert out["stats"]["chunks_loaded"] == 8 and out["stats"]["layers_written"] == 2 * 1
+    files = sorted(store.glob("*.hrry"))
+    snap = hk.load_snapshot(files[0])  # every stored chunk is a snapshot anyone can read
+    assert snap.num_layers == 2 and snap.total_tokens == BLOCK and "float32" in snap.model
+    p = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect", str(files[0])],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "KVCacheSnapshot(2 layers" in p.stdout
+
+
+def _scribble_keys(path: Path) -> None:
+    """Overwrite every layer's key pages of a chunk file, in place.  The tiny random model
+    attends almost uniformly, so the new keys are large enough to sharpen its attention."""
+    f = HrryFile.open(path)
+    spans = [(f.entry(n).data_offset, f.descriptor(n).buffers[0].byte_size) for n in f.names
+             if n.endswith(".key")]
+    del f
+    rng = np.random.default_rng(5)
+    with open(path, "r+b") as fh:
+        for offset, size in spans:
+            fh.seek(offset)
+            fh.write((30 * rng.standard_normal(size // 4)).astype(np.float32).tobytes())
+
+
+def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path, reference):
+    store = tmp_path / "kv"
+    first, _ = prompts()
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
+    for path in store.glob("*.hrry"):
+        _scribble_keys(path)
+    out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "altered")
+    assert out["outputs"][0]["num_cached_tokens"] == 192
+    assert out["outputs"][0]["tokens"] != reference()[0]  # it loaded, it did not recompute
+
+
+def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
+    """Bit for bit: after the load, the engine's blocks are the chunk files' pages."""
+    from engine_tests.conftest import Engine
+    from hurraykv.adapters import vllm as hv
+    from hurraykv.integrations.chunks import ChunkKeys, FileChunks, identity_digest
+
+    store = tmp_path / "kv"
+    first, _ = prompts()
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
+    eng = Engine(tiny_llama, connector=conn(store.as_uri(), "kv_consumer"), block_size=BLOCK)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    (rid,) = eng.add([first], max_tokens=4)
+    eng.step(1)
+    blocks = eng.state([rid])[0]
+    loaded = hv.from_vllm(eng.kv_caches, [blocks[0][:6]], [192], backend="CPU_ATTN")
+    keys = ChunkKeys(identity_digest(connector.identity), BLOCK).upto(first, 6)
+    chunks = FileChunks(store)
+    for c, key in enumerate(keys):
+        chunk = chunks.get(key)
+        for layer in range(2):
+            for ours, theirs in zip(loaded.layer(layer), chunk.layer(layer), strict=True):
+                assert np.array_equal(ours.gather(0)[c * BLOCK:(c + 1) * BLOCK].view(np.uint8),
+                                      theirs.gather(0).view(np.uint8))
+    assert connector.stats["chunks_loaded"] == 6
+    eng.close()
+
+
+def test_damaged_chunks_are_recomputed_not_used(tiny_llama, tmp_path, reference):
+    store = tmp_path / "kv"
+    first, second = prompts()
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
+    truncated, corrupt = sorted(store.glob("*.hrry"))[1:3]
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    data = bytearray(corrupt.read_bytes())
+    data[:8] = b"NOTHRRY!"
+    corrupt.write_bytes(bytes(data))
+    out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path,
+                     "damaged")
+    assert [o["tokens"] for o in out["outputs"]] == reference()
+    assert out["stats"]["chunks_failed"] >= 1
+    assert "could not be loaded" in out["log"] and "will be recomputed" in out["log"]
+    assert hk.load_snapshot(truncated).total_tokens == BLOCK  # stored again, whole
+
+
+def test_hurray_server_url_for_disaggregated_prefill_and_decode(tiny_llama, tmp_path,
+                                                                 reference):
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().split()[-1]
+        out = store_then_reuse(tiny_llama, f"hurray://{address}", tmp_path,
+                               store_role="kv_producer", load_role="kv_consumer")
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert [o["tokens"] for o in out["outputs"]] == reference()
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
+    assert out["stats"]["chunks_saved"] == 0  # a consumer only loads
+
+
+def test_redis_url_for_disaggregated_prefill_and_decode(tiny_llama, tmp_path, reference,
+                                                         redis_url):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    out = store_then_reuse(tiny_llama, redis_url, tmp_path, store_role="kv_producer",
+                           load_role="kv_consumer")
+    assert [o["tokens"] for o in out["outputs"]] == reference()
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
+
+
+def test_redis_cluster_url(tiny_llama, tmp_path, reference, redis_cluster_url):
+    out = store_then_reuse(tiny_llama, redis_cluster_url, tmp_path)
+    assert [o["tokens"] for o in out["outputs"]] == reference()
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("bfloat16", "auto"),
+                                                       ("bfloat16", "fp8")])
+def test_bfloat16_and_fp8_caches(tiny_llama, tmp_path, reference, dtype, kv_cache_dtype):
+    store = tmp_path / "kv"
+    out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path, dtype=dtype,
+                           kv_cache_dtype=kv_cache_dtype)
+    assert [o["tokens"] for o in out["outputs"]] == reference(dtype, kv_cache_dtype)
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
+    snap = hk.load_snapshot(next(store.glob("*.hrry")))
+    want = "float8_e4m3" if kv_cache_dtype == "fp8" else "bfloat16"
+    assert snap.dtype == want and (snap.kv_scales is not None) == (kv_cache_dtype == "fp8")
+
+
+def test_chunks_of_another_dtype_are_never_reused(tiny_llama, tmp_path):
+    store = tmp_path / "kv"
+    first, _ = prompts()
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "f32")
+    out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first], dtype="bfloat16"),
+                     tmp_path, "bf16")
+    assert out["outputs"][0]["num_cached_tokens"] == 0
+
+
+def test_a_consumer_with_an_unreachable_server_computes_instead(tiny_llama, tmp_path,
+                                                                 reference):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first, second = prompts()
+    t0 = time.monotonic()
+    out = run_engine(spec(tiny_llama, conn(f"hurray://127.0.0.1:{port}"), [first, second]),
+                     tmp_path, "unreachable")
+    assert [o["tokens"] for o in out["outputs"]] == reference()
+    assert "failed, computing instead" in out["log"] and time.monotonic() - t0 < 300
