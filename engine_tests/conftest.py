@@ -5,10 +5,7 @@ with ``.venv-vllm/bin/python -m pytest engine_tests``."""
 from __future__ import annotations
 
 import gc
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,32 +18,12 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 from tests.redis_servers import cluster, single_server
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: int = 32,
-                    kv_heads: int = 2) -> Path:
-    """A random LlamaForCausalLM (std 0.1 weights, so keys differ visibly), saved with
-    ``save_pretrained``.  CPU attention needs head sizes of 32, 64, 80, ... (not 16)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=1024, hidden_size=4 * head_dim, intermediate_size=256,
-                         num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, head_dim=head_dim,
-                         max_position_embeddings=4096)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
+from hurraykv.integrations import engine_run
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return engine_run.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Engine:
@@ -55,9 +32,7 @@ class Engine:
     def __init__(self, model: Path, **kw) -> None:
         from vllm import LLM
 
-        from engine_tests.driver import engine_kwargs
-
-        self.llm = LLM(**engine_kwargs({"model": str(model), **kw}))
+        self.llm = LLM(**engine_run.engine_kwargs({"model": str(model), **kw}))
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.runner = self.core.model_executor.driver_worker.worker.model_runner
 
@@ -106,17 +81,11 @@ class Engine:
 
 
 def run_engine(spec: dict, tmp_path: Path, name: str = "engine") -> dict:
-    """One engine in its own process (``engine_tests.driver``), as a separate deployment."""
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "engine_tests.driver", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        pytest.fail(f"{name} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    (tmp_path / f"{name}.log").write_text(proc.stderr)
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["log"] = proc.stderr
+    """One engine in its own process, as a separate deployment."""
+    result = engine_run.run(spec, tmp_path, name)
+    (tmp_path / f"{name}.log").write_text(result["log"])
+    if result["code"]:
+        pytest.fail(f"{name} failed ({result['code']}):\n{result['log'][-6000:]}")
     return result
 
 

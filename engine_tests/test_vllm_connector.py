@@ -73,12 +73,19 @@ def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path,
     assert first["num_cached_tokens"] == (200 - 1) // BLOCK * BLOCK  # 192: the stored blocks
     assert second["num_cached_tokens"] == 64  # the shared prefix, in whole blocks
     assert out["stats"]["chunks_loaded"] == 8 and out["stats"]["layers_written"] == 2 * 1
-    files = sorted(store.glob("*.hrry"))
-    snap = hk.load_snapshot(files[0])  # every stored chunk is a snapshot anyone can read
-    assert snap.num_layers == 2 and snap.total_tokens == BLOCK and "float32" in snap.model
-    p = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect", str(files[0])],
+    assert out["stats"]["segments_loaded"] == 1  # both prompts start with the same run
+    segments = _segments(store)
+    assert len(segments) == 2 and len(list(store.glob("*.hrry"))) == 2 + 6 + 3
+    snap = hk.load_snapshot(segments[0])  # every segment is a snapshot anyone can read
+    assert snap.num_layers == 2 and snap.total_tokens in (192, 96) and "float32" in snap.model
+    p = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect", str(segments[0])],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "KVCacheSnapshot(2 layers" in p.stdout
+
+
+def _segments(store: Path) -> list[Path]:
+    """The segment files (the other names are links: one per chunk key)."""
+    return sorted(p for p in store.glob("*.hrry") if not p.is_symlink())
 
 
 def _scribble_keys(path: Path) -> None:
@@ -99,7 +106,7 @@ def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path,
     store = tmp_path / "kv"
     first, _ = prompts()
     run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
-    for path in store.glob("*.hrry"):
+    for path in _segments(store):
         _scribble_keys(path)
     out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "altered")
     assert out["outputs"][0]["num_cached_tokens"] == 192
@@ -125,21 +132,20 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
     loaded = hv.from_vllm(eng.kv_caches, [blocks[0][:6]], [192], backend="CPU_ATTN")
     keys = ChunkKeys(identity_digest(connector.identity), BLOCK).upto(first, 6)
     chunks = FileChunks(store)
-    for c, key in enumerate(keys):
-        chunk = chunks.get(key)
-        for layer in range(2):
-            for ours, theirs in zip(loaded.layer(layer), chunk.layer(layer), strict=True):
-                assert np.array_equal(ours.gather(0)[c * BLOCK:(c + 1) * BLOCK].view(np.uint8),
-                                      theirs.gather(0).view(np.uint8))
+    (name,) = set(chunks.locate(keys))  # one segment holds the six chunks
+    segment = chunks.get(name)
+    for layer in range(2):
+        for ours, theirs in zip(loaded.layer(layer), segment.layer(layer), strict=True):
+            assert np.array_equal(ours.gather(0).view(np.uint8), theirs.gather(0).view(np.uint8))
     assert connector.stats["chunks_loaded"] == 6
     eng.close()
 
 
-def test_damaged_chunks_are_recomputed_not_used(tiny_llama, tmp_path, reference):
+def test_damaged_segments_are_recomputed_not_used(tiny_llama, tmp_path, reference):
     store = tmp_path / "kv"
     first, second = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
-    truncated, corrupt = sorted(store.glob("*.hrry"))[1:3]
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path, "store")
+    truncated, corrupt = _segments(store)  # the first prompt's run, the second's own run
     truncated.write_bytes(truncated.read_bytes()[:1000])
     data = bytearray(corrupt.read_bytes())
     data[:8] = b"NOTHRRY!"
@@ -149,7 +155,12 @@ def test_damaged_chunks_are_recomputed_not_used(tiny_llama, tmp_path, reference)
     assert [o["tokens"] for o in out["outputs"]] == reference()
     assert out["stats"]["chunks_failed"] >= 1
     assert "could not be loaded" in out["log"] and "will be recomputed" in out["log"]
-    assert hk.load_snapshot(truncated).total_tokens == BLOCK  # stored again, whole
+    for segment in _segments(store):  # stored again, whole, once recomputed
+        assert hk.load_snapshot(segment).num_layers == 2
+    again = run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path,
+                       "healed")
+    assert [o["num_cached_tokens"] for o in again["outputs"]] == [192, 160]
+    assert again["stats"]["chunks_failed"] == 0
 
 
 def test_hurray_server_url_for_disaggregated_prefill_and_decode(tiny_llama, tmp_path,
@@ -194,7 +205,7 @@ def test_bfloat16_and_fp8_caches(tiny_llama, tmp_path, reference, dtype, kv_cach
                            kv_cache_dtype=kv_cache_dtype)
     assert [o["tokens"] for o in out["outputs"]] == reference(dtype, kv_cache_dtype)
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
-    snap = hk.load_snapshot(next(store.glob("*.hrry")))
+    snap = hk.load_snapshot(_segments(store)[0])
     want = "float8_e4m3" if kv_cache_dtype == "fp8" else "bfloat16"
     assert snap.dtype == want and (snap.kv_scales is not None) == (kv_cache_dtype == "fp8")
 

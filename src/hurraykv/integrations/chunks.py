@@ -1,9 +1,8 @@
 """KV chunks by content: the keys and the stores the engine connectors share.
 
-A chunk is ``chunk_size`` consecutive tokens of one sequence (whole engine blocks), kept
-as a KVCacheSnapshot of one sequence: every layer's key and value pages for those tokens.
-Its key chains a 128-bit BLAKE2b digest over all tokens from the start of the sequence to
-the chunk's end, seeded with the cache's identity (model, dtype, geometry, chunk size)::
+A chunk is ``chunk_size`` consecutive tokens of one sequence (whole engine blocks).  Its
+key chains a 128-bit BLAKE2b digest over all tokens from the start of the sequence to the
+chunk's end, seeded with the cache's identity (model, dtype, geometry, chunk size)::
 
     h_0 = BLAKE2b-128("hurraykv-chunks-v1" | identity)
     h_k = BLAKE2b-128(h_(k-1) | tokens of chunk k as int64 little-endian)
@@ -11,10 +10,17 @@ the chunk's end, seeded with the cache's identity (model, dtype, geometry, chunk
 so two requests that share their first N tokens share the keys of their first
 ``N // chunk_size`` chunks, and chunks of another model or dtype never match.
 
-Stores, by URL: ``file:///DIR`` (``DIR/KEY.hrry``, each a .hrry snapshot that
-``hurraykv inspect`` and ``hk.load_snapshot`` read), ``hurray://HOST:PORT`` (a ``hurraykv
-serve``, keys ``PREFIX/KEY``), ``redis://HOST:PORT`` and ``redis+cluster://HOST:PORT`` (the
-PageStore: identical pages of different chunks stored once).
+Chunks are stored in *segments*: one KVCacheSnapshot of one sequence holding a run of
+consecutive chunks (every layer's key and value pages), named ``LASTKEY-FIRST`` after the
+key of its last chunk and the index of its first, with every chunk key of the run made an
+alias of it.  A request's new chunks cost one object however many there are, and a later
+request sharing any whole-chunk prefix still finds each chunk by its own key.
+
+Stores, by URL: ``file:///DIR`` (``DIR/NAME.hrry``, each a .hrry snapshot that
+``hurraykv inspect`` and ``hk.load_snapshot`` read; the aliases are symbolic links
+``DIR/KEY.hrry``), ``hurray://HOST:PORT`` (a ``hurraykv serve``; aliases with its LINK and
+LOCATE messages), ``redis://HOST:PORT`` and ``redis+cluster://HOST:PORT`` (the PageStore,
+identical pages of different segments stored once; aliases as small keys).
 """
 
 from __future__ import annotations
@@ -71,20 +77,35 @@ class ChunkKeys:
         return [d.hex() for d in self._digests[:count]]
 
 
+def segment_name(keys: Sequence[str], first: int) -> str:
+    return f"{keys[-1]}-{first}"
+
+
+def segment_first(name: str) -> int:
+    """The index of a segment's first chunk, from its name."""
+    return int(name.rsplit("-", 1)[1])
+
+
 class ChunkStore(ABC):
-    """Where chunks live.  ``get`` raises a HurrayError for a chunk that is missing,
-    truncated or does not parse; ``put`` of a key already stored may be skipped."""
+    """Where chunks live.  ``get`` raises a HurrayError for a segment that is missing,
+    truncated or does not parse."""
 
     url: str
 
     @abstractmethod
-    def has(self, keys: Sequence[str]) -> list[bool]: ...
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        """The segment holding each chunk key (None: not stored)."""
 
     @abstractmethod
-    def put(self, key: str, snapshot: KVCacheSnapshot, metadata: dict[str, Any]) -> None: ...
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        """Store a segment of the chunks ``keys`` (``first``: the index of ``keys[0]``)."""
 
     @abstractmethod
-    def get(self, key: str) -> KVCacheSnapshot: ...
+    def get(self, name: str) -> KVCacheSnapshot: ...
+
+    def has(self, keys: Sequence[str]) -> list[bool]:
+        return [name is not None for name in self.locate(keys)]
 
     def close(self) -> None:
         return None
@@ -96,26 +117,47 @@ class FileChunks(ChunkStore):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.url = self.dir.resolve().as_uri()
 
-    def path(self, key: str) -> Path:
-        return self.dir / f"{key}.hrry"
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.hrry"
 
-    def has(self, keys: Sequence[str]) -> list[bool]:
-        return [self.path(k).is_file() for k in keys]
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        out: list[str | None] = []
+        for key in keys:
+            try:
+                target = os.readlink(self.path(key))
+            except OSError:  # missing (or not an alias)
+                out.append(None)
+                continue
+            name = target.removesuffix(".hrry")
+            out.append(name if self.path(name).is_file() else None)
+        return out
 
-    def put(self, key: str, snapshot: KVCacheSnapshot, metadata: dict[str, Any]) -> None:
-        # No fsync: a chunk lost in a crash is a future cache miss, and the atomic rename
-        # still means a reader sees a whole file or none.
-        save_snapshot(snapshot, self.path(key), metadata=metadata, fsync=False)
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        # No fsync: a segment lost in a crash is a future cache miss, and the atomic
+        # renames still mean a reader sees whole files and links, or none.
+        name = segment_name(keys, first)
+        save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
+        for key in keys:
+            tmp = self.dir / f".{key}.{os.getpid()}.link"
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            try:
+                os.symlink(f"{name}.hrry", tmp)
+                os.replace(tmp, self.path(key))
+            except OSError as e:
+                raise HurrayError(f"cannot link chunk {key} in {self.dir}: {e.strerror}",
+                                  field="key", value=key) from None
 
-    def get(self, key: str) -> KVCacheSnapshot:
+    def get(self, name: str) -> KVCacheSnapshot:
         try:
-            return load_snapshot(self.path(key))
+            return load_snapshot(self.path(name))
         except FileNotFoundError:
-            raise HurrayError(f"chunk {key} is not in {self.dir}", field="key",
-                              value=key, rule="a stored chunk") from None
+            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
+                              value=name, rule="a stored segment") from None
         except OSError as e:
-            raise HurrayError(f"chunk {key} in {self.dir}: {e.strerror}", field="key",
-                              value=key) from None
+            raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
+                              value=name) from None
 
 
 class ServerChunks(ChunkStore):
@@ -138,14 +180,20 @@ class ServerChunks(ChunkStore):
                     raise
         raise AssertionError
 
-    def has(self, keys: Sequence[str]) -> list[bool]:
-        return self._call(lambda c: c.has([self.prefix + k for k in keys]))
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        if not keys:
+            return []
+        names = self._call(lambda c: c.locate([self.prefix + k for k in keys]))
+        return [None if n is None else n.removeprefix(self.prefix) for n in names]
 
-    def put(self, key: str, snapshot: KVCacheSnapshot, metadata: dict[str, Any]) -> None:
-        self._call(lambda c: c.push(self.prefix + key, snapshot))
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        name = self.prefix + segment_name(keys, first)
+        self._call(lambda c: (c.push(name, snapshot),
+                              c.link([(self.prefix + k, name) for k in keys])))
 
-    def get(self, key: str) -> KVCacheSnapshot:
-        return self._call(lambda c: c.pull(self.prefix + key))
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self._call(lambda c: c.pull(self.prefix + name))
 
     def close(self) -> None:
         if self._client is not None:
@@ -161,14 +209,31 @@ class RedisChunks(ChunkStore):
         self.url, self.prefix = url, prefix
         self.store = PageStore.from_url(url)
 
-    def has(self, keys: Sequence[str]) -> list[bool]:
-        return self.store.contains_many([self.prefix + k for k in keys])
+    def _alias(self, key: str) -> str:
+        return f"hkv:a:{{{self.prefix}{key}}}"
 
-    def put(self, key: str, snapshot: KVCacheSnapshot, metadata: dict[str, Any]) -> None:
-        self.store.put(self.prefix + key, snapshot)
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        if not keys:
+            return []
+        pipe = self.store.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._alias(key))
+        names = [None if n is None else n.decode("utf-8") for n in pipe.execute()]
+        alive = self.store.contains_many([self.prefix + n for n in names if n is not None])
+        it = iter(alive)
+        return [n if n is not None and next(it) else None for n in names]
 
-    def get(self, key: str) -> KVCacheSnapshot:
-        return self.store.get(self.prefix + key)
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        name = segment_name(keys, first)
+        self.store.put(self.prefix + name, snapshot)
+        pipe = self.store.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(self._alias(key), name)
+        pipe.execute()
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self.store.get(self.prefix + name)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -192,4 +257,5 @@ def open_store(url: str, **options: Any) -> ChunkStore:
                       value=url, rule="a supported URL scheme")
 
 
-__all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store"]
+__all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store",
+           "segment_first", "segment_name"]

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
-from .chunks import ChunkKeys, identity_digest, open_store
+from .chunks import ChunkKeys, identity_digest, open_store, segment_first
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,13 +60,18 @@ log = logging.getLogger("hurraykv.vllm")
 
 @dataclass
 class Transfer:
-    """Chunks of one request and the engine blocks that hold their pages: ``blocks[i]``
-    are the blocks of chunk ``keys[i]`` from its page ``first_page[i]`` on."""
+    """Chunks of one request and the engine blocks that hold their pages.
+
+    A save is one segment: chunks ``keys`` from index ``first_chunk`` on, chunk ``i`` in
+    engine blocks ``blocks[i]``.  A load reads chunk ``i``'s pages from segment
+    ``names[i]`` starting at its page ``pages[i]`` into ``blocks[i]``."""
 
     req_id: str
+    first_chunk: int = 0
     keys: list[str] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)
-    first_page: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +87,7 @@ class _Request:
     local: int = 0  # tokens vLLM had cached itself when matching
     matched: int = 0  # tokens the store holds for this prompt
     load: int = 0  # tokens to load (0: none)
+    located: list[str] = field(default_factory=list)  # segment of each matched chunk
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     stored: int = 0  # chunks known to be in the store
@@ -127,10 +133,11 @@ class HurrayConnector(KVConnectorBase_V1):
         self._scales: list[tuple[float, float]] | None = None
         self._fetched: list[tuple[list[int], KVCacheSnapshot, int]] = []
         self._written: set[str] = set()
-        self._staged: dict[str, list[list[np.ndarray]]] = {}
+        self._staged: dict[int, list[list[np.ndarray]]] = {}
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
-                      "layers_written": 0, "save_seconds": 0.0, "load_seconds": 0.0}
+                      "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
+                      "save_seconds": 0.0, "load_seconds": 0.0}
 
     # ------------------------------------------------------------------ identity
     def _identity(self, vllm_config: Any, kv_cache_config: Any, extra: dict) -> str:
@@ -177,11 +184,12 @@ class HurrayConnector(KVConnectorBase_V1):
         chunks = (len(prompt) - 1) // self.chunk_size  # the last token is always computed
         keys = st.keys.upto(prompt, chunks)
         try:
-            present = self.store.has(keys) if keys else []
+            located = self.store.locate(keys)
         except HurrayError as e:
             log.warning("chunk lookup in %s failed, computing instead: %s", self.store.url, e)
             return 0, False
-        found = next((i for i, p in enumerate(present) if not p), len(present))
+        found = next((i for i, name in enumerate(located) if name is None), len(located))
+        st.located = [str(name) for name in located[:found]]
         st.matched = found * self.chunk_size
         st.stored = max(st.stored, found)
         return max(0, st.matched - num_computed_tokens), False
@@ -218,10 +226,8 @@ class HurrayConnector(KVConnectorBase_V1):
             scheduled.append(st)
         if self.can_save and not self.disabled:
             for st in scheduled:
-                save = self._saves(st, scheduler_output.num_scheduled_tokens.get(
+                meta.saves += self._saves(st, scheduler_output.num_scheduled_tokens.get(
                     st.request.request_id, 0))
-                if save is not None:
-                    meta.saves.append(save)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         return meta
@@ -230,25 +236,27 @@ class HurrayConnector(KVConnectorBase_V1):
         """The chunks covering tokens ``[start, end)`` (whole blocks) and their blocks."""
         out = Transfer(st.request.request_id)
         per = self.chunk_size // self.block_size
-        keys = st.keys.upto(st.request.all_token_ids, -(-end // self.chunk_size))
         first_block, last_block = start // self.block_size, end // self.block_size
         for c in range(first_block // per, -(-last_block // per)):
             lo, hi = max(c * per, first_block), min((c + 1) * per, last_block)
-            out.keys.append(keys[c])
+            name = st.located[c]
+            out.names.append(name)
             out.blocks.append(st.blocks[lo:hi])
-            out.first_page.append(lo - c * per)
+            out.pages.append((c - segment_first(name)) * per + lo - c * per)
         return out
 
-    def _saves(self, st: _Request, scheduled: int) -> Transfer | None:
+    def _saves(self, st: _Request, scheduled: int) -> list[Transfer]:
+        """Segments of the chunks this step completes that the store lacks (one per run
+        of consecutive chunks)."""
         request = st.request
         if request.mm_features:
-            return None
+            return []
         upto = st.computed + scheduled
         if not self.save_decode:
             upto = min(upto, len(request.prompt_token_ids or []))
         chunks = min(upto, len(st.blocks) * self.block_size) // self.chunk_size
         if chunks <= st.stored:
-            return None
+            return []
         keys = st.keys.upto(request.all_token_ids, chunks)
         todo = list(range(st.stored, chunks))
         try:
@@ -256,17 +264,17 @@ class HurrayConnector(KVConnectorBase_V1):
                 [keys[c] for c in todo])
         except HurrayError as e:
             log.warning("chunk lookup in %s failed, not storing: %s", self.store.url, e)
-            return None
+            return []
         st.stored, st.rewrite = chunks, False
-        todo = [c for c, p in zip(todo, present, strict=True) if not p]
-        if not todo:
-            return None
-        out = Transfer(request.request_id)
         per = self.chunk_size // self.block_size
-        for c in todo:
-            out.keys.append(keys[c])
-            out.blocks.append(st.blocks[c * per:(c + 1) * per])
-            out.first_page.append(0)
+        out: list[Transfer] = []
+        for c, here in zip(todo, present, strict=True):
+            if here:
+                continue
+            if not out or out[-1].first_chunk + len(out[-1].keys) != c:
+                out.append(Transfer(request.request_id, first_chunk=c))
+            out[-1].keys.append(keys[c])
+            out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
         return out
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -314,36 +322,47 @@ class HurrayConnector(KVConnectorBase_V1):
         log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s",
                  len(self._layers), backend, kind, self.chunk_size, self.store.url)
 
-    def _check_chunk(self, snap: KVCacheSnapshot) -> None:
+    def _check_segment(self, snap: KVCacheSnapshot) -> None:
         view = self._layers[0][1]
-        want = (len(self._layers), self.chunk_size, self.block_size, view.heads, *view.dims)
-        have = (snap.num_layers, snap.total_tokens, snap.page_size, snap.num_kv_heads,
+        want = (len(self._layers), self.block_size, view.heads, *view.dims)
+        have = (snap.num_layers, snap.page_size, snap.num_kv_heads,
                 *(t.head_dim for t in snap.layer(0)))
-        if want != have or snap.num_seqs != 1:
-            raise HurrayError(f"a stored chunk holds (layers, tokens, page_size, heads, dims) "
-                              f"{list(have)}, this engine needs {list(want)}",
-                              field="chunk", value=list(have), rule="the cache identity")
+        if want != have or snap.num_seqs != 1 or snap.total_tokens % self.chunk_size:
+            raise HurrayError(f"a stored segment holds (layers, page_size, heads, dims) "
+                              f"{list(have)} and {snap.total_tokens} tokens in "
+                              f"{snap.num_seqs} sequences, this engine needs {list(want)} "
+                              f"in whole chunks of {self.chunk_size}", field="segment",
+                              value=list(have), rule="the cache identity")
+        for t in snap.tensors():
+            t.validate()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
         self._fetched, self._written = [], set()
         started = time.perf_counter()
+        segments: dict[str, KVCacheSnapshot] = {}
         for load in meta.loads:
-            for i, key in enumerate(load.keys):
+            for i, name in enumerate(load.names):
                 try:
-                    snap = self.store.get(key)
-                    self._check_chunk(snap)
-                    for t in snap.tensors():
-                        t.validate()
+                    if name not in segments:
+                        segments[name] = self.store.get(name)
+                        self._check_segment(segments[name])
+                        self.stats["segments_loaded"] += 1
+                    snap = segments[name]
+                    first = load.pages[i]
+                    if first + len(load.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
+                        raise HurrayError(f"segment {name} holds fewer pages than chunk "
+                                          f"{i} needs", field="segment", value=name)
                 except HurrayError as e:
+                    segments.pop(name, None)
                     failed = [b for blocks in load.blocks[i:] for b in blocks]
                     self._failed.update(failed)
                     self.stats["chunks_failed"] += 1
-                    log.warning("request %s: chunk %s could not be loaded (%s); %d blocks "
-                                "will be recomputed", load.req_id, key, e, len(failed))
+                    log.warning("request %s: segment %s could not be loaded (%s); %d blocks "
+                                "will be recomputed", load.req_id, name, e, len(failed))
                     break
-                self._fetched.append((load.blocks[i], snap, load.first_page[i]))
+                self._fetched.append((load.blocks[i], snap, first))
                 self.stats["chunks_loaded"] += 1
         self.stats["load_seconds"] += time.perf_counter() - started
 
@@ -371,9 +390,9 @@ class HurrayConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         layer = self._index[layer_name]
         view = self._layers[layer][1]
-        for save in meta.saves:
+        for i, save in enumerate(meta.saves):
             blocks = [b for chunk in save.blocks for b in chunk]
-            staged = self._staged.setdefault(save.req_id, [[] for _ in self._layers])
+            staged = self._staged.setdefault(i, [[] for _ in self._layers])
             staged[layer] = pages_to_numpy(view.read(blocks))
         self.stats["save_seconds"] += time.perf_counter() - started
 
@@ -383,30 +402,30 @@ class HurrayConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
         started = time.perf_counter()
-        per = self.chunk_size // self.block_size
-        for save in meta.saves:
-            staged = self._staged.pop(save.req_id, None)
+        for i, save in enumerate(meta.saves):
+            staged = self._staged.pop(i, None)
             if staged is None or any(not parts for parts in staged):
                 continue
-            for c, key in enumerate(save.keys):
-                pools = [[p[c * per:(c + 1) * per] for p in parts] for parts in staged]
-                try:
-                    self.store.put(key, self._chunk(pools), {"vllm.chunk_key": key,
-                                                             "vllm.identity": self.identity})
-                    self.stats["chunks_saved"] += 1
-                except HurrayError as e:
-                    log.warning("request %s: chunk %s was not stored: %s", save.req_id, key, e)
+            try:
+                self.store.put(save.keys, save.first_chunk, self._segment(staged),
+                               {"vllm.identity": self.identity,
+                                "vllm.first_chunk": save.first_chunk})
+                self.stats["chunks_saved"] += len(save.keys)
+                self.stats["segments_saved"] += 1
+            except HurrayError as e:
+                log.warning("request %s: %d chunks were not stored: %s", save.req_id,
+                            len(save.keys), e)
         self._staged.clear()
         self.stats["save_seconds"] += time.perf_counter() - started
 
-    def _chunk(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
-        per = pools[0][0].shape[0]
+    def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
+        pages = pools[0][0].shape[0]
         fused = len(pools[0]) == 1
         keys = [p[0] for p in pools]
         values = None if fused else [p[1] for p in pools]
         scales = None if self._scales is None else np.array(self._scales, np.float32)
-        return KVCacheSnapshot.from_arrays(keys, values, np.arange(per), [0, per],
-                                           [self.chunk_size], kv_scales=scales,
+        return KVCacheSnapshot.from_arrays(keys, values, np.arange(pages), [0, pages],
+                                           [pages * self.block_size], kv_scales=scales,
                                            model=self.identity)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -37,6 +37,7 @@ from .messages import (
     decode_flags,
     decode_header,
     decode_hello,
+    decode_keys,
     decode_listing,
     decode_text,
     encode_data_header,
@@ -295,6 +296,24 @@ class KVClient:
         self._send(message(MessageType.HAS, stream, encode_keys(list(keys))))
         _, payload = self._expect(stream, MessageType.HAS_REPLY)
         return decode_flags(payload, len(keys))
+
+    def link(self, pairs: list[tuple[str, str]]) -> None:
+        """Make each alias name its target's object (one round trip for all)."""
+        stream = self._next_stream()
+        flat = [k for pair in pairs for k in pair]
+        self._send(message(MessageType.LINK, stream, encode_keys(flat, per=2)))
+        self._expect(stream, MessageType.LINK_ACK)
+
+    def locate(self, keys: list[str]) -> list[str | None]:
+        """The stored object each key names (itself or an alias's target), None if none."""
+        stream = self._next_stream()
+        self._send(message(MessageType.LOCATE, stream, encode_keys(list(keys))))
+        _, payload = self._expect(stream, MessageType.LOCATE_REPLY)
+        names = decode_keys(payload, "locate_reply")
+        if len(names) != len(keys):
+            raise ProtocolError(f"locate_reply names {len(names)} objects for {len(keys)} "
+                                "keys")
+        return [n or None for n in names]
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         """``(key, bytes)`` of every key (starting with ``prefix``) this client may see."""

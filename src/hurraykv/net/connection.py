@@ -59,6 +59,7 @@ from .messages import (
     decode_text,
     encode_data_header,
     encode_flags,
+    encode_keys,
     encode_listing,
     encode_text,
     message,
@@ -377,6 +378,17 @@ class Connection(asyncio.BufferedProtocol):
             store = self.server.store
             flags = [self._key(k) in store for k in decode_keys(payload)]
             self._write(message(MessageType.HAS_REPLY, stream, encode_flags(flags)))
+        elif mtype == MessageType.LINK:
+            pairs = decode_keys(payload, "link", per=2)
+            store = self.server.store
+            store.link([(self._key(a), self._key(t)) for a, t in zip(pairs[::2], pairs[1::2],
+                                                                      strict=True)])
+            self._write(message(MessageType.LINK_ACK, stream))
+        elif mtype == MessageType.LOCATE:
+            store = self.server.store
+            found = [store.locate(self._key(k)) for k in decode_keys(payload, "locate")]
+            names = [client_key(self.tenant, f) or "" if f is not None else "" for f in found]
+            self._write(message(MessageType.LOCATE_REPLY, stream, encode_keys(names)))
         elif mtype == MessageType.LIST:
             prefix = decode_text(payload, "list")
             mine = [(client_key(self.tenant, k), n) for k, n in self.server.store.listing()]

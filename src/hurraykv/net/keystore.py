@@ -10,6 +10,7 @@ replaces a key never shows anyone a partial snapshot.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
 
 log = logging.getLogger("hurraykv.server")
+ALIASES = "aliases.jsonl"
 Items = list[tuple[TensorDescriptor, list[Any]]]
 
 
@@ -102,9 +104,11 @@ class KeyStore:
         self._mapped: dict[str, StoredObject] = {}
         self.memory_bytes = 0
         self.reserved_bytes = 0
+        self._aliases: dict[str, str] = {}
         if self.persist:
             self.persist.mkdir(parents=True, exist_ok=True)
             self._scan()
+            self._load_aliases()
 
     # -- the budget ----------------------------------------------------------------------
     def idle_room(self) -> int | None:
@@ -162,6 +166,8 @@ class KeyStore:
             self.backing is not None and key in self.backing)
 
     def get(self, key: str) -> StoredObject | None:
+        if key not in self and key in self._aliases:
+            key = self._aliases[key]
         obj = self._objects.get(key)
         if obj is not None:
             self._objects.move_to_end(key)
@@ -244,6 +250,36 @@ class KeyStore:
                 return
             if key != keep:
                 self._evict_key(key)
+
+    # -- aliases -------------------------------------------------------------------------
+    def link(self, pairs: list[tuple[str, str]]) -> None:
+        """Each alias names its target's object from now on (appended to the persist
+        directory's ``aliases.jsonl``, so a restarted server keeps them)."""
+        for alias, target in pairs:
+            self._aliases[alias] = target
+        if self.persist is not None and pairs:
+            with open(self.persist / ALIASES, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps([a, t]) + "\n" for a, t in pairs))
+
+    def locate(self, key: str) -> str | None:
+        """The stored object ``key`` names: itself, or its alias's target; None if gone."""
+        if key in self:
+            return key
+        target = self._aliases.get(key)
+        return target if target is not None and target in self else None
+
+    def _load_aliases(self) -> None:
+        assert self.persist is not None
+        path = self.persist / ALIASES
+        if not path.exists():
+            return
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                alias, target = json.loads(line)
+            except (ValueError, TypeError):
+                continue  # a line cut by a crash
+            if isinstance(alias, str) and isinstance(target, str):
+                self._aliases[alias] = target
 
     def listing(self) -> list[tuple[str, int]]:
         """Every key held in memory or on disk, with its data bytes (a file's size for an

@@ -27,6 +27,11 @@ type  name                payload
 0xF4  STAT (private)      empty; answered by 0xF5 STAT_REPLY: u32 n + utf8 JSON object
 0xF6  HAS (private)       u32 count, then per key u32 n + utf8 key; answered by 0xF7
                           HAS_REPLY: u32 count, one byte (0 or 1) per key
+0xF8  LINK (private)      u32 count, then per alias u32 n + utf8 alias, u32 n + utf8 target;
+                          answered by 0xF9 LINK_ACK (empty): each alias now names the target
+0xFA  LOCATE (private)    u32 count, then per key u32 n + utf8 key; answered by 0xFB
+                          LOCATE_REPLY: u32 count, then per key the stored object it names
+                          (itself, or an alias's target) as u32 n + utf8, empty if none
 ====  ==================  ====================================================================
 
 A layout entry is one byte, or for a private tag (0xF0-0xFE) the byte, ``u16 ext_len`` and
@@ -75,6 +80,10 @@ class MessageType(IntEnum):
     STAT_REPLY = 0xF5
     HAS = 0xF6
     HAS_REPLY = 0xF7
+    LINK = 0xF8
+    LINK_ACK = 0xF9
+    LOCATE = 0xFA
+    LOCATE_REPLY = 0xFB
 
 
 class ErrorCode(IntEnum):
@@ -437,17 +446,19 @@ def decode_text(payload: bytes | memoryview, what: str) -> str:
 MAX_KEYS = 65536  # keys one HAS may ask about
 
 
-def encode_keys(keys: list[str]) -> bytes:
-    return struct.pack("<I", len(keys)) + b"".join(encode_text(k) for k in keys)
+def encode_keys(keys: list[str], per: int = 1) -> bytes:
+    return struct.pack("<I", len(keys) // per) + b"".join(encode_text(k) for k in keys)
 
 
-def decode_keys(payload: bytes | memoryview) -> list[str]:
-    r = _Reader(payload, "has")
+def decode_keys(payload: bytes | memoryview, what: str = "has", per: int = 1) -> list[str]:
+    """``u32 count`` then ``count * per`` strings (HAS, LOCATE and LOCATE_REPLY: one per
+    key; LINK: alias and target)."""
+    r = _Reader(payload, what)
     n = r.unpack("I", "count")
-    if n > MAX_KEYS or n * 4 > r.left:
-        raise _bad(f"has.count {n}: at most {MAX_KEYS} keys, each at least 4 bytes of the "
-                   f"{r.left} left", field_="count", value=n)
-    keys = [r.text("key") for _ in range(n)]
+    if n > MAX_KEYS or n * per * 4 > r.left:
+        raise _bad(f"{what}.count {n}: at most {MAX_KEYS} entries of {per} string(s), each "
+                   f"at least 4 bytes of the {r.left} left", field_="count", value=n)
+    keys = [r.text("key") for _ in range(n * per)]
     r.end()
     return keys
 

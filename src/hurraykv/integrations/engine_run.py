@@ -1,7 +1,9 @@
-"""One vLLM engine in its own process, as one deployment: ``python -m engine_tests.driver
-SPEC.json`` builds ``LLM(...)`` from the spec, generates greedily for its prompts and
-prints one line ``RESULT {json}`` with each output's tokens, ``num_cached_tokens`` and
-the timings, plus the connector's counters when one is configured.
+"""One vLLM engine in its own process, as one deployment would run it:
+``python -m hurraykv.integrations.engine_run SPEC.json`` builds ``LLM(...)`` from the spec,
+generates greedily for its prompts and prints one line ``RESULT {json}`` with each
+output's tokens, ``num_cached_tokens`` and the timings, plus the connector's counters
+when one is configured.  Used by ``make demo-vllm``, the real-engine tests and the vLLM
+benchmark; ``tiny_llama`` makes the random model they share (nothing is downloaded).
 
 Spec keys: ``model`` (directory), ``dtype``, ``kv_cache_dtype``, ``prompts`` (lists of
 token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
@@ -12,8 +14,43 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+
+def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
+               head_dim: int = 32, kv_heads: int = 2) -> Path:
+    """A random LlamaForCausalLM (std 0.1 weights, so keys differ visibly), saved with
+    ``save_pretrained``.  CPU attention needs head sizes of 32, 64, 80, ... (not 16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=1024, hidden_size=4 * head_dim, intermediate_size=256,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=8192)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
+        timeout: float = 600) -> dict:
+    """Run one engine in a fresh process; its result, with ``log`` (stderr) and ``code``."""
+    path = Path(workdir) / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "hurraykv.integrations.engine_run",
+                           str(path)], capture_output=True, text=True, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(lines[-1][len("RESULT "):]) if lines else {}
+    return result | {"log": proc.stderr, "code": proc.returncode if lines else
+                     proc.returncode or 1}
 
 
 def engine_kwargs(spec: dict) -> dict:
