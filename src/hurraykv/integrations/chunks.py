@@ -240,8 +240,44 @@ class RedisChunks(ChunkStore):
             self.store.client.close()
 
 
-def open_store(url: str, **options: Any) -> ChunkStore:
-    """``file:///DIR``, ``hurray://HOST:PORT``, ``redis://...`` or ``redis+cluster://...``."""
+class Suffixed(ChunkStore):
+    """A store whose keys and segment names all carry ``suffix`` (one tensor-parallel
+    rank's objects beside the others'); callers see the plain names."""
+
+    def __init__(self, store: ChunkStore, suffix: str) -> None:
+        self.inner, self.suffix, self.url = store, suffix, store.url
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        names = self.inner.locate([k + self.suffix for k in keys])
+        return [None if n is None else self._plain(n) for n in names]
+
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        self.inner.put([k + self.suffix for k in keys], first, snapshot, metadata)
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self.inner.get(self._named(name))
+
+    def _named(self, name: str) -> str:
+        key, _, first = name.rpartition("-")
+        return f"{key}{self.suffix}-{first}"
+
+    def _plain(self, name: str) -> str:
+        key, _, first = name.rpartition("-")
+        return f"{key.removesuffix(self.suffix)}-{first}"
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def open_store(url: str, *, suffix: str = "", **options: Any) -> ChunkStore:
+    """``file:///DIR``, ``hurray://HOST:PORT``, ``redis://...`` or ``redis+cluster://...``;
+    ``suffix`` marks every key and name (tensor-parallel ranks)."""
+    store = _open(url, **options)
+    return Suffixed(store, suffix) if suffix else store
+
+
+def _open(url: str, **options: Any) -> ChunkStore:
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -251,9 +287,13 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     if parsed.scheme == "hurray":
         return ServerChunks(parsed.netloc or unquote(parsed.path), **options)
     if parsed.scheme in ("redis", "rediss", "redis+cluster"):
+        if options:
+            raise HurrayError(f"url {url!r}: {sorted(options)} apply to hurray:// servers",
+                              field="url", value=url, rule="TLS options for hurray://")
         return RedisChunks(url)
-    raise HurrayError(f"url {url!r}: the chunk store is file:///DIR, hurray://HOST:PORT, "
-                      "redis://HOST:PORT or redis+cluster://HOST:PORT", field="url",
+    raise HurrayError(f"url {url!r}: unknown scheme {parsed.scheme!r}; the chunk store is "
+                      "file:///DIR, hurray://HOST:PORT, redis://HOST:PORT or "
+                      "redis+cluster://HOST:PORT", field="url",
                       value=url, rule="a supported URL scheme")
 
 

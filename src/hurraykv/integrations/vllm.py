@@ -12,7 +12,9 @@ Selected with::
 ``chunks.py``).  Other extra-config keys: ``chunk_size`` (tokens per stored chunk, a
 multiple of the block size; default the block size, so prefixes are reused block by
 block), ``save_decode`` (also store chunks of generated tokens; default true),
-``model_id`` (the model name in the cache identity; default vLLM's ``model``).
+``model_id`` (the model name in the cache identity; default vLLM's ``model``),
+``tls_cert``/``tls_key``/``tls_ca``/``server_hostname`` (a ``hurray://`` server with
+mutual TLS).
 
 Scheduler side: ``get_num_new_matched_tokens`` finds the longest run of stored chunks
 at the start of the prompt (one existence query), ``build_connector_meta`` tells the
@@ -116,7 +118,13 @@ class HurrayConnector(KVConnectorBase_V1):
         self.model_dtype = vllm_config.model_config.dtype
         self.can_save = cfg.is_kv_producer
         self.can_load = cfg.is_kv_consumer
-        self.store = open_store(url)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        # Each tensor-parallel rank holds its own heads: it stores and loads its own
+        # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
+        rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        tls = {k: extra[k] for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname")
+               if k in extra}
+        self.store = open_store(url, suffix=f".tp{rank}" if tp > 1 else "", **tls)
         self.identity = self._identity(vllm_config, kv_cache_config, extra)
         self.seed = identity_digest(self.identity)
         self.disabled = self._why_disabled(kv_cache_config)
@@ -164,6 +172,8 @@ class HurrayConnector(KVConnectorBase_V1):
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) != 1:
             return f"{len(groups)} KV cache groups (hybrid model): not supported"
+        if self._vllm_config.parallel_config.pipeline_parallel_size > 1:
+            return "pipeline parallelism (each stage holds other layers): not supported"
         return ""
 
     # ------------------------------------------------------------------ scheduler side
@@ -434,6 +444,15 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.store.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised: a single worker
+        return 0
 
 
 __all__ = ["HurrayConnector", "HurrayConnectorMetadata"]

@@ -1,0 +1,121 @@
+"""Content-keyed KV chunks and their stores (what the vLLM connector keeps), on real files,
+a real ``hurraykv serve`` and real Redis servers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.integrations.chunks import (
+    ChunkKeys,
+    chain,
+    identity_digest,
+    open_store,
+    segment_first,
+)
+from hurraykv.net.client import KVClient
+from hurraykv.net.server import KVServer
+
+CHUNK = 4
+
+
+def segment(chunks: int, seed: int = 0) -> hk.KVCacheSnapshot:
+    """A run of ``chunks`` chunks of 4 tokens: one sequence, one page per chunk."""
+    rng = np.random.default_rng(seed)
+    pools = [rng.standard_normal((chunks, CHUNK, 2, 8)).astype(np.float16) for _ in range(2)]
+    return hk.KVCacheSnapshot.from_arrays(pools, [p * 2 for p in pools], np.arange(chunks),
+                                          [0, chunks], [chunks * CHUNK])
+
+
+def test_keys_chain_over_the_whole_prefix_and_the_identity():
+    seed = identity_digest("model=m;cache_dtype=bfloat16")
+    a = ChunkKeys(seed, CHUNK).upto(list(range(20)), 5)
+    b = ChunkKeys(seed, CHUNK).upto(list(range(8)) + [99] * 12, 5)
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]  # shared first 8 tokens only
+    other = ChunkKeys(identity_digest("model=m;cache_dtype=float32"), CHUNK).upto(
+        list(range(20)), 5)
+    assert not set(a) & set(other)  # another dtype never matches
+    grown = ChunkKeys(seed, CHUNK)
+    assert grown.upto(list(range(9)), 2) == a[:2] and grown.upto(list(range(20)), 5) == a
+    assert [d.hex() for d in chain(seed, np.arange(20), CHUNK)] == a
+    assert len(a[0]) == 32  # 128 bits
+
+
+@pytest.fixture(params=["file", "server", "redis", "cluster"])
+def store(request, tmp_path):
+    if request.param == "file":
+        yield open_store((tmp_path / "chunks").as_uri())
+    elif request.param == "server":
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+            s = open_store(f"hurray://{st.address}")
+            yield s
+            s.close()
+    else:
+        url = request.getfixturevalue("redis_url" if request.param == "redis"
+                                      else "redis_cluster_url")
+        s = open_store(url)
+        yield s
+        s.close()
+
+
+def test_a_segment_is_found_by_every_chunk_key(store):
+    keys = ChunkKeys(identity_digest("segment test"), CHUNK).upto(list(range(40)), 6)
+    assert store.locate(keys) == [None] * 6
+    snap = segment(3)
+    store.put(keys[2:5], 2, snap, {"vllm.first_chunk": 2})
+    located = store.locate(keys)
+    assert located[:2] == [None, None] and located[5] is None
+    assert len(set(located[2:5])) == 1 and segment_first(located[2]) == 2
+    assert store.has(keys) == [False, False, True, True, True, False]
+    assert store.get(located[3]).equal(snap)
+    with pytest.raises(hk.HurrayError):
+        store.get("0" * 32 + "-0")
+
+
+def test_a_rank_suffix_keeps_tensor_parallel_shards_apart(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    keys = ChunkKeys(identity_digest("tp"), CHUNK).upto(list(range(8)), 2)
+    rank0, rank1 = open_store(url, suffix=".tp0"), open_store(url, suffix=".tp1")
+    rank0.put(keys, 0, segment(2, seed=1), {})
+    assert rank1.locate(keys) == [None, None]
+    rank1.put(keys, 0, segment(2, seed=2), {})
+    (name,) = set(rank0.locate(keys))
+    assert rank0.get(name).equal(segment(2, seed=1)) and rank1.get(name).equal(segment(2, 2))
+
+
+def test_file_segments_are_snapshots_and_links(tmp_path):
+    store = open_store((tmp_path / "kv").as_uri())
+    keys = ChunkKeys(identity_digest("files"), CHUNK).upto(list(range(8)), 2)
+    store.put(keys, 0, segment(2), {"vllm.first_chunk": 0})
+    files = sorted((tmp_path / "kv").glob("*.hrry"))
+    assert len(files) == 3 and sum(p.is_symlink() for p in files) == 2
+    for p in files:  # a link reads as the segment it names
+        assert hk.load_snapshot(p).equal(segment(2))
+    target = next(p for p in files if not p.is_symlink())
+    target.unlink()
+    assert store.locate(keys) == [None, None]  # dangling links are misses, not errors
+
+
+def test_server_aliases_survive_a_restart_and_stay_in_their_tenant(tmp_path):
+    keys = ChunkKeys(identity_digest("restart"), CHUNK).upto(list(range(12)), 3)
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st:
+        store = open_store(f"hurray://{st.address}")
+        store.put(keys, 0, segment(3), {})
+        store.close()
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st:
+        store = open_store(f"hurray://{st.address}")
+        (name,) = set(store.locate(keys))
+        assert store.get(name).equal(segment(3))
+        with KVClient(st.address) as c:
+            assert c.locate(["nothing-here"]) == [None]
+            c.link([("alias-of-nothing", "missing")])
+            assert c.locate(["alias-of-nothing"]) == [None]  # a dangling alias names nothing
+        store.close()
+
+
+@pytest.mark.parametrize(("url", "why"), [("ftp://x/y", "scheme"), ("file://host/x", "local"),
+                                          ("http://127.0.0.1:1", "scheme")])
+def test_store_urls_are_checked(url, why):
+    with pytest.raises(hk.HurrayError, match=why):
+        open_store(url)
