@@ -48,10 +48,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_net.py
 	$(PY) benchmarks/bench_store.py
 
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/bench_vllm.py
+
 FUZZ_SECONDS ?= 120
 fuzz: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[fuzz]'
 	$(PY) -m tests.fuzz.run --seconds $(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis fuzz-findings
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lmcache build src/*.egg-info .pytest_cache .ruff_cache .hypothesis fuzz-findings

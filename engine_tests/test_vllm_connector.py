@@ -34,8 +34,8 @@ def spec(model: Path, connector: dict | None, prompts_: list[list[int]], *,
             "block_size": BLOCK}
 
 
-def conn(url: str, role: str = "kv_both") -> dict:
-    return {"url": url, "role": role, "extra": {"url": url}}
+def conn(url: str, role: str = "kv_both", **extra) -> dict:
+    return {"url": url, "role": role, "extra": {"url": url, **extra}}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,9 @@ def reference(tiny_llama, tmp_path_factory):
 
 
 def store_then_reuse(model: Path, url: str, tmp_path: Path, *, store_role: str = "kv_both",
-                     load_role: str = "kv_both", **kw) -> dict:
+                     load_role: str = "kv_both", extra: dict | None = None, **kw) -> dict:
     first, second = prompts()
-    out = run_engine(spec(model, conn(url, store_role), [first],
+    out = run_engine(spec(model, conn(url, store_role, **(extra or {})), [first],
                           max_tokens=1 if store_role == "kv_producer" else 8, **kw),
                      tmp_path, "store")
     assert out["stats"]["chunks_saved"] == len(first) // BLOCK
@@ -75,7 +75,9 @@ def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path,
     assert out["stats"]["chunks_loaded"] == 8 and out["stats"]["layers_written"] == 2 * 1
     assert out["stats"]["segments_loaded"] == 1  # both prompts start with the same run
     segments = _segments(store)
-    assert len(segments) == 2 and len(list(store.glob("*.hrry"))) == 2 + 6 + 3
+    aliases = (store / "aliases.log").read_text().split()[1::2]
+    assert len(segments) == 2 and sorted(set(aliases)) == [p.stem for p in segments]
+    assert len(aliases) == 6 + 3  # every stored chunk names its segment
     snap = hk.load_snapshot(segments[0])  # every segment is a snapshot anyone can read
     assert snap.num_layers == 2 and snap.total_tokens in (192, 96) and "float32" in snap.model
     p = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect", str(segments[0])],
@@ -84,8 +86,8 @@ def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path,
 
 
 def _segments(store: Path) -> list[Path]:
-    """The segment files (the other names are links: one per chunk key)."""
-    return sorted(p for p in store.glob("*.hrry") if not p.is_symlink())
+    """The segment files (the chunk keys that name them are lines of aliases.log)."""
+    return sorted(store.glob("*.hrry"))
 
 
 def _scribble_keys(path: Path) -> None:
@@ -145,7 +147,7 @@ def test_damaged_segments_are_recomputed_not_used(tiny_llama, tmp_path, referenc
     store = tmp_path / "kv"
     first, second = prompts()
     run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path, "store")
-    truncated, corrupt = _segments(store)  # the first prompt's run, the second's own run
+    truncated, corrupt = _segments(store)  # both runs stored: one cut short, one mangled
     truncated.write_bytes(truncated.read_bytes()[:1000])
     data = bytearray(corrupt.read_bytes())
     data[:8] = b"NOTHRRY!"
@@ -191,8 +193,10 @@ def test_redis_url_for_disaggregated_prefill_and_decode(tiny_llama, tmp_path, re
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
 
 
-def test_redis_cluster_url(tiny_llama, tmp_path, reference, redis_cluster_url):
-    out = store_then_reuse(tiny_llama, redis_cluster_url, tmp_path)
+def test_redis_cluster_url_with_saving_in_the_engine_thread(tiny_llama, tmp_path, reference,
+                                                           redis_cluster_url):
+    out = store_then_reuse(tiny_llama, redis_cluster_url, tmp_path,
+                           extra={"async_save": False})
     assert [o["tokens"] for o in out["outputs"]] == reference()
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [192, 64]
 

@@ -84,17 +84,43 @@ def test_a_rank_suffix_keeps_tensor_parallel_shards_apart(tmp_path):
     assert rank0.get(name).equal(segment(2, seed=1)) and rank1.get(name).equal(segment(2, 2))
 
 
-def test_file_segments_are_snapshots_and_links(tmp_path):
+def test_file_segments_are_snapshots_and_aliases_a_log(tmp_path):
     store = open_store((tmp_path / "kv").as_uri())
     keys = ChunkKeys(identity_digest("files"), CHUNK).upto(list(range(8)), 2)
-    store.put(keys, 0, segment(2), {"vllm.first_chunk": 0})
-    files = sorted((tmp_path / "kv").glob("*.hrry"))
-    assert len(files) == 3 and sum(p.is_symlink() for p in files) == 2
-    for p in files:  # a link reads as the segment it names
-        assert hk.load_snapshot(p).equal(segment(2))
-    target = next(p for p in files if not p.is_symlink())
-    target.unlink()
-    assert store.locate(keys) == [None, None]  # dangling links are misses, not errors
+    store.put(keys, 0, segment(2), {"note": "x"})
+    (file,) = (tmp_path / "kv").glob("*.hrry")
+    assert hk.load_snapshot(file).equal(segment(2))
+    log = (tmp_path / "kv" / "aliases.log").read_text().splitlines()
+    assert log == [f"{k} {file.stem}" for k in keys]
+    # a second process sharing the directory sees the aliases, and a line a crash cut
+    # short (no newline yet) is not taken
+    with open(tmp_path / "kv" / "aliases.log", "a") as f:
+        f.write("ab" * 16)
+    other = open_store((tmp_path / "kv").as_uri())
+    assert other.locate(keys) == [file.stem, file.stem]
+    assert other.get(file.stem).equal(segment(2))
+    file.unlink()
+    assert other.locate(keys) == [None, None]  # an alias of a removed segment is a miss
+
+
+def test_file_segments_of_one_structure_take_the_fast_paths_and_stay_checked(tmp_path):
+    store = open_store((tmp_path / "kv").as_uri())
+    keys = ChunkKeys(identity_digest("fast"), CHUNK).upto(list(range(16)), 4)
+    for i in range(3):  # the first learns the structure, the others are gathered writes
+        store.put(keys[i:i + 1], i, segment(1, seed=i), {})
+    names = store.locate(keys[:3])
+    for i, name in enumerate(names):  # files equal to a save_snapshot of the same snapshot
+        hk.save_snapshot(segment(1, seed=i), tmp_path / "ref.hrry", fsync=False)
+        assert store.path(name).read_bytes() == (tmp_path / "ref.hrry").read_bytes()
+    reader = open_store((tmp_path / "kv").as_uri())
+    assert all(reader.get(n).equal(segment(1, seed=i)) for i, n in enumerate(names))
+    # a file of the learnt size whose descriptor bytes differ takes the full rules
+    path = store.path(names[2])
+    data = bytearray(path.read_bytes())
+    data[-40:-36] = b"\xff\xff\xff\xff"  # inside the trailer: the index offset
+    path.write_bytes(bytes(data))
+    with pytest.raises(hk.HurrayError):
+        reader.get(names[2])
 
 
 def test_server_aliases_survive_a_restart_and_stay_in_their_tenant(tmp_path):

@@ -386,6 +386,53 @@ class KVCacheSnapshot:
         return group_head(self.member_count())
 
     # ----------------------------------------------------------------- operations
+    def with_pools(self, pools: dict[tuple[int, str], Any], owner: Any = None
+                   ) -> KVCacheSnapshot:
+        """The same snapshot over other page pools: ``pools[(layer, role)]`` holds each
+        member's pool bytes (any buffer of the member's ``page_pool`` byte size; not copied).
+        Nothing but pool contents changes, and any pool content is valid, so the members
+        are not validated again - the cheap way to emit many snapshots of one structure."""
+        out = KVCacheSnapshot.__new__(KVCacheSnapshot)
+        out.__dict__.update(self.__dict__)
+        out._members, out._cache, out._owner = {}, {}, owner
+        # small arrays copied: the result must not keep this snapshot's buffers alive
+        out.seq_lens = None if self.seq_lens is None else self.seq_lens.copy()
+        out.kv_scales = None if self.kv_scales is None else self.kv_scales.copy()
+        out.extras = [(n, d, [np.array(byte_view(b)) for b in bufs])
+                      for n, d, bufs in self.extras]
+        for key, (desc, _) in self._members.items():
+            raw = byte_view(pools[key])
+            if raw.nbytes != desc.buffers[0].byte_size:
+                raise _fail(f"{member_name(*key)}: a pool of {raw.nbytes} bytes for a "
+                            f"page_pool of {desc.buffers[0].byte_size}", "page_pool",
+                            raw.nbytes)
+            t = self.tensor(*key)
+            rows = np.frombuffer(raw, t._rows.dtype).reshape(t._rows.shape)
+            derived = t._derive(rows)
+            out._cache[key] = derived
+            out._members[key] = (desc, derived.buffers)
+        return out
+
+    def skeleton(self) -> KVCacheSnapshot:
+        """This structure over untouched zero pools: what to keep to make more snapshots
+        of it (``with_pools``) without holding on to any of its data."""
+        self.structure()  # computed once, inherited by every snapshot made from it
+        return self.with_pools({k: np.zeros(d.buffers[0].byte_size, np.uint8)
+                                for k, (d, _) in self._members.items()})
+
+    def structure(self) -> bytes:
+        """Everything of the snapshot but its page pools' contents, as bytes: equal for
+        two snapshots exactly when one is the other ``with_pools``."""
+        if getattr(self, "_structure", None) is None:
+            parts = [self.head().encode()]
+            for name, desc, bufs in self.members():
+                parts += [name.encode(), desc.encode()]
+                parts += [bytes(byte_view(b)) for b in (bufs[1:] if isinstance(
+                    desc.layout, BlockPaged) else bufs)]
+            parts.append(repr(self.model).encode())
+            self._structure = b"\x00".join(parts)
+        return self._structure
+
     def compact(self) -> KVCacheSnapshot:
         """Every member keeps only its referenced pages (renumbered; aliasing kept)."""
         return KVCacheSnapshot.from_tensors([t.compact() for t in self.tensors()],

@@ -8,6 +8,7 @@ the NumPy arrays' memory.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import ml_dtypes
@@ -49,16 +50,19 @@ def to_numpy(t: torch.Tensor, *, kv_cache_dtype: str = "auto") -> np.ndarray:
                           field="dtype", value=str(t.dtype)) from None
 
 
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """A tensor sharing ``a``'s memory (read-only arrays are copied once: torch needs
-    writable memory)."""
-    if not a.flags.writeable:
+def from_numpy(a: np.ndarray, *, source_only: bool = False) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory.  Read-only arrays (a memory-mapped file) are
+    copied once, since torch assumes it may write, unless ``source_only``: the caller
+    only reads the tensor (a copy source), so the mapping is used as it is."""
+    if not a.flags.writeable and not source_only:
         a = a.copy()
-    if a.dtype in _BACK:
-        real, raw = _BACK[a.dtype]
-        ints = np.dtype(np.int16 if raw == torch.int16 else np.uint8)
-        return torch.from_numpy(a.view(ints)).view(real)
-    return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": only read from
+        if a.dtype in _BACK:
+            real, raw = _BACK[a.dtype]
+            ints = np.dtype(np.int16 if raw == torch.int16 else np.uint8)
+            return torch.from_numpy(a.view(ints)).view(real)
+        return torch.from_numpy(a)
 
 
 def scalar(x: Any) -> float:

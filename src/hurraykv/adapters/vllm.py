@@ -45,8 +45,8 @@ import torch
 
 from ..errors import LayoutError, UnsupportedError
 from ..snapshot import KVCacheSnapshot
-from ._common import as_array, build, checked_int32, float_pools
-from ._torch import FP8, from_numpy, place, scalar, to_numpy
+from ._common import as_array, as_cache_dtype, build, checked_int32, float_pools, scales_of
+from ._torch import FP8, from_numpy, place, to_numpy
 
 SPLIT = ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "FLASHINFER", "TRITON_ATTN", "TRITON_ATTN_DIFFKV",
          "FLEX_ATTENTION", "HPC_ATTN", "ROCM_AITER_UNIFIED_ATTN")
@@ -127,24 +127,17 @@ class LayerView:
     memory, so gathering blocks reads it and assigning blocks writes it in place."""
 
     def __init__(self, cache: Any, kind: str, *, kv_cache_dtype: str = "auto",
-                 head_size: int | None = None, where: str = "kv_caches") -> None:
+                 head_size: int | None = None, where: str = "kv_caches",
+                 isa: str | None = None) -> None:
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
             shape = list(cache.shape) if hasattr(cache, "shape") else type(cache).__name__
             raise LayoutError.at(where, None, shape,
                                  "a vLLM layer cache is the 4-D logical view [num_blocks, "
                                  "num_kv_heads, block_size, head_size + head_size_v]")
-        t = cache
-        if kv_cache_dtype in FP8:
-            if t.dtype not in (torch.uint8, FP8[kv_cache_dtype]):
-                raise LayoutError.at(f"{where}.dtype", None, str(t.dtype),
-                                     f"an {kv_cache_dtype} cache is stored as uint8")
-            t = t.view(FP8[kv_cache_dtype])
-        elif t.dtype == torch.uint8:
-            raise LayoutError.at(f"{where}.dtype", None, "uint8",
-                                 "a uint8 cache is fp8: pass kv_cache_dtype='fp8', "
-                                 "'fp8_e4m3' or 'fp8_e5m2'")
+        t = as_cache_dtype(cache, kv_cache_dtype, where)
         blocks, heads, size, content = (int(x) for x in t.shape)
         self.kind, self.tensor = kind, t
+        self._kernel: Any = None
         self.num_blocks, self.block_size = blocks, size
         if kind == "mla":
             if heads != 1:
@@ -171,24 +164,83 @@ class LayerView:
         value = torch.as_strided(t, (blocks, heads, size, hs), (s0, s1, hs, 1),
                                  off + size * hs)
         self.parts = (key_t.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3))
+        if isa is not None and kv_cache_dtype == "auto":
+            # In the engine: its own write kernel (the one its attention layers and
+            # CpuPlatform.pack_kv_cache call) transposes keys faster than a strided copy.
+            self._kernel = _cpu_write_kernel()
+            self._isa = isa
+            self._halves = t.view(blocks, heads, 2 * size, hs).chunk(2, dim=2)
 
     def read(self, block_ids: Any) -> list[torch.Tensor]:
         """The blocks' pages ``[n, block_size, heads, dim]``, contiguous copies on the
-        cache's device (one gather per part)."""
-        idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=self.tensor.device)
-        return [p.index_select(0, idx).contiguous() for p in self.parts]
+        cache's device: one strided copy per run of consecutive blocks (an allocator hands
+        out runs), else one gather per part."""
+        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        runs = _runs(ids)
+        out = []
+        for part in self.parts:
+            if len(runs) > MAX_RUNS:
+                idx = torch.as_tensor(ids, device=self.tensor.device)
+                out.append(part.index_select(0, idx).contiguous())
+                continue
+            dst = torch.empty((len(ids), *part.shape[1:]), dtype=part.dtype,
+                              device=part.device)
+            for at, first, count in runs:
+                dst[at:at + count].copy_(part[first:first + count])
+            out.append(dst)
+        return out
 
     def write(self, block_ids: Any, pages: Sequence[Any]) -> None:
         """Store ``pages`` (one ``[n, block_size, heads, dim]`` array or tensor per part)
-        into the engine's blocks ``block_ids``, in place."""
-        idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=self.tensor.device)
+        into the engine's blocks ``block_ids``, in place: one strided copy per run of
+        consecutive blocks, else one scatter per part."""
+        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        runs = _runs(ids)
+        staged: list[torch.Tensor] = []
         for part, src in zip(self.parts, pages, strict=True):
-            data = src if isinstance(src, torch.Tensor) else from_numpy(np.asarray(src))
-            if data.shape[1:] != part.shape[1:] or data.shape[0] != len(idx):
+            data = src if isinstance(src, torch.Tensor) else from_numpy(np.asarray(src),
+                                                                         source_only=True)
+            if data.shape[1:] != part.shape[1:] or data.shape[0] != len(ids):
                 raise LayoutError.at("pages", None, list(data.shape),
-                                     f"{len(idx)} pages of {list(part.shape[1:])} for these "
+                                     f"{len(ids)} pages of {list(part.shape[1:])} for these "
                                      "blocks")
-            part[idx] = data.to(device=part.device, dtype=part.dtype)
+            data = data.to(device=part.device, dtype=part.dtype)
+            if self._kernel is not None:
+                staged.append(data)
+                continue
+            if len(runs) > MAX_RUNS:
+                part[torch.as_tensor(ids, device=part.device)] = data
+                continue
+            for at, first, count in runs:
+                part[first:first + count].copy_(data[at:at + count])
+        if staged:
+            size = self.block_size
+            slots = (torch.as_tensor(ids)[:, None] * size + torch.arange(size)).reshape(-1)
+            key, value = (x.reshape(-1, *x.shape[2:]) for x in staged)
+            self._kernel(key, value, *self._halves, slots, self._isa, 1.0, 1.0, "auto")
+
+
+def _cpu_write_kernel() -> Any:
+    """vLLM's ``cpu_attn_reshape_and_cache`` when its extension is loaded, else None."""
+    try:
+        return torch.ops._C.cpu_attn_reshape_and_cache
+    except (AttributeError, RuntimeError):
+        return None
+
+
+MAX_RUNS = 64  # more runs of consecutive blocks than this: one gather/scatter instead
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(position, first block, count)`` of each run of consecutive block ids."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    counts = np.diff(np.concatenate([starts, [len(ids)]]))
+    if len(starts) > MAX_RUNS:
+        return [(0, 0, 0)] * len(starts)  # only the count matters to the caller
+    return [(int(a), int(ids[a]), int(c)) for a, c in zip(starts, counts, strict=True)]
 
 
 def _views(kv_caches: Any, backend: str, kv_cache_dtype: str, head_size: int | None,
@@ -201,21 +253,10 @@ def _views(kv_caches: Any, backend: str, kv_cache_dtype: str, head_size: int | N
     if kind == "cpu" and isa is None and isinstance(first, torch.Tensor) and first.dim() == 4:
         hs = int(first.shape[3]) // 2 if head_size is None else head_size
         dtype = torch.bfloat16 if first.dtype == torch.uint8 else first.dtype
-        backend_kind(backend, kv_cache_dtype=kv_cache_dtype,
-                     isa=cpu_isa(dtype, int(first.shape[2]), hs, kv_cache_dtype))
+        isa = cpu_isa(dtype, int(first.shape[2]), hs, kv_cache_dtype)
+        backend_kind(backend, kv_cache_dtype=kv_cache_dtype, isa=isa)
     return [(name, LayerView(t, kind, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
-                             where=f"kv_caches[{name!r}]")) for name, t in layers]
-
-
-def _scales(k_scales: Any, v_scales: Any, n: int) -> list[tuple[float, float]] | None:
-    if k_scales is None and v_scales is None:
-        return None
-    ks = list(k_scales) if k_scales is not None else [1.0] * n
-    vs = list(v_scales) if v_scales is not None else [1.0] * n
-    if len(ks) != n or len(vs) != n:
-        raise LayoutError.at("k_scales", None, (len(ks), len(vs)),
-                             f"one k_scale and one v_scale per layer ({n})")
-    return [(scalar(k), scalar(v)) for k, v in zip(ks, vs, strict=True)]
+                             where=f"kv_caches[{name!r}]", isa=isa)) for name, t in layers]
 
 
 def _tables(block_table: Any, seq_lens: Any, block_size: int) -> tuple[np.ndarray, ...]:
@@ -275,10 +316,8 @@ def from_vllm(kv_caches: Mapping[str, Any] | Sequence[Any], block_table: Any, se
             raise LayoutError.at(f"kv_caches[{name!r}].shape", None,
                                  list(view.tensor.shape), "every layer has the same blocks")
         pools.append(tuple(view.read(used)))
-    # vLLM keeps a k_scale/v_scale on every layer; only fp8 caches are scaled by them
-    scales = _scales(k_scales, v_scales, len(pools)) if kv_cache_dtype in FP8 else None
-    if scales is not None and views[0][1].kind == "mla":
-        scales = [(k, k) for k, _ in scales]
+    scales = scales_of(k_scales, v_scales, len(pools), kv_cache_dtype,
+                       fused=views[0][1].kind == "mla")
     return build(pools, remap.astype(np.int64), seq_ptr, lens, scales, lazy=lazy)
 
 

@@ -17,8 +17,8 @@ alias of it.  A request's new chunks cost one object however many there are, and
 request sharing any whole-chunk prefix still finds each chunk by its own key.
 
 Stores, by URL: ``file:///DIR`` (``DIR/NAME.hrry``, each a .hrry snapshot that
-``hurraykv inspect`` and ``hk.load_snapshot`` read; the aliases are symbolic links
-``DIR/KEY.hrry``), ``hurray://HOST:PORT`` (a ``hurraykv serve``; aliases with its LINK and
+``hurraykv inspect`` and ``hk.load_snapshot`` read; the aliases are lines of
+``DIR/aliases.log``), ``hurray://HOST:PORT`` (a ``hurraykv serve``; aliases with its LINK and
 LOCATE messages), ``redis://HOST:PORT`` and ``redis+cluster://HOST:PORT`` (the PageStore,
 identical pages of different segments stored once; aliases as small keys).
 """
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -37,8 +39,10 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 from ..errors import HurrayError, TransportError
-from ..io.snapshots import load_snapshot, save_snapshot
+from ..io.hrry import HrryFile, write_pieces
+from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
+from ..wire.layouts import BlockPaged
 
 SEED = b"hurraykv-chunks-v1"
 DIGEST = 16
@@ -111,53 +115,167 @@ class ChunkStore(ABC):
         return None
 
 
+@dataclass
+class _FileLayout:
+    """Where everything of one snapshot structure sits in its .hrry file: ``static`` are
+    the bytes outside the page pools (header, descriptors, index buffers, KV metadata,
+    index, trailer), ``pools`` the ``(offset, nbytes, member)`` of each pool, in file order;
+    ``snapshot`` is that file's validated snapshot."""
+
+    size: int
+    static: list[tuple[int, bytes]]
+    pools: list[tuple[int, int, tuple[int, str]]]
+    snapshot: KVCacheSnapshot
+
+    @classmethod
+    def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile) -> _FileLayout:
+        pools = []
+        for e in f.entries:
+            layout = f.descriptor(e.name).layout
+            if isinstance(layout, BlockPaged):
+                pools.append((e.data_offset, f.descriptor(e.name).buffers[0].byte_size,
+                              (layout.layer_index, layout.kv_role_name)))
+        static, pos = [], 0
+        for off, n, _ in sorted(pools):
+            static.append((pos, bytes(data[pos:off])))
+            pos = off + n
+        static.append((pos, bytes(data[pos:])))
+        return cls(len(data), static, sorted(pools), snapshot.skeleton())
+
+    def matches(self, data: memoryview) -> bool:
+        return len(data) == self.size and all(data[off:off + len(b)] == b
+                                              for off, b in self.static)
+
+    def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
+        """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
+        out = [memoryview(self.static[0][1])]
+        for (_, _, key), (_, b) in zip(self.pools, self.static[1:], strict=True):
+            out += [memoryview(snapshot.tensor(*key).buffers()[0]), memoryview(b)]
+        return out
+
+
 class FileChunks(ChunkStore):
+    """Segments as ``DIR/NAME.hrry``; the chunk aliases as lines ``KEY NAME`` appended to
+    ``DIR/aliases.log`` (one append per segment, read incrementally by every process that
+    shares the directory; a line a crash cut short is ignored).
+
+    A connector writes and reads many segments of one structure (same geometry, only the
+    page values differ).  Once a file of a structure has been written and read back
+    through the full rules, later ones are written in one gathered write from the same
+    bytes, and a file read later whose bytes outside its page pools are exactly those of
+    a file already validated gets that file's structure with its own pools - byte-equal
+    structure, so the same verdict - without parsing it again."""
+
+    LOG = "aliases.log"
+    LAYOUTS = 32  # structures remembered
+
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.url = self.dir.resolve().as_uri()
+        self._aliases: dict[str, str] = {}
+        self._read_upto = 0
+        self._by_structure: dict[bytes, _FileLayout] = {}
+        self._by_size: dict[int, list[_FileLayout]] = {}
 
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.hrry"
 
+    def _refresh(self) -> None:
+        """Take in the alias lines other processes appended since the last look."""
+        try:
+            fd = os.open(self.dir / self.LOG, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            if size <= self._read_upto:
+                return
+            data = os.pread(fd, size - self._read_upto, self._read_upto)
+        finally:
+            os.close(fd)
+        whole = data.rfind(b"\n") + 1  # a line still being written waits for next time
+        for line in data[:whole].split(b"\n"):
+            key, _, name = line.decode("ascii", "replace").partition(" ")
+            if len(key) == 2 * DIGEST and name:
+                self._aliases[key] = name
+        self._read_upto += whole
+
     def locate(self, keys: Sequence[str]) -> list[str | None]:
+        self._refresh()
+        alive: dict[str, bool] = {}
         out: list[str | None] = []
         for key in keys:
-            try:
-                target = os.readlink(self.path(key))
-            except OSError:  # missing (or not an alias)
-                out.append(None)
-                continue
-            name = target.removesuffix(".hrry")
-            out.append(name if self.path(name).is_file() else None)
+            name = self._aliases.get(key)
+            if name is not None and name not in alive:
+                alive[name] = self.path(name).is_file()
+            out.append(name if name is not None and alive[name] else None)
         return out
+
+    def _remember(self, structure: bytes, layout: _FileLayout) -> None:
+        if len(self._by_structure) >= self.LAYOUTS:
+            self._by_structure.clear()
+            self._by_size.clear()
+        self._by_structure[structure] = layout
+        self._by_size.setdefault(layout.size, []).append(layout)
 
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         # No fsync: a segment lost in a crash is a future cache miss, and the atomic
-        # renames still mean a reader sees whole files and links, or none.
+        # rename still means a reader sees a whole file or none.
         name = segment_name(keys, first)
-        save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
-        for key in keys:
-            tmp = self.dir / f".{key}.{os.getpid()}.link"
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+        structure = snapshot.structure() + repr(sorted(metadata.items())).encode()
+        layout = self._by_structure.get(structure)
+        if layout is None:
+            save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
+            data = _map(self.path(name))
+            f = HrryFile.from_bytes(data, str(self.path(name)))
+            self._remember(structure, _FileLayout.learn(data, snapshot_from_file(f), f))
+        else:
+            write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
+        lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
+        try:
+            fd = os.open(self.dir / self.LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             try:
-                os.symlink(f"{name}.hrry", tmp)
-                os.replace(tmp, self.path(key))
-            except OSError as e:
-                raise HurrayError(f"cannot link chunk {key} in {self.dir}: {e.strerror}",
-                                  field="key", value=key) from None
+                os.write(fd, lines)  # one append: concurrent writers never interleave it
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
+                              field="aliases", value=str(self.dir)) from None
+        self._aliases.update((key, name) for key in keys)
 
     def get(self, name: str) -> KVCacheSnapshot:
+        path = self.path(name)
         try:
-            return load_snapshot(self.path(name))
+            data = _map(path)
         except FileNotFoundError:
             raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
                               value=name, rule="a stored segment") from None
         except OSError as e:
             raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
                               value=name) from None
+        for layout in self._by_size.get(len(data), ()):
+            if layout.matches(data):
+                return layout.snapshot.with_pools(
+                    {key: data[off:off + n] for off, n, key in layout.pools}, owner=data)
+        f = HrryFile.from_bytes(data, str(path))
+        snap = snapshot_from_file(f)
+        snap.tensors()  # every member built: index buffers and token counts checked
+        self._remember(snap.structure(), _FileLayout.learn(data, snap, f))
+        return snap
+
+
+def _map(path: Path) -> memoryview:
+    """A file's bytes, mapped read-only and faulted in at once (``MAP_POPULATE``): the
+    page cache itself, no copy.  Segments are only ever replaced by rename, so a mapping
+    keeps the bytes it was made over."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return memoryview(b"")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
 
 
 class ServerChunks(ChunkStore):

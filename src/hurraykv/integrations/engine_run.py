@@ -8,10 +8,13 @@ benchmark; ``tiny_llama`` makes the random model they share (nothing is download
 Spec keys: ``model`` (directory), ``dtype``, ``kv_cache_dtype``, ``prompts`` (lists of
 token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
 "name", "module"}``), ``block_size``, ``rounds`` (generate the prompts this many
-times, one request at a time, timing each), ``env``."""
+times, one request at a time, timing each), ``env``, ``time_connector`` (also time the
+connector's own calls in each request: ``connector_times``)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -21,7 +24,7 @@ from pathlib import Path
 
 
 def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
-               head_dim: int = 32, kv_heads: int = 2) -> Path:
+               head_dim: int = 32, kv_heads: int = 2, heads: int = 4) -> Path:
     """A random LlamaForCausalLM (std 0.1 weights, so keys differ visibly), saved with
     ``save_pretrained``.  CPU attention needs head sizes of 32, 64, 80, ... (not 16)."""
     import torch
@@ -29,7 +32,7 @@ def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=1024, hidden_size=4 * head_dim, intermediate_size=256,
-                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim,
                          max_position_embeddings=8192)
     model = LlamaForCausalLM(config)
@@ -79,9 +82,58 @@ def connector_stats() -> dict:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return dict(getattr(get_kv_transfer_group(), "stats", {}))
+        connector = get_kv_transfer_group()
+        if hasattr(connector, "drain"):
+            connector.drain()  # the background writes are part of what was stored
+        return dict(getattr(connector, "stats", {}))
     except Exception:  # no connector configured, or one without counters
         return {}
+
+
+def _time_connector() -> list[float]:
+    """Wrap every public method of the engine's connector class so the time spent inside
+    them (outermost call only) adds up in the returned one-element list."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    cls = type(get_kv_transfer_group())
+    spent, local = [0.0], __import__("threading").local()
+    names = {n for k in cls.__mro__ if k is not object for n, v in vars(k).items()
+             if inspect.isfunction(v) and not n.startswith("_")}
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if getattr(local, "inside", False):
+                return fn(*args, **kwargs)
+            local.inside, started = True, time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - started
+                local.inside = False
+        return call
+
+    for name in names:
+        setattr(cls, name, timed(getattr(cls, name)))
+    return spent
+
+
+def _patch_dispatcher() -> None:
+    """For LMCache's benchmark process only: its numba import leaves objects whose
+    ``vars()`` has no ``.get``, which vLLM 0.32's kernel registry
+    (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``) trips over."""
+    import builtins
+
+    import vllm.triton_utils.dispatcher as dispatcher
+
+    def safe_vars(obj: object) -> dict:
+        try:
+            found = builtins.vars(obj)
+        except TypeError:
+            return {}
+        return found if hasattr(found, "get") else {}
+
+    dispatcher.vars = safe_vars  # type: ignore[attr-defined]
 
 
 def main() -> int:
@@ -94,9 +146,19 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if spec.get("patch_dispatcher"):
+        _patch_dispatcher()
     started = time.perf_counter()
     llm = LLM(**engine_kwargs(spec))
     startup = time.perf_counter() - started
+    if spec.get("touch_kv_cache"):
+        # as after warm-up: every page of the engine's KV cache memory has been written
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+        for cache in runner.worker.model_runner.kv_caches:
+            cache.zero_()
+    spent = _time_connector() if spec.get("time_connector") and spec.get("connector") \
+        else None
+    connector_times = []
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8),
                             detokenize=False, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -104,15 +166,18 @@ def main() -> int:
     if spec.get("rounds"):
         for _ in range(spec["rounds"]):
             for p in prompts:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), spent[0] if spent else 0.0
                 out = llm.generate([p], params, use_tqdm=False)[0]
                 times.append(time.perf_counter() - t0)
+                if spent:
+                    connector_times.append(spent[0] - c0)
                 outputs.append(out)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"outputs": [{"tokens": list(o.outputs[0].token_ids),
                            "num_cached_tokens": o.num_cached_tokens} for o in outputs],
-              "times": times, "startup": startup, "stats": connector_stats()}
+              "times": times, "startup": startup, "stats": connector_stats(),
+              "connector_times": connector_times}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -13,6 +13,7 @@ Selected with::
 multiple of the block size; default the block size, so prefixes are reused block by
 block), ``save_decode`` (also store chunks of generated tokens; default true),
 ``model_id`` (the model name in the cache identity; default vLLM's ``model``),
+``async_save`` (write segments from a background thread; default true),
 ``tls_cert``/``tls_key``/``tls_ca``/``server_hostname`` (a ``hurray://`` server with
 mutual TLS).
 
@@ -22,17 +23,21 @@ workers which chunks to load into which blocks and which newly computed chunks t
 Worker side: ``start_load_kv`` fetches the chunks, ``wait_for_layer_load`` writes each
 layer's pages into the blocks vLLM allocated (in place, through ``adapters.vllm``),
 ``save_kv_layer`` copies each layer's newly computed blocks out as the forward pass goes,
-and ``wait_for_save`` writes the chunks.  A chunk that is missing, truncated or does not
-parse is never written into the cache: its blocks (and the blocks after them) are
-reported by ``get_block_ids_with_load_errors`` so vLLM recomputes them, and one line is
-logged.  Multimodal requests and hybrid (several KV cache groups) models are passed
-through without storing or loading.
+and ``wait_for_save`` hands the finished segments to one writer thread (so the engine's
+blocks are free to reuse when it returns, and the store's latency stays off the next
+forward pass; ``shutdown`` and ``drain`` wait for the writes, in order).  A chunk that is
+missing, truncated or does not parse is never written into the cache: its blocks (and the
+blocks after them) are reported by ``get_block_ids_with_load_errors`` so vLLM recomputes
+them, and one line is logged.  Multimodal requests and hybrid (several KV cache groups)
+models are passed through without storing or loading.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +129,14 @@ class HurrayConnector(KVConnectorBase_V1):
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         tls = {k: extra[k] for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname")
                if k in extra}
-        self.store = open_store(url, suffix=f".tp{rank}" if tp > 1 else "", **tls)
+        self._open_store = lambda: open_store(url, suffix=f".tp{rank}" if tp > 1 else "",
+                                              **tls)
+        self.store = self._open_store()
+        self.async_save = bool(extra.get("async_save", True))
+        self._writer: ThreadPoolExecutor | None = None
+        self._writer_store: Any = None  # its own connection: stores are not thread-safe
+        self._pending: list[Future] = []
+        self._stats_lock = threading.Lock()
         self.identity = self._identity(vllm_config, kv_cache_config, extra)
         self.seed = identity_digest(self.identity)
         self.disabled = self._why_disabled(kv_cache_config)
@@ -142,10 +154,12 @@ class HurrayConnector(KVConnectorBase_V1):
         self._fetched: list[tuple[list[int], KVCacheSnapshot, int]] = []
         self._written: set[str] = set()
         self._staged: dict[int, list[list[np.ndarray]]] = {}
+        self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
-                      "save_seconds": 0.0, "load_seconds": 0.0}
+                      "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
+                      "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
 
     # ------------------------------------------------------------------ identity
     def _identity(self, vllm_config: Any, kv_cache_config: Any, extra: dict) -> str:
@@ -319,7 +333,8 @@ class HurrayConnector(KVConnectorBase_V1):
             isa = cpu_isa(self.model_dtype, self.block_size, head_size, self.kv_cache_dtype)
         kind = backend_kind(backend, kv_cache_dtype=self.kv_cache_dtype, isa=isa)
         self._layers = [(name, LayerView(t, kind, kv_cache_dtype=self.kv_cache_dtype,
-                                         head_size=head_size if kind != "mla" else None))
+                                         head_size=head_size if kind != "mla" else None,
+                                         isa=isa))
                         for name, t in layers]
         self._index = {name: i for i, (name, _) in enumerate(self._layers)}
         if self.kv_cache_dtype != "auto":
@@ -343,8 +358,7 @@ class HurrayConnector(KVConnectorBase_V1):
                               f"{snap.num_seqs} sequences, this engine needs {list(want)} "
                               f"in whole chunks of {self.chunk_size}", field="segment",
                               value=list(have), rule="the cache identity")
-        for t in snap.tensors():
-            t.validate()
+        snap.tensors()  # builds every member: index buffers and token counts checked
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -372,8 +386,13 @@ class HurrayConnector(KVConnectorBase_V1):
                     log.warning("request %s: segment %s could not be loaded (%s); %d blocks "
                                 "will be recomputed", load.req_id, name, e, len(failed))
                     break
-                self._fetched.append((load.blocks[i], snap, first))
+                last = self._fetched[-1] if self._fetched else None
+                if last is not None and last[1] is snap and last[2] + len(last[0]) == first:
+                    last[0].extend(load.blocks[i])  # one write per run of a segment's pages
+                else:
+                    self._fetched.append((list(load.blocks[i]), snap, first))
                 self.stats["chunks_loaded"] += 1
+        self.stats["fetch_seconds"] += time.perf_counter() - started
         self.stats["load_seconds"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -385,6 +404,7 @@ class HurrayConnector(KVConnectorBase_V1):
         for blocks, snap, first in self._fetched:
             pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
             view.write(blocks, pages)
+            self.stats["bytes_loaded"] += sum(p.nbytes for p in pages)
         self._written.add(layer_name)
         self.stats["layers_written"] += 1
         self.stats["load_seconds"] += time.perf_counter() - started
@@ -404,6 +424,7 @@ class HurrayConnector(KVConnectorBase_V1):
             blocks = [b for chunk in save.blocks for b in chunk]
             staged = self._staged.setdefault(i, [[] for _ in self._layers])
             staged[layer] = pages_to_numpy(view.read(blocks))
+            self.stats["bytes_saved"] += sum(p.nbytes for p in staged[layer])
         self.stats["save_seconds"] += time.perf_counter() - started
 
     def wait_for_save(self) -> None:
@@ -416,33 +437,68 @@ class HurrayConnector(KVConnectorBase_V1):
             staged = self._staged.pop(i, None)
             if staged is None or any(not parts for parts in staged):
                 continue
-            try:
-                self.store.put(save.keys, save.first_chunk, self._segment(staged),
-                               {"vllm.identity": self.identity,
-                                "vllm.first_chunk": save.first_chunk})
-                self.stats["chunks_saved"] += len(save.keys)
-                self.stats["segments_saved"] += 1
-            except HurrayError as e:
-                log.warning("request %s: %d chunks were not stored: %s", save.req_id,
-                            len(save.keys), e)
+            segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            if not self.async_save:
+                self._put(self.store, save, segment)
+                continue
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
+                self._writer_store = self._open_store()
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._writer.submit(self._put, self._writer_store, save,
+                                                     segment))
         self._staged.clear()
         self.stats["save_seconds"] += time.perf_counter() - started
 
+    def _put(self, store: Any, save: Transfer, segment: KVCacheSnapshot) -> None:
+        started = time.perf_counter()
+        try:
+            store.put(save.keys, save.first_chunk, segment, {"vllm.identity": self.identity})
+        except HurrayError as e:
+            log.warning("request %s: %d chunks were not stored: %s", save.req_id,
+                        len(save.keys), e)
+            return
+        with self._stats_lock:
+            self.stats["chunks_saved"] += len(save.keys)
+            self.stats["segments_saved"] += 1
+            self.stats["write_seconds"] += time.perf_counter() - started
+
+    def drain(self) -> None:
+        """Wait until every segment handed to the writer is in the store."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
+        """A segment snapshot of these pages: built and validated once per length, then
+        the same structure over each new segment's pools (``with_pools``)."""
         pages = pools[0][0].shape[0]
-        fused = len(pools[0]) == 1
-        keys = [p[0] for p in pools]
-        values = None if fused else [p[1] for p in pools]
-        scales = None if self._scales is None else np.array(self._scales, np.float32)
-        return KVCacheSnapshot.from_arrays(keys, values, np.arange(pages), [0, pages],
-                                           [pages * self.block_size], kv_scales=scales,
-                                           model=self.identity)
+        template = self._templates.get(pages)
+        if template is None:
+            fused = len(pools[0]) == 1
+            keys = [p[0] for p in pools]
+            values = None if fused else [p[1] for p in pools]
+            scales = None if self._scales is None else np.array(self._scales, np.float32)
+            first = KVCacheSnapshot.from_arrays(keys, values, np.arange(pages), [0, pages],
+                                                [pages * self.block_size], kv_scales=scales,
+                                                model=self.identity)
+            if len(self._templates) >= 64:
+                self._templates.clear()
+            self._templates[pages] = first.skeleton()
+            return first
+        roles = template.roles
+        return template.with_pools({(layer, role): parts[r] for layer, parts in
+                                    enumerate(pools) for r, role in enumerate(roles)})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
     def shutdown(self) -> None:
+        self.drain()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer_store.close()
         self.store.close()
 
 

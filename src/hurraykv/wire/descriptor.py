@@ -29,6 +29,7 @@ skipped rule in ``relaxed``.  A descriptor with relaxed rules refuses data acces
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field, replace
 
@@ -170,10 +171,30 @@ def peek_length(prefix: bytes | memoryview) -> int:
     return int.from_bytes(mv[6:10], "little")
 
 
+CACHED_BYTES = 4096  # descriptors up to this size are remembered once decoded
+
+
 def decode_descriptor(data: bytes | bytearray | memoryview, *, strict: bool = True
                       ) -> TensorDescriptor:
-    """Decode one descriptor from the start of ``data`` (extra bytes after it are ignored)."""
+    """Decode one descriptor from the start of ``data`` (extra bytes after it are ignored).
+
+    Descriptors are immutable values, and a store or a file holds many identical ones (every
+    layer, every chunk of one geometry), so the outcome of each distinct byte string up to
+    4 KiB is kept (LRU) and the rules run once per distinct descriptor."""
     mv = _view(data)
+    if len(mv) >= 10 and bytes(mv[:4]) == MAGIC:
+        length = int.from_bytes(mv[6:10], "little")
+        if 20 <= length <= min(CACHED_BYTES, len(mv)):
+            return _decode_cached(bytes(mv[:length]), strict)
+    return _decode(mv, strict)
+
+
+@functools.lru_cache(maxsize=2048)
+def _decode_cached(raw: bytes, strict: bool) -> TensorDescriptor:
+    return _decode(memoryview(raw), strict)
+
+
+def _decode(mv: memoryview, strict: bool) -> TensorDescriptor:
     if len(mv) < HEADER.size:
         if len(mv) >= 4 and bytes(mv[:4]) != MAGIC:
             raise DescriptorError.at("magic", 0, bytes(mv[:4]), "magic MUST be b'HRRY'")
