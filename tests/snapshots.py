@@ -10,8 +10,9 @@ from hurraykv.snapshot import KVCacheSnapshot
 
 
 def make_snapshot(kind: str = "float16", layers: int = 3, seed: int = 0, heads: int = 2,
-                  dim: int = 8, page_size: int = 4) -> KVCacheSnapshot:
-    """A batch with a shared prefix and ragged lengths, one table for every layer."""
+                  dim: int = 8, page_size: int = 4, dim_v: int | None = None) -> KVCacheSnapshot:
+    """A batch with a shared prefix and ragged lengths, one table for every layer
+    (``dim_v``: the value head size, when it differs from the key's)."""
     rng = np.random.default_rng(seed)
     lens = [10, 6, 5, 1]
     pages = [-(-n // page_size) for n in lens]
@@ -24,7 +25,8 @@ def make_snapshot(kind: str = "float16", layers: int = 3, seed: int = 0, heads: 
     tensors = []
     for i in range(layers):
         for role in ("key", "value"):
-            pool = rng.standard_normal((num_pages, page_size, heads, dim)).astype(dtype)
+            d = dim if role == "key" or dim_v is None else dim_v
+            pool = rng.standard_normal((num_pages, page_size, heads, d)).astype(dtype)
             scale = float(0.5 + i + (role == "value")) if kind == "fp8" else None
             t = BlockPagedTensor(pool, block_table, seq_ptr, lens, kv_role=role, layer_index=i,
                                  fp8_scale=scale)
@@ -41,3 +43,21 @@ def make_fused(layers: int = 2) -> KVCacheSnapshot:
 
 
 KINDS = ["float16", "bfloat16", "int8", "int4", "fp8"]
+
+
+def same_tokens(a: KVCacheSnapshot, b: KVCacheSnapshot) -> bool:
+    """The same members holding the same bytes for every token of every sequence (page
+    ids, pool order and unused pages may differ: an engine picks its own)."""
+    if a.member_keys() != b.member_keys() or not np.array_equal(a.seq_lens, b.seq_lens):
+        return False
+    if (a.kv_scales is None) != (b.kv_scales is None) or (
+            a.kv_scales is not None and not np.array_equal(a.kv_scales, b.kv_scales)):
+        return False
+    for key in a.member_keys():
+        x, y = a.tensor(*key), b.tensor(*key)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        for s in range(a.num_seqs):
+            if x.gather(s).tobytes() != y.gather(s).tobytes():
+                return False
+    return True

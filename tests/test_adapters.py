@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import hurraykv as hk
-from hurraykv.adapters import flashinfer, sglang, vllm
 from hurraykv.adapters import transformers as tf_adapter
+from hurraykv.adapters import vllm
 from hurraykv.adapters._common import checked_int32
 
 NB, BS, H, D, L = 24, 4, 2, 16, 3
@@ -155,67 +155,9 @@ def test_vllm_rejects_what_does_not_fit():
         vllm.to_vllm(q, backend="FLASH_ATTN")
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_flashinfer_round_trip(kv_layout):
-    g = torch.Generator().manual_seed(6)
-    shape = (NB, 2, BS, H, D) if kv_layout == "NHD" else (NB, 2, H, BS, D)
-    caches = [torch.randn(*shape, generator=g).half() for _ in range(L)]
-    indptr = torch.tensor([0, 3, 5, 5, 6], dtype=torch.int32)
-    indices = torch.tensor([7, 2, 9, 7, 4, 11], dtype=torch.int32)
-    last = torch.tensor([2, 4, 0, 1], dtype=torch.int32)
-    snap = flashinfer.from_flashinfer(caches, indptr, indices, last, kv_layout=kv_layout)
-    assert snap.seq_lens.tolist() == [10, 8, 0, 1]
-    back, indptr2, indices2, last2 = flashinfer.to_flashinfer(snap, kv_layout=kv_layout)
-    assert all(torch.equal(a, b) for a, b in zip(caches, back, strict=True))
-    assert torch.equal(indptr2, indptr) and torch.equal(indices2, indices)
-    assert torch.equal(last2, last)
-    pairs = [(c[:, 0].contiguous(), c[:, 1].contiguous()) for c in caches]
-    assert flashinfer.from_flashinfer(pairs, indptr, indices, last, kv_layout=kv_layout
-                                      ).equal(snap)
-    with pytest.raises(hk.HurrayError, match=r"kv_last_page_len\[1\] = 5"):
-        flashinfer.from_flashinfer(caches, indptr, indices, torch.tensor([2, 5, 0, 1]),
-                                   kv_layout=kv_layout)
-
-
 def test_int32_overflow_is_a_clear_error():
     with pytest.raises(hk.HurrayError, match=r"kv_indices\[1\] = 4294967296 does not fit int32"):
         checked_int32(np.array([1, 1 << 32]), "kv_indices")
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_sglang_round_trip(page_size):
-    g = torch.Generator().manual_seed(8)
-    size = 40
-    k = [torch.randn(size + page_size, H, D, generator=g).bfloat16() for _ in range(L)]
-    v = [torch.randn(size + page_size, H, D, generator=g).bfloat16() for _ in range(L)]
-    lens = torch.tensor([7, 5, 9])
-    req_to_token = torch.zeros((6, 16), dtype=torch.int32)
-    pages = {0: [2, 5], 3: [2, 7], 5: [1, 3, 8]}  # requests 0 and 3 share page 2
-    for r, ps in pages.items():
-        slots = [p * page_size + o for p in ps for o in range(page_size)]
-        if page_size == 1:
-            slots = [int(x) for x in torch.randperm(size, generator=g)[:9] + 1]
-        req_to_token[r, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
-    snap = sglang.from_sglang(k, v, req_to_token, lens, page_size=page_size,
-                              req_pool_indices=torch.tensor([0, 3, 5]))
-    for i, r in enumerate((0, 3, 5)):
-        n = int(lens[i])
-        slots = req_to_token[r, :n].long()
-        np.testing.assert_array_equal(
-            snap.layer(1)[0].gather(i).view(np.uint16), k[1][slots].view(torch.int16).numpy()
-            .view(np.uint16))
-    kb, vb, table, lens2 = sglang.to_sglang(snap)
-    again = sglang.from_sglang(kb, vb, table, lens2, page_size=page_size)
-    assert again.equal(snap) and torch.equal(lens2, lens.int())
-    assert np.shares_memory(kb[0].view(torch.int16).numpy(),
-                            snap.tensor(0, "key").page_pool.view(np.uint16))
-
-
-def test_sglang_rejects_slots_that_are_not_pages():
-    k = [torch.zeros(20, H, D)]
-    table = torch.tensor([[4, 5, 7, 8]], dtype=torch.int32)  # page 1 then slot 7: broken
-    with pytest.raises(hk.LayoutError, match=r"req_to_token\[0, 2\]"):
-        sglang.from_sglang(k, k, table, torch.tensor([4]), page_size=4)
 
 
 def tiny_llama_cache():

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import HurrayError, LayoutError
+from ..errors import HurrayError, LayoutError, UnsupportedError
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot
 from ..wire.dtypes import element_type
@@ -154,6 +154,48 @@ def float_pools(snapshot: KVCacheSnapshot, what: str) -> list[tuple[np.ndarray, 
                               "first", field="quantization", rule=f"{what} layouts")
         out.append(tuple(t.page_pool for t in layer))
     return out
+
+
+def as_cache_dtype(t: Any, kv_cache_dtype: str, where: str) -> Any:
+    """An engine's cache tensor as the values it holds: fp8 caches are kept as uint8 by
+    vLLM and SGLang (``index_put`` has no float8 kernels) and read as float8 here."""
+    import torch
+
+    from ._torch import FP8
+
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError.at(where, None, type(t).__name__, "engine caches are torch tensors")
+    if kv_cache_dtype in FP8:
+        if t.dtype not in (torch.uint8, FP8[kv_cache_dtype]):
+            raise LayoutError.at(f"{where}.dtype", None, str(t.dtype),
+                                 f"an {kv_cache_dtype} cache is stored as uint8")
+        return t.view(FP8[kv_cache_dtype])
+    if kv_cache_dtype != "auto":
+        raise UnsupportedError.at("kv_cache_dtype", None, kv_cache_dtype,
+                                  f"caches of kv_cache_dtype {kv_cache_dtype!r} are not "
+                                  f"supported; hurraykv reads auto, {', '.join(FP8)}")
+    if t.dtype == torch.uint8:
+        raise LayoutError.at(f"{where}.dtype", None, "uint8",
+                             "a uint8 cache is fp8: pass kv_cache_dtype='fp8_e4m3' (or "
+                             "'fp8', 'fp8_e5m2')")
+    return t
+
+
+def scales_of(k_scales: Any, v_scales: Any, layers: int, kv_cache_dtype: str, *,
+              fused: bool = False) -> list[tuple[float, float]] | None:
+    """Per-layer ``(k_scale, v_scale)`` of an fp8 cache (D5); engines keep a scale on
+    every layer, so scales given for other caches are ignored.  A fused (MLA) member
+    uses its layer's k_scale."""
+    from ._torch import FP8, scalar
+
+    if kv_cache_dtype not in FP8 or (k_scales is None and v_scales is None):
+        return None
+    ks = list(k_scales) if k_scales is not None else [1.0] * layers
+    vs = list(v_scales) if v_scales is not None and not fused else list(ks)
+    if len(ks) != layers or len(vs) != layers:
+        raise LayoutError.at("k_scales", None, (len(ks), len(vs)),
+                             f"one k_scale and one v_scale per layer ({layers})")
+    return [(scalar(k), scalar(v)) for k, v in zip(ks, vs, strict=True)]
 
 
 def as_array(x: Any) -> np.ndarray:

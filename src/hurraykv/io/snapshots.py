@@ -87,7 +87,14 @@ def _check_mirrors(f: HrryFile, snap: KVCacheSnapshot) -> None:
                              "tensor", field="hurraykv.seq_lens")
 
 
-def read_snapshot_sequential(fileobj: BinaryIO) -> KVCacheSnapshot:
-    """A snapshot from a .hrry file on a non-seekable source (a pipe), read in order and
-    held to exactly the rules of ``load_snapshot``."""
-    return snapshot_from_file(read_hrry_sequential(fileobj))
+def read_snapshot_sequential(source: BinaryIO | str | os.PathLike) -> KVCacheSnapshot:
+    """A snapshot from a .hrry file read front to back - a non-seekable source (a pipe,
+    a socket's file) or a path - held to exactly the rules of ``load_snapshot``."""
+    if isinstance(source, str | os.PathLike):
+        try:
+            with open(source, "rb") as f:
+                return snapshot_from_file(read_hrry_sequential(f))
+        except OSError as e:
+            raise ContainerError(f"cannot read {source}: {e.strerror}", field="path",
+                                 value=str(source)) from None
+    return snapshot_from_file(read_hrry_sequential(source))
