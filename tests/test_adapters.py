@@ -132,6 +132,11 @@ def test_vllm_load_into_running_caches_in_place():
     assert [c.untyped_storage().data_ptr() for c in target] == storage  # no reallocation
     for a, b in zip(caches, target, strict=True):
         assert same(b[blocks[0]], a[table[0, :3].long()])
+    blocks[1][0] = NB  # one past the last block: refused before anything is written
+    before = [c.clone() for c in target]
+    with pytest.raises(hk.LayoutError, match=rf"block_ids\[3\].*found {NB} .*0\.\.{NB - 1}"):
+        vllm.load_into_vllm(snap, target, blocks, backend="FLASH_ATTN")
+    assert all(torch.equal(a, b) for a, b in zip(before, target, strict=True))
 
 
 def test_vllm_rejects_what_does_not_fit():

@@ -171,11 +171,20 @@ class LayerView:
             self._isa = isa
             self._halves = t.view(blocks, heads, 2 * size, hs).chunk(2, dim=2)
 
+    def _ids(self, block_ids: Any) -> np.ndarray:
+        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            i = int(np.flatnonzero((ids < 0) | (ids >= self.num_blocks))[0])
+            raise LayoutError.at(f"block_ids[{i}]", i, int(ids[i]),
+                                 f"the cache has blocks 0..{self.num_blocks - 1}",
+                                 where="index")
+        return ids
+
     def read(self, block_ids: Any) -> list[torch.Tensor]:
         """The blocks' pages ``[n, block_size, heads, dim]``, contiguous copies on the
         cache's device: one strided copy per run of consecutive blocks (an allocator hands
         out runs), else one gather per part."""
-        ids = np.asarray(block_ids, np.int64).reshape(-1)
+        ids = self._ids(block_ids)
         runs = _runs(ids)
         out = []
         for part in self.parts:
@@ -194,8 +203,8 @@ class LayerView:
         """Store ``pages`` (one ``[n, block_size, heads, dim]`` array or tensor per part)
         into the engine's blocks ``block_ids``, in place: one strided copy per run of
         consecutive blocks, else one scatter per part."""
-        ids = np.asarray(block_ids, np.int64).reshape(-1)
-        runs = _runs(ids)
+        ids = self._ids(block_ids)
+        runs = [] if self._kernel is not None else _runs(ids)
         staged: list[torch.Tensor] = []
         for part, src in zip(self.parts, pages, strict=True):
             data = src if isinstance(src, torch.Tensor) else from_numpy(np.asarray(src),

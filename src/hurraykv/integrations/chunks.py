@@ -143,7 +143,8 @@ class _FileLayout:
         return cls(len(data), static, sorted(pools), snapshot.skeleton())
 
     def matches(self, data: memoryview) -> bool:
-        return len(data) == self.size and all(data[off:off + len(b)] == b
+        # tobytes(): a memoryview compared with == unpacks element by element
+        return len(data) == self.size and all(data[off:off + len(b)].tobytes() == b
                                               for off, b in self.static)
 
     def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
