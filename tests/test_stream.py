@@ -43,16 +43,17 @@ def test_stream_is_descriptors_and_raw_buffers_back_to_back():
         expected += desc.encode() + b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
     assert stream_bytes(s) == expected
     head = decode_descriptor(expected)
-    # seq_lens + 2 layers x (key, value)
-    assert (head.layout_tag, head.layout.rule, head.layout.member_count) == (0x0B, 3, 5)
-    assert (head.element_type_name, head.shape, head.buffers) == ("uint8", (5,), ())
+    # seq_lens + the info member (a model is set) + 2 layers x (key, value)
+    assert (head.layout_tag, head.layout.rule, head.layout.member_count) == (0x0B, 3, 6)
+    assert (head.element_type_name, head.shape, head.buffers) == ("uint8", (6,), ())
 
 
 def test_incremental_writer_matches_the_one_shot_writer():
     for s in (make_snapshot("fp8"), make_fused()):
         buf = io.BytesIO()
         with hk.SnapshotStreamWriter(buf, s.seq_lens, s.num_layers, kv_scales=s.kv_scales,
-                                     fused=s.fused) as w:
+                                     fused=s.fused, model=s.model,
+                                     metadata=s.metadata) as w:
             for i, layer in enumerate(s):
                 w.write_layer(i, *layer)
         assert buf.getvalue() == stream_bytes(s)
@@ -128,7 +129,9 @@ def test_torn_group_between_members():
     full = stream_bytes(s)
     last = s.tensors()[-1]
     cut = len(full) - len(last.descriptor().encode()) - sum(len(b) for b in last.buffers())
-    with pytest.raises(hk.StreamError, match="torn group: the stream ended after 4 of 5"):
+    n = s.member_count()  # seq_lens, the info member (model), 2 layers x (key, value)
+    with pytest.raises(hk.StreamError, match=f"torn group: the stream ended after {n - 1} of "
+                                             f"{n} members"):
         hk.read_snapshot_stream(io.BytesIO(full[:cut]))
 
 

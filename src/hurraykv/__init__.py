@@ -19,6 +19,7 @@ from .errors import (
     ElementTypeError,
     HurrayError,
     LayoutError,
+    MissingDependencyError,
     PermissiveAccessError,
     QuantizationError,
     RemoteError,
@@ -53,6 +54,19 @@ from .wire import (
 
 __version__ = "0.1.0"
 
+# The network client and server and the Redis store, imported on first use so that
+# ``import hurraykv`` needs neither redis nor torch.
+_LAZY = {"KVClient": "net.client", "KVServer": "net.server", "PageStore": "store"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'hurraykv' has no attribute {name!r}")
+
+
 __all__ = [
     "ELEMENT_TYPES",
     "BlockPaged",
@@ -66,7 +80,11 @@ __all__ = [
     "HrryFile",
     "HurrayError",
     "KVCacheSnapshot",
+    "KVClient",
+    "KVServer",
     "LayoutError",
+    "MissingDependencyError",
+    "PageStore",
     "PermissiveAccessError",
     "QuantizationError",
     "RemoteError",

@@ -111,3 +111,20 @@ class RemoteError(HurrayError):
 
 class StoreError(HurrayError):
     """A snapshot or page that is not in the Redis store, or a manifest that does not parse."""
+
+
+class MissingDependencyError(HurrayError, ImportError):
+    """An optional package a feature needs is not installed (the extra to install named)."""
+
+
+def require(module: str, extra: str, feature: str) -> Any:
+    """Import ``module`` for ``feature``, or say which hurraykv extra brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependencyError(
+            f"{feature} needs the {module.split('.')[0]} package, which is not installed: "
+            f"pip install 'hurraykv[{extra}]'", field="dependency", value=module,
+            rule=f"the [{extra}] extra") from None

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import quant as _quant
+from .arrays import as_numpy
 from .errors import (
     BufferError,
     HurrayError,
@@ -54,7 +55,7 @@ def _role_code(kv_role: str | int) -> int:
 
 
 def _as_index(values: Any, name: str) -> np.ndarray:
-    arr = np.asarray(values)
+    arr = as_numpy(values, name)
     if arr.ndim != 1:
         raise LayoutError.at(f"{name}.shape", None, arr.shape, f"{name} is one-dimensional")
     if arr.size == 0:
@@ -89,7 +90,7 @@ class BlockPagedTensor:
         element_type: str | ElementType | None = None,
         fp8_scale: float | None = None,
     ) -> None:
-        pool = np.asarray(page_pool)
+        pool = as_numpy(page_pool, "page_pool")
         if pool.ndim != 4:
             raise LayoutError.at("page_pool.shape", None, pool.shape,
                                  "page_pool is [num_pages, page_size, num_heads, head_dim]")
@@ -172,7 +173,7 @@ class BlockPagedTensor:
         the prefix sharing of a paged-attention engine.  Partial last pages are never
         shared.  Found with one sort of the page-content ids (no per-page Python loop).
         """
-        arrays = [np.asarray(x) for x in seqs]
+        arrays = [as_numpy(x, f"seqs[{i}]") for i, x in enumerate(seqs)]
         if page_size < 1:
             raise LayoutError.at("page_size", None, page_size, "page_size MUST be >= 1")
         if not arrays and (num_heads is None or head_dim is None or element_type is None):

@@ -4,6 +4,7 @@ A snapshot is one group composite (layout 0x0B, rule group) whose members are
 
 * ``seq_lens``  - row-major uint64 ``[num_seqs]``, the per-sequence token counts (D6);
 * ``kv_scales`` - row-major float32 ``[num_layers, 2]`` (key, value), fp8 caches only (D5);
+* optionally the *info member* (``info.py``): the model name and user metadata;
 * one block-paged tensor per (layer_index, kv_role): ``key`` and ``value``, or one
   ``fused`` tensor per layer.
 
@@ -22,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SeqLensRequiredError, SnapshotError
+from .arrays import as_numpy
+from .errors import LayoutError, SeqLensRequiredError, SnapshotError
+from .info import check_metadata, info_member, parse_info
 from .paged import BlockPagedTensor, byte_view
 from .wire.buffers import BufferHandle
 from .wire.descriptor import TensorDescriptor
@@ -70,6 +73,14 @@ def kv_scales_member(kv_scales: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
                              (BufferHandle(data.nbytes),)), [memoryview(data.view(np.uint8))])
 
 
+_POOL_ORDER = ("pools are [num_pages, page_size, num_heads, head_dim]; pass an HND pool "
+               "as pool.transpose(0, 2, 1, 3)")
+
+
+def _layout(msg: str, field: str | None, value: Any) -> LayoutError:
+    return LayoutError(msg, field=field, value=value, rule="page pools are NHD")
+
+
 def _fail(msg: str, field: str, value: Any = None) -> SnapshotError:
     return SnapshotError(msg, field=field, value=value, rule="snapshot members fit together")
 
@@ -83,14 +94,18 @@ class KVCacheSnapshot:
 
     def __init__(self, members: dict[tuple[int, str], tuple[TensorDescriptor, Loader]],
                  seq_lens: Any, kv_scales: Any = None, *, model: str | None = None,
+                 metadata: dict[str, Any] | None = None,
                  extras: Sequence[tuple[str | None, TensorDescriptor, Buffers]] = (),
                  owner: Any = None) -> None:
         self._members = dict(sorted(members.items(), key=lambda kv: (kv[0][0],
                                                                      _role_rank(kv[0][1]))))
         self._cache: dict[tuple[int, str], BlockPagedTensor] = {}
-        self.seq_lens = None if seq_lens is None else np.asarray(seq_lens).astype(np.int64)
-        self.kv_scales = None if kv_scales is None else np.asarray(kv_scales, dtype=np.float32)
+        self.seq_lens = None if seq_lens is None else as_numpy(seq_lens, "seq_lens").astype(
+            np.int64)
+        self.kv_scales = None if kv_scales is None else as_numpy(kv_scales, "kv_scales").astype(
+            np.float32)
         self.model = model
+        self.metadata = check_metadata(metadata)
         self.extras = list(extras)
         self._owner = owner  # keeps an mmap (or file) alive while members are views on it
         self._validate()
@@ -98,7 +113,8 @@ class KVCacheSnapshot:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_tensors(cls, tensors: Iterable[BlockPagedTensor], seq_lens: Any = None,
-                     kv_scales: Any = None, *, model: str | None = None) -> KVCacheSnapshot:
+                     kv_scales: Any = None, *, model: str | None = None,
+                     metadata: dict[str, Any] | None = None) -> KVCacheSnapshot:
         """From in-memory block-paged tensors (each with its layer_index and kv_role).
 
         ``seq_lens`` defaults to the tensors' own; ``kv_scales`` to their ``fp8_scale``."""
@@ -128,7 +144,7 @@ class KVCacheSnapshot:
                     kv_scales[layer, 1 if role == "value" else 0] = t.fp8_scale
                     if role == "fused":
                         kv_scales[layer, 1] = t.fp8_scale
-        snap = cls(members, seq_lens, kv_scales, model=model)
+        snap = cls(members, seq_lens, kv_scales, model=model, metadata=metadata)
         for key, t in cache.items():
             if t.seq_lens is None:
                 t = t.copy()
@@ -141,9 +157,20 @@ class KVCacheSnapshot:
     def from_arrays(cls, key_pools: Sequence[np.ndarray], value_pools: Sequence[np.ndarray] | None,
                     block_table: Any, seq_ptr: Any, seq_lens: Any, *, kv_scales: Any = None,
                     index_type: str | None = None, element_type: str | None = None,
-                    model: str | None = None) -> KVCacheSnapshot:
+                    model: str | None = None, metadata: dict[str, Any] | None = None,
+                    page_size: int | None = None) -> KVCacheSnapshot:
         """From per-layer page pools ``[num_pages, page_size, H, D]`` sharing one block
-        table, as an engine holds them.  ``value_pools=None`` makes fused members."""
+        table, as an engine holds them.  ``value_pools=None`` makes fused members.
+        ``page_size``, when given, is checked against the pools (an HND pool ``[num_pages,
+        H, page_size, D]`` is named as such)."""
+        first = as_numpy(key_pools[0], "key_pools[0]") if len(key_pools) else None
+        if page_size is not None and first is not None and first.ndim == 4 and \
+                first.shape[1] != page_size:
+            hnd = first.shape[2] == page_size
+            raise _layout(f"key_pools[0] is {list(first.shape)}; with page_size {page_size} "
+                          + ("that is the HND order [num_pages, num_heads, page_size, "
+                             "head_dim]: " if hnd else "") + _POOL_ORDER, "page_size",
+                          first.shape[1])
         tensors = []
         roles = [("key", key_pools)] if value_pools is None else [("key", key_pools),
                                                                    ("value", value_pools)]
@@ -154,21 +181,29 @@ class KVCacheSnapshot:
             for role, pools in roles:
                 scale = None
                 if kv_scales is not None:
-                    scale = float(np.asarray(kv_scales)[i, 0 if role == "key" else 1])
-                tensors.append(BlockPagedTensor(
-                    pools[i], block_table, seq_ptr, seq_lens,
-                    kv_role=role if value_pools is not None else "fused", layer_index=i,
-                    index_type=index_type, element_type=element_type, fp8_scale=scale))
-        return cls.from_tensors(tensors, seq_lens, kv_scales, model=model)
+                    scale = float(as_numpy(kv_scales)[i, 0 if role == "key" else 1])
+                try:
+                    tensors.append(BlockPagedTensor(
+                        pools[i], block_table, seq_ptr, seq_lens,
+                        kv_role=role if value_pools is not None else "fused", layer_index=i,
+                        index_type=index_type, element_type=element_type, fp8_scale=scale))
+                except LayoutError as e:
+                    if not (e.field or "").startswith("seq_lens"):
+                        raise
+                    raise _layout(f"{e} ({_POOL_ORDER})", e.field, e.value) from None
+        return cls.from_tensors(tensors, seq_lens, kv_scales, model=model, metadata=metadata)
 
     @classmethod
     def from_members(cls, items: Iterable[tuple[str | None, TensorDescriptor, Any]], *,
-                     model: str | None = None, owner: Any = None) -> KVCacheSnapshot:
+                     model: str | None = None, metadata: dict[str, Any] | None = None,
+                     owner: Any = None) -> KVCacheSnapshot:
         """From decoded members ``(name or None, descriptor, buffers or loader)`` in any
-        order: ``seq_lens`` and ``kv_scales`` are recognised by type and shape, the
-        block-paged tensors by (layer_index, kv_role)."""
+        order, each recognised by its own fields, never by its name (D7): the block-paged
+        tensors by (layer_index, kv_role), ``seq_lens`` as the first integer vector,
+        ``kv_scales`` as the first float32 ``[L, 2]`` matrix, the info member by its type
+        and prefix (``model``/``metadata`` are the fallbacks when there is none)."""
         members: dict[tuple[int, str], tuple[TensorDescriptor, Loader]] = {}
-        seq_lens = kv_scales = None
+        seq_lens = kv_scales = info = None
         extras = []
         for name, desc, bufs in items:
             loader = bufs if callable(bufs) else (lambda b=bufs: b)
@@ -182,13 +217,31 @@ class KVCacheSnapshot:
                     raise _fail(f"two members for layer {key[0]} role {key[1]}", "kv_role",
                                 key)
                 members[key] = (desc, loader)
-            elif is_seq_lens(desc) and seq_lens is None and name in (None, "seq_lens"):
+                continue
+            found = parse_info(desc, loader()) if info is None else None
+            if found is not None:
+                info = found
+            elif is_seq_lens(desc) and seq_lens is None:
                 seq_lens = row_major_array(desc, loader()).astype(np.int64)
-            elif is_kv_scales(desc) and kv_scales is None and name in (None, "kv_scales"):
+            elif is_kv_scales(desc) and kv_scales is None:
                 kv_scales = row_major_array(desc, loader())
             else:
                 extras.append((name, desc, loader()))
-        return cls(members, seq_lens, kv_scales, model=model, extras=extras, owner=owner)
+        if info is not None:
+            model, metadata = info
+        return cls(members, seq_lens, kv_scales, model=model, metadata=metadata,
+                   extras=extras, owner=owner)
+
+    def with_info(self, model: str | None = None, metadata: dict[str, Any] | None = None
+                  ) -> KVCacheSnapshot:
+        """This snapshot (same members, nothing copied) with ``model`` replaced when
+        given and ``metadata`` merged into its own."""
+        out = KVCacheSnapshot.__new__(KVCacheSnapshot)
+        out.__dict__.update(self.__dict__)
+        out._structure = None
+        out.model = self.model if model is None else model
+        out.metadata = {**self.metadata, **check_metadata(metadata)}
+        return out
 
     # ----------------------------------------------------------------- validation
     def _validate(self) -> None:
@@ -310,6 +363,8 @@ class KVCacheSnapshot:
         extra = 8 * len(self.seq_lens) if self.seq_lens is not None else 0
         extra += 0 if self.kv_scales is None else self.kv_scales.size * 4
         extra += sum(h.byte_size for _, d, _ in self.extras for h in d.buffers)
+        if self.has_info:
+            extra += info_member(self.model, self.metadata)[0].buffers[0].byte_size
         return extra + sum(h.byte_size for d, _ in self._members.values() for h in d.buffers)
 
     def descriptor(self, layer: int, role: str) -> TensorDescriptor:
@@ -373,14 +428,21 @@ class KVCacheSnapshot:
         yield ("seq_lens", *seq_lens_member(self.seq_lens))
         if self.kv_scales is not None:
             yield ("kv_scales", *kv_scales_member(self.kv_scales))
+        if self.has_info:
+            yield ("info", *info_member(self.model, self.metadata))
         for layer, role in self._members:
             desc, load = self._members[(layer, role)]
             yield member_name(layer, role), host_descriptor(desc), load()
         for name, desc, bufs in self.extras:
             yield name or f"extra.{id(desc)}", desc, bufs
 
+    @property
+    def has_info(self) -> bool:
+        return self.model is not None or bool(self.metadata)
+
     def member_count(self) -> int:
-        return 1 + (self.kv_scales is not None) + len(self._members) + len(self.extras)
+        return (1 + (self.kv_scales is not None) + self.has_info + len(self._members)
+                + len(self.extras))
 
     def head(self) -> TensorDescriptor:
         return group_head(self.member_count())
@@ -397,6 +459,7 @@ class KVCacheSnapshot:
         out._members, out._cache, out._owner = {}, {}, owner
         # small arrays copied: the result must not keep this snapshot's buffers alive
         out.seq_lens = None if self.seq_lens is None else self.seq_lens.copy()
+        out.metadata = dict(self.metadata)
         out.kv_scales = None if self.kv_scales is None else self.kv_scales.copy()
         out.extras = [(n, d, [np.array(byte_view(b)) for b in bufs])
                       for n, d, bufs in self.extras]
@@ -429,14 +492,15 @@ class KVCacheSnapshot:
                 parts += [name.encode(), desc.encode()]
                 parts += [bytes(byte_view(b)) for b in (bufs[1:] if isinstance(
                     desc.layout, BlockPaged) else bufs)]
-            parts.append(repr(self.model).encode())
+            parts.append(repr((self.model, sorted(self.metadata.items()))).encode())
             self._structure = b"\x00".join(parts)
         return self._structure
 
     def compact(self) -> KVCacheSnapshot:
         """Every member keeps only its referenced pages (renumbered; aliasing kept)."""
         return KVCacheSnapshot.from_tensors([t.compact() for t in self.tensors()],
-                                            self.seq_lens, self.kv_scales, model=self.model)
+                                            self.seq_lens, self.kv_scales, model=self.model,
+                                            metadata=self.metadata)
 
     def equal(self, other: KVCacheSnapshot) -> bool:
         """Same members with the same bytes, same seq_lens and kv_scales."""
@@ -467,6 +531,8 @@ class SnapshotAssembler:
         if not isinstance(layout, BlockPaged):
             # seq_lens and kv_scales come before the layers in wire order; whatever the
             # order, finish() validates every member against them again.
+            if parse_info(desc, buffers) is not None:
+                return None  # model and metadata: taken by finish()
             if self.seq_lens is None and is_seq_lens(desc):
                 self.seq_lens = row_major_array(desc, buffers).astype(np.int64)
             elif self.kv_scales is None and is_kv_scales(desc):

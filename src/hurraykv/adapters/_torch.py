@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ..arrays import torch_to_numpy
 from ..errors import HurrayError
 
 # torch dtype -> (same-width integer torch dtype, NumPy dtype of the real values)
@@ -35,19 +36,9 @@ def to_numpy(t: torch.Tensor, *, kv_cache_dtype: str = "auto") -> np.ndarray:
     allocates fp8 caches) as that float8 type."""
     if not isinstance(t, torch.Tensor):
         raise HurrayError(f"expected a torch.Tensor, got {type(t).__name__}", field="tensor")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
     if kv_cache_dtype in FP8 and t.dtype == torch.uint8:
         t = t.view(FP8[kv_cache_dtype])
-    if t.dtype in _VIEWS:
-        raw, dt = _VIEWS[t.dtype]
-        return t.view(raw).numpy().view(dt)
-    try:
-        return t.numpy()
-    except TypeError as e:
-        raise HurrayError(f"tensor dtype {t.dtype} has no NumPy form here: {e}",
-                          field="dtype", value=str(t.dtype)) from None
+    return torch_to_numpy(t)
 
 
 def from_numpy(a: np.ndarray, *, source_only: bool = False) -> torch.Tensor:

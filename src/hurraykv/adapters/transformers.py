@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import LayoutError, UnsupportedError
+from ..errors import LayoutError, UnsupportedError, require
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array
@@ -165,7 +165,7 @@ def to_dynamic_cache(snapshot: KVCacheSnapshot, device: Any = None, *, config: A
     With ``config`` the cache has the model's layer types (``DynamicCache(config=...)``:
     sliding layers keep their window as they would have during prefill).  fp8 snapshots
     are dequantized (value x scale) to ``dtype``."""
-    from transformers import DynamicCache
+    DynamicCache = require("transformers", "adapters", "to_dynamic_cache").DynamicCache
 
     lens = snapshot.seq_lens
     batch, width = len(lens), int(lens.max(initial=0))

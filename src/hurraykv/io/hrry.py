@@ -44,6 +44,10 @@ from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from ..wire.layouts import Composite
 from .crc32c import crc32c
 from .kvmeta import decode_kv, encode_kv
+from .sniff import not_expected
+
+STREAM_HINT = (" (read a stream with hk.read_snapshot_stream or SnapshotStreamReader; "
+               "`hurraykv inspect` reads both)")
 
 MAGIC = b"HRRYFILE"
 TRAILER_MAGIC = b"HRRY"
@@ -384,10 +388,15 @@ class HrryFile:
     # -- parsing ------------------------------------------------------------------
     def _parse(self) -> None:
         size = self.size
+        head = self._read(0, min(size, 64))
+        other = not_expected(head, size, "a .hrry file", "a Hurray stream",
+                             STREAM_HINT)
+        if other is not None:
+            raise _bad(f"{self.source}: {other}", "magic", 0, head[:8])
         if size < HEADER.size + TRAILER.size:
             raise _bad(f"{self.source}: {size} bytes cannot hold a 64-byte header and a 40-byte "
                        "trailer", "file_size", value=size)
-        flags, align, first, hint = parse_header(self._read(0, 64), size)
+        flags, align, first, hint = parse_header(head, size)
         region_end, kv, entries = parse_tail(self._read, size, first, flags)
         if hint not in (UNKNOWN_COUNT, len(entries)):  # the sequential reader relies on it
             raise _bad(f"tensor_count_hint at byte 28 is {hint}, the index has "

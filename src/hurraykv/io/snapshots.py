@@ -4,8 +4,10 @@ A file holds the snapshot group as consecutive tensors named ``snapshot`` (the g
 head), ``seq_lens``, ``kv_scales`` (fp8 caches) and ``layers.{i}.key`` /
 ``layers.{i}.value`` (or ``layers.{i}.fused``), plus KV metadata mirroring the facts a
 tool may want without decoding tensors: ``hurraykv.num_layers`` (uint64),
-``hurraykv.seq_lens`` (array of uint64) and ``hurraykv.model`` when given.  Loading maps
-the file and builds each layer's tensors on first use, as views onto the mapping.
+``hurraykv.seq_lens`` (array of uint64) and ``hurraykv.model`` when given, then the user
+metadata; the model and metadata also travel in the info member (``info.py``), as on
+every other path.  Loading maps the file and builds each layer's tensors on first use, as
+views onto the mapping; members are recognised by their fields, never by their names.
 """
 
 from __future__ import annotations
@@ -16,28 +18,24 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..errors import ContainerError
+from ..errors import ContainerError, HurrayError
+from ..info import check_metadata
 from ..snapshot import GROUP, KVCacheSnapshot
-from ..wire.layouts import BlockPaged, Composite
+from ..wire.layouts import Composite
 from .hrry import HrryFile, Progress, read_hrry_sequential, write_hrry
 
 HEAD_NAME = "snapshot"
 RESERVED_PREFIX = "hurraykv."
 
 
-def snapshot_kv(snapshot: KVCacheSnapshot, model: str | None,
-                metadata: dict[str, Any] | None) -> dict[str, Any]:
+def snapshot_kv(snapshot: KVCacheSnapshot) -> dict[str, Any]:
+    """The file's KV section: mirrors of what the members hold (for tools that read only
+    the KV section, such as the reference's ``load_kv``) and the user metadata."""
     kv: dict[str, Any] = {"hurraykv.num_layers": np.uint64(snapshot.num_layers),
                           "hurraykv.seq_lens": np.asarray(snapshot.seq_lens, np.uint64)}
-    model = model if model is not None else snapshot.model
-    if model is not None:
-        kv["hurraykv.model"] = model
-    for key, value in (metadata or {}).items():
-        if key.startswith(RESERVED_PREFIX):
-            raise ContainerError(f"metadata key {key!r} uses the reserved prefix "
-                                 f"{RESERVED_PREFIX!r}", field="metadata", value=key)
-        kv[key] = value
-    return kv
+    if snapshot.model is not None:
+        kv["hurraykv.model"] = snapshot.model
+    return kv | snapshot.metadata
 
 
 def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
@@ -45,10 +43,14 @@ def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   alignment: int = 4096, progress: Progress | None = None,
                   fsync: bool = True) -> Path:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
-    ``fsync=False`` skips the flushes to disk (the rename stays atomic)."""
+    ``model`` replaces the snapshot's, ``metadata`` is merged into its own; both come back
+    as ``snap.model`` / ``snap.metadata`` from every reader.  ``fsync=False`` skips the
+    flushes to disk (the rename stays atomic)."""
+    if model is not None or metadata:
+        snapshot = snapshot.with_info(model, metadata)
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
-    return write_hrry(path, tensors, snapshot_kv(snapshot, model, metadata),
-                      alignment=alignment, progress=progress, fsync=fsync)
+    return write_hrry(path, tensors, snapshot_kv(snapshot), alignment=alignment,
+                      progress=progress, fsync=fsync)
 
 
 def load_snapshot(path: str | os.PathLike, *, mmap: bool = True) -> KVCacheSnapshot:
@@ -64,14 +66,33 @@ def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:
     if heads:
         head = HEAD_NAME if HEAD_NAME in heads else heads[0]
         names = f.members(head)
-    else:  # a file of named block-paged tensors, no group
-        names = [n for n in f.names if isinstance(f.descriptor(n).layout, BlockPaged)
-                 or n in ("seq_lens", "kv_scales")]
+    else:  # a file of tensors and no group: its members are recognised by their fields
+        names = [n for n in f.names if not isinstance(f.descriptor(n).layout, Composite)]
+    # files written without an info member (older ones, other writers) keep the model and
+    # metadata in the KV section only
+    user = {k: _plain(v) for k, v in f.kv.items() if not k.startswith(RESERVED_PREFIX)}
     snap = KVCacheSnapshot.from_members(
         [(n, f.descriptor(n), (lambda n=n: f.buffers(n))) for n in names],
-        model=f.kv.get("hurraykv.model"), owner=f)
+        model=f.kv.get("hurraykv.model"), metadata=_carried(user), owner=f)
     _check_mirrors(f, snap)
     return snap
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _carried(kv: dict[str, Any]) -> dict[str, Any]:
+    """The KV entries a snapshot's metadata can hold (bytes values stay in the file)."""
+    out = {}
+    for k, v in kv.items():
+        try:
+            out |= check_metadata({k: v})
+        except HurrayError:
+            continue
+    return out
 
 
 def _check_mirrors(f: HrryFile, snap: KVCacheSnapshot) -> None:
@@ -80,6 +101,10 @@ def _check_mirrors(f: HrryFile, snap: KVCacheSnapshot) -> None:
         raise ContainerError(f"{f.source}: KV hurraykv.num_layers is {layers}, the file holds "
                              f"{snap.num_layers} layers", field="hurraykv.num_layers",
                              value=layers)
+    model = f.kv.get("hurraykv.model")
+    if model is not None and model != snap.model:
+        raise ContainerError(f"{f.source}: KV hurraykv.model is {model!r}, the info member "
+                             f"says {snap.model!r}", field="hurraykv.model", value=model)
     lens = f.kv.get("hurraykv.seq_lens")
     if lens is not None and (snap.seq_lens is None or not np.array_equal(
             np.asarray(lens).astype(np.int64), snap.seq_lens)):

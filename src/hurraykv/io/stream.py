@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import HurrayError, SnapshotError, StreamError
+from ..info import check_metadata, info_member
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
     KVCacheSnapshot,
@@ -38,6 +39,9 @@ from ..snapshot import (
 )
 from ..wire.descriptor import TensorDescriptor, decode_descriptor, peek_length
 from ..wire.layouts import Composite
+from .sniff import not_expected
+
+FILE_HINT = " (open a .hrry file with hk.load_snapshot or HrryFile.open)"
 
 MAX_DESCRIPTOR_BYTES = 16 << 20
 MAX_DEPTH = 8
@@ -79,7 +83,8 @@ class SnapshotStreamWriter:
     on it; ``close()`` refuses to leave a torn group behind silently."""
 
     def __init__(self, f: BinaryIO, seq_lens: Any, num_layers: int, *,
-                 kv_scales: Any = None, fused: bool = False) -> None:
+                 kv_scales: Any = None, fused: bool = False, model: str | None = None,
+                 metadata: dict[str, Any] | None = None) -> None:
         self.f = f
         self.seq_lens = np.asarray(seq_lens, dtype=np.int64)
         self.num_layers = int(num_layers)
@@ -93,11 +98,15 @@ class SnapshotStreamWriter:
                                 f"[{self.num_layers}, 2]", field="kv_scales")
         self._written: set[int] = set()
         self._seq_ptr: np.ndarray | None = None
-        count = 1 + (self.kv_scales is not None) + self.num_layers * len(self.roles)
+        metadata = check_metadata(metadata)
+        info = model is not None or bool(metadata)
+        count = 1 + (self.kv_scales is not None) + info + self.num_layers * len(self.roles)
         self.bytes_written = write_tensor(f, group_head(count), [])
         self.bytes_written += write_tensor(f, *seq_lens_member(self.seq_lens))
         if self.kv_scales is not None:
             self.bytes_written += write_tensor(f, *kv_scales_member(self.kv_scales))
+        if info:
+            self.bytes_written += write_tensor(f, *info_member(model, metadata))
         f.flush()
 
     def write_layer(self, i: int, *tensors: BlockPagedTensor) -> None:
@@ -238,6 +247,13 @@ class TensorStreamReader:
         if got < 10:
             raise StreamError(f"the stream ended inside a descriptor header at offset {start}",
                               field="descriptor", offset=start, value=got)
+        if (start == 0 and align == 1 and first[:4].tobytes() != b"HRRY") or \
+                first[:8].tobytes() == b"HRRYFILE":
+            other = not_expected(first.tobytes(), None, "a Hurray stream", "a .hrry",
+                                 FILE_HINT)
+            if other is not None:
+                raise StreamError(f"at stream offset {start}: {other}", field="magic",
+                                  offset=start, value=first[:8].tobytes())
         length = peek_length(first.tobytes())
         if length < 20:
             decode_descriptor(first.tobytes() + bytes(10))  # the decoder's own rejection

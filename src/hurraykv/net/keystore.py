@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HurrayError
+from ..info import is_info
 from ..io.hrry import TEMP_SUFFIX, HrryFile, write_hrry
 from ..io.snapshots import HEAD_NAME, snapshot_kv
 from ..paged import BlockPagedTensor
@@ -209,7 +210,7 @@ class KeyStore:
                 name = name if name not in used else f"extra.{i}"
                 used.add(name)
                 tensors.append((name, d, b))
-            kv = snapshot_kv(snap, None, None)
+            kv = snapshot_kv(snap)
         else:
             tensors = [("tensor", *obj.items[0])]
             kv = {}
@@ -316,6 +317,8 @@ def _name(desc: TensorDescriptor, i: int) -> str:
     layout = desc.layout
     if isinstance(layout, BlockPaged):
         return member_name(layout.layer_index, layout.kv_role_name)
+    if is_info(desc):
+        return "info"
     if is_seq_lens(desc):
         return "seq_lens"
     if is_kv_scales(desc):

@@ -17,8 +17,9 @@ Keys (``{...}`` is a cluster hash tag):
 
 Manifest: ``"HKVM" | u32 version (1) | u64 n | n Hurray bytes | u64 n | page digests
 (16 bytes each, all zero for a page no sequence references) | u64 n | token ids``.  The
-Hurray bytes are the snapshot's group head, ``seq_lens`` and ``kv_scales`` as stream
-tensors, then each block-paged member's descriptor followed by its non-page buffers
+Hurray bytes are the snapshot's group head, ``seq_lens``, ``kv_scales`` and the info
+member (model and metadata) as stream tensors, then each block-paged member's
+descriptor followed by its non-page buffers
 (block_table, seq_ptr, per-tensor/per-channel parameters) in table order - everything of
 the snapshot but the pages.  Token ids are int64, sequences back to back.
 
@@ -38,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreError
+from ..errors import StoreError, require
+from ..info import info_member
 from ..io.stream import write_tensor
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import (
@@ -234,7 +236,7 @@ class PageStore:
     @classmethod
     def from_url(cls, url: str, *, cluster: bool | None = None, **kw: Any) -> PageStore:
         """``redis://HOST:PORT`` (one server) or ``redis+cluster://HOST:PORT``."""
-        import redis
+        redis = require("redis", "redis", "the Redis page store")
         from redis.cluster import RedisCluster
 
         if url.startswith("redis+cluster://") or cluster:
@@ -358,6 +360,8 @@ class PageStore:
         write_tensor(buf, *seq_lens_member(snapshot.seq_lens))
         if snapshot.kv_scales is not None:
             write_tensor(buf, *kv_scales_member(snapshot.kv_scales))
+        if snapshot.has_info:
+            write_tensor(buf, *info_member(snapshot.model, snapshot.metadata))
         for m in members:
             buf.write(m.skeleton())
         hurray = buf.getvalue()
