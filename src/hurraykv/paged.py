@@ -36,7 +36,7 @@ from .errors import (
     UnsupportedError,
 )
 from .wire.block_paged import U32_MAX
-from .wire.buffers import BufferHandle
+from .wire.buffers import handle
 from .wire.descriptor import TensorDescriptor
 from .wire.dtypes import ElementType, element_type, pack, unpack
 from .wire.layouts import KV_ROLES, BlockPaged
@@ -713,7 +713,7 @@ class BlockPagedTensor:
                    memory_class: int = 0) -> TensorDescriptor:
         """The tensor's Hurray descriptor.  ``alignment`` is what the carrier of the
         buffers guarantees (a file or IPC segment declares its own, >= 4096)."""
-        handles = tuple(BufferHandle(len(b), alignment, device_tag, 0, memory_class)
+        handles = tuple(handle(len(b), alignment, device_tag, 0, memory_class)
                         for b in self.buffers())
         return TensorDescriptor(self.element_type.tag, self.shape, self.layout(), handles,
                                 quantization=self.quantization)

@@ -27,7 +27,7 @@ from .arrays import as_numpy
 from .errors import LayoutError, SeqLensRequiredError, SnapshotError
 from .info import check_metadata, info_member, parse_info
 from .paged import BlockPagedTensor, byte_view
-from .wire.buffers import BufferHandle
+from .wire.buffers import handle
 from .wire.descriptor import TensorDescriptor
 from .wire.dtypes import ELEMENT_TYPES
 from .wire.layouts import BlockPaged, Composite, RowMajor
@@ -53,7 +53,7 @@ def host_descriptor(desc: TensorDescriptor) -> TensorDescriptor:
     import dataclasses
 
     return dataclasses.replace(desc, buffers=tuple(
-        BufferHandle(h.byte_size, h.alignment) for h in desc.buffers))
+        handle(h.byte_size, h.alignment) for h in desc.buffers))
 
 
 def group_head(member_count: int) -> TensorDescriptor:
@@ -63,14 +63,14 @@ def group_head(member_count: int) -> TensorDescriptor:
 
 def seq_lens_member(seq_lens: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
     data = np.ascontiguousarray(seq_lens, dtype="<u8")
-    return (TensorDescriptor(UINT64, (len(data),), RowMajor(), (BufferHandle(data.nbytes),)),
+    return (TensorDescriptor(UINT64, (len(data),), RowMajor(), (handle(data.nbytes),)),
             [memoryview(data.view(np.uint8))])
 
 
 def kv_scales_member(kv_scales: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
     data = np.ascontiguousarray(kv_scales, dtype="<f4")
     return (TensorDescriptor(FLOAT32, tuple(data.shape), RowMajor(),
-                             (BufferHandle(data.nbytes),)), [memoryview(data.view(np.uint8))])
+                             (handle(data.nbytes),)), [memoryview(data.view(np.uint8))])
 
 
 _POOL_ORDER = ("pools are [num_pages, page_size, num_heads, head_dim]; pass an HND pool "

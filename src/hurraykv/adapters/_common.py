@@ -91,7 +91,7 @@ def _device_member(pool: Any, block_table: np.ndarray, seq_ptr: np.ndarray,
                    seq_lens: np.ndarray, role: str, layer: int) -> tuple[Any, Any]:
     """Descriptor and loader of a member left on its device: the indices are validated
     now, on the host; the pool is copied only when read or written."""
-    from ..wire.buffers import BufferHandle
+    from ..wire.buffers import handle
     from ..wire.descriptor import TensorDescriptor
     from ._torch import numpy_dtype
 
@@ -106,7 +106,7 @@ def _device_member(pool: Any, block_table: np.ndarray, seq_ptr: np.ndarray,
     layout = probe.layout()
     pool_bytes = et.nbytes(num_pages * page_size * heads * dim)
     bt, sp = probe.block_table, probe.seq_ptr
-    handles = tuple(BufferHandle(n, 64, device) for n in (pool_bytes, bt.nbytes, sp.nbytes))
+    handles = tuple(handle(n, 64, device) for n in (pool_bytes, bt.nbytes, sp.nbytes))
     desc = TensorDescriptor(et.tag, probe.shape, layout, handles)
     buffers = DeviceBuffers(pool, [bt, sp])
     return desc, (lambda: buffers)

@@ -78,6 +78,15 @@ class BufferHandle(NamedTuple):
         }
 
 
+def handle(byte_size: int, alignment: int = 64, device_tag: int = 0, sync_mode: int = 0,
+           memory_class: int = 0) -> BufferHandle:
+    """The handle a writer declares for ``byte_size`` bytes: an empty buffer declares
+    alignment 1, as the reference's ``BufferHandle::empty()`` does (any power of two is
+    valid there), so both write the same bytes."""
+    return BufferHandle(byte_size, alignment if byte_size else 1, device_tag, sync_mode,
+                        memory_class)
+
+
 def check_handle(h: BufferHandle, index: int, base: int) -> None:
     """Reject a handle that breaks a byte-level rule; ``base`` is its byte offset."""
     name = f"buffers[{index}]"
