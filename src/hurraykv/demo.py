@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import units
+
 
 def build_model(seed: int = 2026):
     import torch
@@ -127,7 +129,7 @@ def handoff() -> int:
             report["push+pull"] = time.perf_counter() - t0
             print(f"server: {server.address}, pushed and pulled 'demo/batch'")
         for name, seconds in report.items():
-            print(f"  {name:<9} {seconds * 1e3:7.1f} ms  {snap.nbytes / seconds / 1e9:6.3f} GB/s")
+            print(f"  {name:<9} {seconds * 1e3:7.1f} ms  {units.rate(snap.nbytes, seconds):>11}")
         reference = decode(model, cache, mask, first)
         ok = True
         for label, restored in (("file", from_file), ("network", pulled)):

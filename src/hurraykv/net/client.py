@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import HurrayError, TransportError
+from ..errors import HurrayError, RemoteError, TransportError
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
@@ -259,19 +259,28 @@ class KVClient:
                   ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
         """Layers ``(i, (key, value))`` as they arrive; ``self.last_snapshot`` holds the
         whole snapshot once the group has closed."""
+        total = self._size_of(key) if progress is not None else 0  # before the transfer
         stream = self._request(key)
         head, _ = self._read_tensor(stream)
         if not isinstance(head.layout, Composite):
             raise HurrayError(f"key {key!r} holds a single tensor, not a snapshot",
                               field="key", value=key, rule="pull() takes snapshots")
         assembler = SnapshotAssembler()
-        done = [0, 0]
+        done = [0, total]
         for _ in range(head.layout.member_count):
             desc, buffers = self._read_tensor(stream, progress, done)
             layer = assembler.add(desc, buffers, f"from {self.address}")
             if layer is not None:
                 yield layer
         self.last_snapshot = assembler.finish()
+
+    def _size_of(self, key: str) -> int:
+        """The bytes ``key`` holds (a progress bar's total), or 0 if the server does not
+        say (an older server, or a key gone meanwhile)."""
+        try:
+            return dict(self.list(key)).get(key, 0)
+        except RemoteError:
+            return 0
 
     def pull(self, key: str, progress: Progress | None = None) -> KVCacheSnapshot:
         for _ in self.iter_pull(key, progress):

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import units
 from ..errors import HurrayError
 from ..wire.layouts import Composite
 from .keystore import StoredObject, StoreFull, object_from_items
@@ -481,8 +482,8 @@ class Connection(asyncio.BufferedProtocol):
             what = "snapshot" if put.expected > 1 else "tensor"
             self._send_error(stream, ErrorCode.STORE_FULL,
                              f"{what} {put.shown!r} {_needs(put.nbytes, put.refused)}")
-            log.info("refused put key=%r: %d bytes over the memory budget", put.shown,
-                     put.nbytes)
+            log.info("refused put key=%r: %s over the memory budget", put.shown,
+                     units.size(put.nbytes))
             return
         self._spawn(self._commit(stream, put))
 
@@ -508,8 +509,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         store.commit(put.key, obj, path, put.reserved)
         seconds = time.perf_counter() - put.started
-        log.info("put key=%r bytes=%d seconds=%.3f GiB/s=%.2f", put.shown, obj.nbytes, seconds,
-                 obj.nbytes / max(seconds, 1e-9) / (1 << 30))
+        log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
+                 units.rate(obj.nbytes, seconds))
         self._write(message(MessageType.TENSOR_PUT_ACK, stream))
 
     async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
@@ -530,8 +531,8 @@ class Connection(asyncio.BufferedProtocol):
                     await self._writable.wait()
             self._write(message(MessageType.TENSOR_DATA_END, stream))
         seconds = time.perf_counter() - started
-        log.info("get key=%r bytes=%d seconds=%.3f GiB/s=%.2f", key, obj.nbytes, seconds,
-                 obj.nbytes / max(seconds, 1e-9) / (1 << 30))
+        log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,
+                 units.rate(obj.nbytes, seconds))
 
 
 def _needs(nbytes: int, refused: StoreFull) -> str:

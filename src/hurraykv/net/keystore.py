@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import units
 from ..errors import HurrayError
 from ..info import is_info
 from ..io.hrry import TEMP_SUFFIX, HrryFile, write_hrry
@@ -239,7 +240,7 @@ class KeyStore:
     def _evict_key(self, key: str) -> None:
         old = self._objects.pop(key)
         self.memory_bytes -= old.nbytes
-        log.info("evicted %r (%d bytes)%s", key, old.nbytes,
+        log.info("evicted %r (%s)%s", key, units.size(old.nbytes),
                  "; still on disk" if key in self._files else "")
 
     def _evict(self, keep: str) -> None:

@@ -1,4 +1,4 @@
-"""Hurray interchange protocol messages (interchange.md; wire-notes §5.2, D10).
+"""Hurray interchange protocol messages (interchange.md; docs/spec/wire-notes.md §5.2, D10).
 
 Every message is a 12-byte header ``message_type u32 | stream_id u32 (0 reserved) |
 payload_length u32`` and its payload.  Encoders and decoders are plain functions over

@@ -6,7 +6,7 @@ Buffers: 0 ``page_pool`` (num_pages*page_size*num_heads*head_dim elements),
 buffers from index 3, present only with HAS_QUANTIZATION.
 
 This module checks everything that can be known from the descriptor alone (the
-rows of the reject checklist in wire-notes §9 that need no buffer contents).  The
+rows of the reject checklist in docs/spec/wire-notes.md §9 that need no buffer contents).  The
 index invariants that need ``seq_ptr``/``block_table`` contents live with the data,
 in ``hurraykv.paged``.
 """

@@ -1,0 +1,184 @@
+"""The ``hurraykv`` command line.
+
+    hurraykv inspect [--json] [--seqs] [--map OUT.svg] PATH   a descriptor, stream or .hrry
+    hurraykv validate [--permissive] PATH
+    hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
+    hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR] ...
+    hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
+    hurraykv ls ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
+
+Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
+on stderr); 2 usage, or a file, directory or server that cannot be read, written or
+reached.  Progress bars go to stderr for work over about a second, unless --quiet or
+stderr is not a terminal.  Sizes are binary (KiB, MiB, GiB), rates GiB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__, units
+from ..errors import HurrayError, MissingDependencyError, TransportError
+from .inputs import CannotRead
+from .local import cmd_compact, cmd_inspect, cmd_validate
+from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
+
+USAGE, INVALID = 2, 1
+
+
+def _size(text: str) -> int:
+    try:
+        n = units.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8G, 512M or "
+                                         "1048576") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
+    return v
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return v
+
+
+def _client_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("address", help="the server: HOST:PORT, HOST (port 7878), "
+                    "hurray://HOST:PORT, or a Unix socket path")
+    sp.add_argument("--tls-ca", help="PEM CA bundle that verifies the server's certificate "
+                    "(enables TLS)")
+    sp.add_argument("--tls-cert", help="PEM client certificate, for a server that requires "
+                    "one (mutual TLS: its identity is your tenant, which scopes your keys)")
+    sp.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sp.add_argument("--server-hostname", help="the name the server's certificate must carry "
+                    "(default: the host of ADDRESS)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hurraykv", description=__doc__.splitlines()[0],
+                                epilog="exit codes: 0 success, 1 data rejected, 2 usage or "
+                                "cannot read/write/reach")
+    p.add_argument("--version", action="version", version=(
+        f"hurraykv {__version__} (Hurray descriptor 1.0, .hrry container 1.0, "
+        "interchange protocol 1)"))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    i = sub.add_parser("inspect", help="what a descriptor, stream or .hrry file holds: "
+                       "tokens, pages, bytes, members")
+    i.add_argument("--json", action="store_true", help="every number as one JSON object")
+    i.add_argument("--seqs", action="store_true",
+                   help="list every sequence: tokens, pages, block table")
+    i.add_argument("--map", metavar="OUT.svg",
+                   help="also draw the block table of the first member as an SVG picture")
+    i.add_argument("--permissive", action="store_true",
+                   help="decode a descriptor as a permissive reader may")
+    i.add_argument("path", help="a file, or - for standard input")
+    i.set_defaults(func=cmd_inspect)
+    v = sub.add_parser("validate", help="exit 0 when valid, 1 when rejected (the reason on "
+                       "stderr)")
+    v.add_argument("--permissive", action="store_true",
+                   help="skip what the spec lets a permissive reader skip (descriptors)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.add_argument("path", help="a file, or - for standard input")
+    v.set_defaults(func=cmd_validate)
+    c = sub.add_parser("compact", help="rewrite a snapshot keeping only referenced pages")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("input", help="a .hrry file or a stream holding a snapshot")
+    c.add_argument("output", help="the .hrry file to write (atomically)")
+    c.set_defaults(func=cmd_compact)
+
+    sv = sub.add_parser("serve", help="run a KV cache server")
+    sv.add_argument("--listen", default="127.0.0.1:7878",
+                    help="HOST:PORT or a Unix socket path (default: loopback 127.0.0.1:7878; "
+                    "a port of 0 picks a free one)")
+    sv.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                    help="most bytes of snapshot data held in memory, pushes in flight "
+                    "included, e.g. 8G or 512M (binary units); beyond it the least "
+                    "recently used objects leave memory (served again from --persist "
+                    "files) and a push that still cannot fit is refused with STORE_FULL; "
+                    "default: unlimited")
+    sv.add_argument("--persist", metavar="DIR",
+                    help="keep each committed snapshot as a .hrry file in DIR (kept across "
+                    "restarts); default: memory only")
+    sv.add_argument("--store", metavar="URL", help="backing tier: redis://HOST:PORT or "
+                    "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
+    sv.add_argument("--max-message-size", type=_size, default=16 << 20, metavar="SIZE",
+                    help="largest message payload accepted (data frames included); "
+                    "default 16M")
+    sv.add_argument("--read-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="a message that has started must finish arriving within this; "
+                    "default 30")
+    sv.add_argument("--idle-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                    help="a connection silent this long is closed; default 600")
+    sv.add_argument("--max-connections", type=_positive, default=256, metavar="N",
+                    help="connections beyond this are answered SERVER_BUSY; default 256")
+    sv.add_argument("--no-zero-unused", action="store_true",
+                    help="do not zero unused page slots before data leaves the process")
+    sv.add_argument("--log-level", default="info",
+                    choices=["debug", "info", "warning", "error"], help="default info")
+    sv.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    sv.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sv.add_argument("--tls-ca", help="PEM CA bundle; the server then requires client "
+                    "certificates, whose identity scopes each client's keys (mutual TLS)")
+    sv.set_defaults(func=cmd_serve)
+    for name, helptext in (("push", "push a snapshot (.hrry file or stream) to a server"),
+                           ("pull", "pull a snapshot from a server into a .hrry file")):
+        sp = sub.add_parser(name, help=helptext)
+        _client_options(sp)
+        sp.add_argument("key")
+        if name == "push":
+            sp.add_argument("file", help="a .hrry file or a stream holding a snapshot")
+        else:
+            sp.add_argument("output", help="the .hrry file to write (atomically)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+        sp.set_defaults(func=cmd_push if name == "push" else cmd_pull)
+    ls = sub.add_parser("ls", help="the keys a server holds, with their sizes")
+    _client_options(ls)
+    ls.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
+    ls.set_defaults(func=cmd_ls)
+    st = sub.add_parser("stat", help="a server's objects, bytes, budget and connections")
+    _client_options(st)
+    st.set_defaults(func=cmd_stat)
+    rm = sub.add_parser("rm", help="delete keys from a server")
+    _client_options(rm)
+    rm.add_argument("keys", nargs="+", metavar="KEY")
+    rm.set_defaults(func=cmd_rm)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
+                    or getattr(args, "address", ""))
+    try:
+        return args.func(args)
+    except CannotRead as e:
+        print(f"hurraykv: {e}", file=sys.stderr)
+        return USAGE
+    except (TransportError, MissingDependencyError) as e:
+        print(f"hurraykv: {e}", file=sys.stderr)
+        return USAGE
+    except OSError as e:  # a file the user named
+        print(f"hurraykv: {args.subject}: {e.strerror or e}", file=sys.stderr)
+        return USAGE
+    except HurrayError as e:
+        print(f"hurraykv: {args.subject}: {type(e).__name__}: {e}", file=sys.stderr)
+        return INVALID
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,184 @@
+"""``inspect``, ``validate`` and ``compact``: files, streams and descriptors on disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import units
+from ..errors import StreamError
+from ..io.snapshots import save_snapshot
+from ..snapshot import KVCacheSnapshot
+from ..wire.annotate import format_rows, layout_fields, to_json
+from ..wire.descriptor import TensorDescriptor
+from . import blockmap, report
+from .inputs import CannotRead, Input, check_tensors, load_contents, torn_head
+from .progress import Progress
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def descriptor_summary(desc: TensorDescriptor) -> str:
+    lines = [
+        f"Hurray descriptor v{desc.version_major}.{desc.version_minor}, "
+        f"{len(desc.encode())} bytes",
+        f"  element type : {desc.element_type_name} (0x{desc.type_tag:02x})",
+        f"  shape        : {list(desc.shape)}",
+        f"  layout       : {layout_fields(desc)}",
+        f"  buffers      : {[h.byte_size for h in desc.buffers]} bytes",
+    ]
+    if desc.quantization is not None:
+        lines.append(f"  quantization : {desc.quantization}")
+    if desc.relaxed:
+        lines.append("  relaxed (permissive): " + "; ".join(desc.relaxed))
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    inp = Input(args.path)
+    contents = load_contents(inp, args.permissive)
+    if contents.desc is not None:
+        desc = contents.desc
+        if args.json:
+            print(json.dumps(to_json(desc), indent=2))
+        else:
+            print(descriptor_summary(desc))
+            if torn_head(desc):
+                print(f"  note         : {torn_head(desc)}")
+            print()
+            print(format_rows(desc))
+        return 0
+    snap, f = contents.snapshot, contents.file
+    if snap is not None:
+        rows = report.snapshot_rows(snap)
+    else:
+        rows = [report.member_row(name, desc, t) for (name, desc, _), t in
+                zip(contents.tensors, check_tensors(contents), strict=True)]
+    file_size = inp.size if contents.kind == "hrry" else None
+    tot = report.totals(rows, file_size)
+    if args.map:
+        _write_map(args.map, snap, contents, inp.name)
+    if args.json:
+        out: dict[str, Any] = {"kind": contents.kind, "snapshot": snap is not None,
+                               "totals": tot, "tensors": rows}
+        if f is not None:
+            out |= {"kv": {k: _jsonable(v) for k, v in f.kv.items()},
+                    "data_buffer_alignment": f.alignment}
+        if snap is not None:
+            out |= {"num_layers": snap.num_layers, "num_seqs": snap.num_seqs,
+                    "seq_lens": _jsonable(snap.seq_lens),
+                    "seq_summary": report.seq_summary(snap.seq_lens),
+                    "page_size": snap.page_size, "num_kv_heads": snap.num_kv_heads,
+                    "head_dim": snap.head_dim, "head_dim_v": snap.head_dim_v,
+                    "dtype": snap.dtype, "model": snap.model, "metadata": snap.metadata,
+                    "kv_scales": _jsonable(snap.kv_scales)}
+        print(json.dumps(out, indent=2))
+        return 0
+    kind = {"hrry": ".hrry file", "stream": "stream"}[contents.kind]
+    print(f"{inp.name}: {kind}, " + (f"{snap!r}" if snap is not None else
+                                     f"{len(rows)} tensors, no KV snapshot"))
+    for line in report.summary_lines(snap, tot):
+        print(line)
+    if snap is not None and args.seqs:
+        print()
+        print("\n".join(report.seq_lines(snap)))
+    print()
+    print(report.table(report.collapse(rows)))
+    if f is not None:
+        other = {k: v for k, v in f.kv.items() if not k.startswith("hurraykv.")}
+        if snap is None and other:
+            print("  kv: " + ", ".join(f"{k} = {_jsonable(v)}" for k, v in other.items()))
+    if args.map:
+        print(f"\nblock table map: {args.map}")
+    return 0
+
+
+def _write_map(path: str, snap: KVCacheSnapshot | None, contents: Any, name: str) -> None:
+    if snap is not None:
+        layer, role = snap.member_keys()[0]
+        t, lens, title = snap.tensor(layer, role), snap.seq_lens, f"{name} layers.{layer}.{role}"
+    else:
+        built = [(n, t) for (n, _, _), t in zip(contents.tensors, check_tensors(contents),
+                                                strict=True) if t is not None]
+        if not built:
+            raise CannotRead(f"{name} holds no block-paged tensor to map")
+        n, t = built[0]
+        lens, title = t.seq_lens, f"{name} {n or 'tensor 0'}"
+    svg = blockmap.render(t, lens, title)
+    _check_writable(path)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    tmp.write_text(svg)
+    os.replace(tmp, path)
+
+
+def _check_writable(path: str) -> None:
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise CannotRead(f"cannot write {path}: the directory {parent} does not exist")
+
+
+def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
+    """Build every member: validates the index buffers of each (invariants 1-3, D6)."""
+    progress = Progress("validating", quiet)
+    total, done = max(snap.nbytes, 1), 0
+    for key in snap.member_keys():
+        t = snap.tensor(*key)
+        done += sum(len(b) for b in t.buffers())
+        progress(done, total)
+    progress.close()
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    inp = Input(args.path)
+    contents = load_contents(inp, args.permissive)
+    if contents.desc is not None:
+        desc = contents.desc
+        torn = torn_head(desc)
+        if torn:
+            raise StreamError(f"{inp.name}: {torn}", field="member_count",
+                              value=desc.layout.member_count,
+                              rule="a composite closes at its Nth member")
+        note = f" (permissive: relaxed {len(desc.relaxed)} rule(s))" if desc.relaxed else ""
+        print(f"{inp.name}: valid descriptor{note}")
+        return 0
+    if contents.snapshot is not None:
+        _build_all(contents.snapshot, args.quiet)
+        print(f"{inp.name}: valid {contents.kind}, {contents.snapshot!r}")
+        return 0
+    built = check_tensors(contents)
+    paged = sum(t is not None for t in built)
+    print(f"{inp.name}: valid {contents.kind}, {len(built)} tensors ({paged} block-paged), "
+          "no KV snapshot")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    contents = load_contents(Input(args.input))
+    snap = contents.snapshot
+    if snap is None:
+        raise CannotRead(f"{args.input} holds no KV snapshot")
+    _check_writable(args.output)
+    before = sum(t.num_pages for t in snap.tensors())
+    compacted = snap.compact()
+    after = sum(t.num_pages for t in compacted.tensors())
+    progress = Progress("saving", args.quiet)
+    save_snapshot(compacted, args.output, progress=progress)
+    progress.close()
+    print(f"{args.output}: {units.count(after)} of {units.count(before)} pages kept, "
+          f"{units.size(compacted.nbytes)} of {units.size(snap.nbytes)}")
+    return 0

@@ -1,0 +1,154 @@
+"""``serve``, ``push``, ``pull``, ``ls``, ``stat`` and ``rm``: a hurraykv server."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import sys
+import time
+from typing import Any
+
+from .. import units
+from .inputs import CannotRead, Input, load_contents
+from .local import _check_writable
+from .progress import Progress
+
+
+def _tls(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": args.tls_ca}
+
+
+def loopback(listen: str) -> bool:
+    """True for a Unix socket or a loopback host: nobody else can connect."""
+    from ..net.server import parse_address
+
+    address = parse_address(listen)
+    if isinstance(address, str):
+        return True
+    host = address[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from ..net.server import KVServer, ServerConfig
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ServerConfig(listen=args.listen, memory_budget=args.memory_budget,
+                          persist=args.persist, max_message_size=args.max_message_size,
+                          read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
+                          max_connections=args.max_connections, store=args.store,
+                          zero_unused=not args.no_zero_unused, **_tls(args))
+    server = KVServer(config)
+    if not args.tls_cert and not loopback(args.listen):
+        print(f"hurraykv serve: warning: serving {args.listen} without TLS: anyone who can "
+              "reach it can read, overwrite and delete every key; add --tls-cert, --tls-key "
+              "and --tls-ca (mutual TLS scopes keys per client)", file=sys.stderr, flush=True)
+
+    async def run() -> None:
+        address = await server.start()
+        print(f"hurraykv serve: listening on {address}", flush=True)
+        budget = ("unlimited" if args.memory_budget is None
+                  else units.size(args.memory_budget))
+        print(f"hurraykv serve: memory budget {budget}; persist "
+              f"{args.persist or 'off'}; backing store {args.store or 'none'}; TLS "
+              f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
+              f"{args.max_connections} connections, messages up to "
+              f"{units.size(args.max_message_size)}", flush=True)
+        await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from ..net.client import KVClient
+
+    args.subject = args.address  # from here on, failures are the server's
+    return KVClient(args.address, server_hostname=args.server_hostname, **_tls(args))
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    args.subject = args.file  # a bad local file is not the server's fault
+    contents = load_contents(Input(args.file))
+    snap = contents.snapshot
+    if snap is None:
+        raise CannotRead(f"{args.file} holds no KV snapshot (push takes a .hrry file or a "
+                         "stream of one)")
+    snap.tensors()  # every member checked before anything is sent
+    progress = Progress(f"push {args.key}", args.quiet)
+    with _client(args) as client:
+        seconds = client.push(args.key, snap, progress=progress)
+    progress.close()
+    print(f"pushed {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
+          f"({units.rate(snap.nbytes, seconds)})")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from ..io.snapshots import save_snapshot
+
+    args.subject = args.output
+    _check_writable(args.output)  # before the transfer, not after it
+    progress = Progress(f"pull {args.key}", args.quiet)
+    t0 = time.perf_counter()
+    with _client(args) as client:
+        snap = client.pull(args.key, progress=progress)
+    seconds = time.perf_counter() - t0
+    progress.close()
+    args.subject = args.output
+    save_snapshot(snap, args.output)
+    print(f"pulled {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
+          f"({units.rate(snap.nbytes, seconds)}) -> {args.output}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        keys = sorted(client.list(args.prefix))
+    width = max((len(k) for k, _ in keys), default=3)
+    for key, nbytes in keys:
+        print(f"{key:<{width}}  {units.size(nbytes):>12}")
+    total = sum(n for _, n in keys)
+    print(f"{units.count(len(keys))} keys, {units.size(total)}")
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        s = client.stat()
+    budget = s.get("memory_budget")
+    rows = [
+        ("server", f"hurraykv {s.get('version')} at {s.get('address')}, up "
+                   f"{s.get('uptime_s', 0):.0f} s"),
+        ("objects", f"{units.count(s.get('objects_in_memory', 0))} in memory, "
+                    f"{units.count(s.get('persisted_objects', 0))} persisted"),
+        ("memory", f"{units.size(s.get('memory_bytes', 0))} held, "
+                   f"{units.size(s.get('reserved_bytes', 0))} reserved by pushes in flight, "
+                   f"{units.size(s.get('idle_receive_bytes', 0))} idle receive buffers"),
+        ("budget", "unlimited" if budget is None else units.size(budget)),
+        ("connections", f"{s.get('connections')} of at most {s.get('max_connections')}"),
+        ("persist", str(s.get("persist") or "off")),
+        ("backing store", "yes" if s.get("backing_store") else "none"),
+    ]
+    for name, value in rows:
+        print(f"{name:<13}: {value}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for key in args.keys:
+            client.delete(key)
+            print(f"removed {key}")
+    return 0
