@@ -56,6 +56,14 @@ def snapshots() -> list[tuple[str, KVCacheSnapshot]]:
     out.append(("uint64-index", _uint64_index()))
     out.append(("empty-batch", _empty_batch()))
     out.append(("diffkv", make_snapshot("bfloat16", dim=16, dim_v=8)))
+    for scheme, dtype, symmetric, axis in (("per_tensor", "int8", False, None),
+                                           ("per_channel", "uint8", False, 2),
+                                           ("per_channel", "int16", True, 1),
+                                           ("per_block_affine", "uint4", False, None)):
+        base = make_snapshot("float32")
+        out.append((f"{scheme}-{dtype}", KVCacheSnapshot.from_tensors(
+            [t.quantize(scheme, dtype, symmetric=symmetric, axis=axis)
+             for t in base.tensors()])))
     return out
 
 
