@@ -382,3 +382,67 @@ def test_a_put_claiming_more_memory_than_exists_is_refused(server):
     assert raw.recv() == (T.PONG, 5, b"ok")
     raw.close()
     _healthy(server.address, "petabyte")
+
+
+def test_pulls_recycle_the_client_memory_of_dropped_snapshots():
+    from hurraykv.net import client as client_mod
+
+    shape = (64, 16, 8, 128)  # 2 MiB pools come from the client's receive pool
+    s = hk.KVCacheSnapshot.from_arrays([np.full(shape, 1.5, np.float16)],
+                                       [np.full(shape, -2.5, np.float16)],
+                                       np.arange(64), [0, 64], [1024])
+    pool = client_mod.receive_pool()
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        c.push("k", s)
+        first = c.pull("k")
+        assert first.equal(s)
+        before = pool.recycled
+        del first  # its mappings go back to the pool...
+        second = c.pull("k")  # ...and this pull receives into them
+        assert second.equal(s)
+        assert pool.recycled >= before + 2
+
+
+def test_pull_into_memory_the_caller_holds():
+    a = make_snapshot("float16")
+    b = make_snapshot("float16", seed=5)
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        c.push("a", a)
+        dest = c.pull("a")
+        pool_before = dest.tensor(0, "key").page_pool
+        pool_before[...] = 0  # scribble: the next pull must overwrite every byte
+        got = c.pull("a", into=dest)
+        assert got.equal(zeroed(a))
+        # the returned snapshot lives in dest's memory: no new pool was allocated
+        assert np.shares_memory(got.tensor(0, "key").page_pool, pool_before)
+        c.push("b", b)  # same layout, other values
+        assert c.pull("b", into=dest).equal(zeroed(b))
+        one = a.tensor(1, "value")
+        c.push_tensor("one", one)
+        held = c.pull_tensor("one", a.seq_lens)
+        back = c.pull_tensor("one", a.seq_lens, into=held)
+        assert np.shares_memory(back.page_pool, held.page_pool)
+        np.testing.assert_array_equal(back.gather(0), one.gather(0))
+
+
+def test_pull_into_a_snapshot_of_another_shape_says_which_member_differs():
+    a = make_snapshot("float16")
+    other = make_snapshot("bfloat16")
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        c.push("a", a)
+        dest = c.pull("a")
+        c.push("other", other)
+        with pytest.raises(hk.LayoutError, match=r"pull\('other', into=...\): .*layer 0 key"):
+            c.pull("other", into=dest)
+        assert c.pull("a").equal(zeroed(a))  # the connection is still in step
+
+
+def test_pull_into_read_only_memory_is_refused_before_the_request(tmp_path):
+    a = make_snapshot("float16")
+    hk.save_snapshot(a, tmp_path / "a.hrry")
+    mapped = hk.load_snapshot(tmp_path / "a.hrry")
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        c.push("a", a)
+        with pytest.raises(hk.LayoutError, match="writable"):
+            c.pull("a", into=mapped)
+        assert c.pull("a").equal(zeroed(a))

@@ -35,6 +35,7 @@ from .errors import (
     SeqLensRequiredError,
     UnsupportedError,
 )
+from .threads import run_bands
 from .wire.block_paged import U32_MAX
 from .wire.buffers import handle
 from .wire.descriptor import TensorDescriptor
@@ -463,8 +464,10 @@ class BlockPagedTensor:
             return out
         slot_rows = self._rows.reshape(self.num_pages * self.page_size,
                                        self.num_heads * self.head_dim)
-        np.take(slot_rows, slots, axis=0, out=out.reshape(n, self.num_heads * self.head_dim),
-                mode="clip")
+        flat = out.reshape(n, self.num_heads * self.head_dim)
+        # large copies run in bands on every core (take releases the GIL)
+        run_bands(lambda a, b: np.take(slot_rows, slots[a:b], axis=0, out=flat[a:b],
+                                       mode="clip"), n, flat.nbytes)
         return out
 
     def _empty(self, tokens: int, dequantize: bool) -> np.ndarray:
@@ -499,12 +502,20 @@ class BlockPagedTensor:
         if not dequantize or (self.quantization is None and self.fp8_scale is None
                               and self.element_type.is_float):
             return self._take_slots(slots, out)
+        shape = (len(slots), self.num_heads, self.head_dim)
+        if out is not None and (out.shape != shape or out.dtype != np.float32
+                                or not out.flags.c_contiguous):
+            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
+                                 f"out must be a C-contiguous {shape} float32 array")
+        if self.quantization is not None:
+            fused = _quant.gather_dequantized(self._rows, self.element_type, self.page_size,
+                                              self.num_heads, self.head_dim, slots,
+                                              self.quantization, self.quant_params, out)
+            if fused is not None:
+                return fused
         values = self._float_values(self._take_slots(slots), slots)
         if out is None:
             return values
-        if out.shape != values.shape or out.dtype != np.float32:
-            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
-                                 f"out must be a {values.shape} float32 array")
         out[...] = values
         return out
 
@@ -687,7 +698,7 @@ class BlockPagedTensor:
             q = PerBlockAffine(0, self.page_size, q.scale_buffer, q.zero_point_buffer,
                                q.scale_type)
         if et.sub_byte:
-            rows = np.frombuffer(pack(codes, et), np.uint8).reshape(self.num_pages, -1).copy()
+            rows = _quant.pack_codes(codes, et).reshape(self.num_pages, -1)
         else:
             rows = codes.reshape(self.num_pages, -1)
         return self._derive(rows, element_type=et, quantization=q, params=params,

@@ -23,8 +23,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from . import kernels as _k
 from .errors import QuantizationError
-from .wire.dtypes import BY_NAME, ElementType
+from .threads import run_bands
+from .wire.dtypes import BY_NAME, ElementType, pack
 from .wire.quantization import (
     SCALE_TYPES,
     VALID_STORAGE,
@@ -37,6 +39,7 @@ from .wire.quantization import (
 
 SCHEMES = {"per_tensor": 0x01, "per_channel": 0x02, "per_block_affine": 0x03}
 SCALE_TAGS = {v: k for k, v in SCALE_TYPES.items()}
+TINY = np.finfo(np.float32).tiny
 CHUNK_ELEMENTS = 1 << 18  # per chunk of slot rows: float32 temporaries of 1 MiB stay in cache
 
 
@@ -71,7 +74,9 @@ def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: boo
     else:
         lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
         scale = (hi - lo) / np.float32(qmax - qmin)
-    scale = np.where((scale > 0) & np.isfinite(scale), scale, np.float32(1.0)).astype(np.float32)
+    # at least float32's smallest normal, so 1 / scale is finite and the codes in range
+    scale = np.where((scale > 0) & np.isfinite(scale), np.maximum(scale, TINY),
+                     np.float32(1.0)).astype(np.float32)
     scale = _as_scale_dtype(scale, scale_type)
     if symmetric:
         return scale, np.zeros(scale.shape, np.int32)
@@ -114,13 +119,17 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
     if scheme == "per_block_affine":
         scales = np.ones(n, np.float32)
         zps = np.zeros(n, np.int32)
-        for a in range(0, n, step):
+        done = _block_affine_kernel(x, used, qmin, qmax, symmetric, scale_type, codes, scales,
+                                    zps)
+        for a in range(0 if not done else n, n, step):
             b = min(a + step, n)
             xc = x[a:b].reshape(b - a, -1).astype(np.float32)
             u = used[a:b]
             if not u.all():
                 xc[~u] = 0
-            s, z = _affine(xc.min(axis=1), xc.max(axis=1), qmin, qmax, symmetric, scale_type)
+            lo, hi = xc.min(axis=1), xc.max(axis=1)
+            _check_finite(lo, hi, a)
+            s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type)
             s[~u], z[~u] = 1.0, 0
             scales[a:b], zps[a:b] = s, z
             _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
@@ -136,7 +145,10 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
     lo = np.full([1 if i in red else x.shape[i] for i in range(3)], np.inf, np.float32)
     hi = np.full(lo.shape, -np.inf, np.float32)
     for a in range(0, n, step):
-        xc = x[a:a + step][used[a:a + step]].astype(np.float32)
+        xc = x[a:a + step].reshape(min(step, n - a), -1).astype(np.float32)
+        xc[~used[a:a + step]] = 0
+        _check_finite(xc.min(axis=1), xc.max(axis=1), a)
+        xc = xc.reshape(-1, *x.shape[1:])[used[a:a + step]]
         if xc.size:
             lo = np.minimum(lo, xc.min(axis=red, keepdims=True))
             hi = np.maximum(hi, xc.max(axis=red, keepdims=True))
@@ -155,6 +167,50 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
     if not symmetric:
         params.append(z.reshape(-1).astype("<i4").view(np.uint8))
     return codes, q, tuple(params)
+
+
+def _check_finite(lo: np.ndarray, hi: np.ndarray, first_slot: int) -> None:
+    """Refuse Inf and NaN (their codes would be undefined): ``lo``/``hi`` are per-slot
+    minima and maxima, which every non-finite value reaches."""
+    bad = ~(np.isfinite(lo) & np.isfinite(hi))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        value = lo[i] if not np.isfinite(lo[i]) else hi[i]
+        raise QuantizationError.at("page_pool slot", first_slot + i, float(value),
+                                   "quantization takes finite values (a slot is "
+                                   "page * page_size + offset_in_page)", where="index")
+
+
+def _block_affine_kernel(x: np.ndarray, used: np.ndarray, qmin: int, qmax: int,
+                         symmetric: bool, scale_type: int, codes: np.ndarray,
+                         scales: np.ndarray, zps: np.ndarray) -> bool:
+    """The compiled one-pass path (kernels.py); False when it does not apply or met a
+    non-finite row, leaving the NumPy path to do the whole work."""
+    kind = _k.input_kind(x.dtype)
+    kern = _k.impl() if kind is not None else None
+    if kern is None or not x.flags.c_contiguous or x.shape[0] == 0:
+        return False
+    n = x.shape[0]
+    bits = _k.as_bits(x.reshape(n, -1), kind)
+    c2 = codes.reshape(n, -1)
+    u = np.ascontiguousarray(used, np.bool_)
+    ok: list[bool] = []
+    if scale_type == 3:  # float32 scales: range, scale and codes in one pass per slot
+        run_bands(lambda a, b: ok.append(kern.block_affine_quantize(
+            bits, kind, u, qmin, qmax, symmetric, c2, scales, zps, a, b)), n, x.nbytes)
+        return all(ok)
+    # 16-bit scales are rounded up to their type between the range and the encoding
+    lo, hi = np.empty(n, np.float32), np.empty(n, np.float32)
+    run_bands(lambda a, b: ok.append(kern.row_ranges(bits, kind, u, lo, hi, a, b)), n,
+              x.nbytes)
+    if not all(ok):
+        return False
+    s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type)
+    s[~u], z[~u] = 1.0, 0
+    scales[...], zps[...] = s, z
+    run_bands(lambda a, b: kern.encode_rows(bits, kind, u, scales, zps, qmin, qmax, symmetric,
+                                          c2, a, b), n, x.nbytes)
+    return True
 
 
 def _encode(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, qmin: int, qmax: int,
@@ -220,6 +276,53 @@ def dequantize(codes: np.ndarray, slots: np.ndarray, q: Quantization,
             z = zero[a:b] if per_row else zero
             o[...] = codes[a:b].astype(wide) - z
         o *= scale[a:b] if per_row else scale
+    return out
+
+
+def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads: int,
+                       dim: int, slots: np.ndarray, q: Quantization,
+                       params: tuple[np.ndarray, ...], out: np.ndarray | None = None
+                       ) -> np.ndarray | None:
+    """float32 ``[len(slots), heads, dim]`` of per-block-affine codes read straight from
+    the page rows (packed or not) in one compiled pass, or None when the kernels do not
+    apply (the caller then gathers and calls ``dequantize``).  Same values as that path."""
+    if not (isinstance(q, PerBlockAffine) and rows.flags.c_contiguous
+            and et.bits in (2, 4, 8) and not et.is_float):
+        return None
+    kern = _k.impl()
+    if kern is None:
+        return None
+    num_slots = rows.shape[0] * page_size
+    scales, zps = params_arrays(q, params, num_slots)
+    scales = np.ascontiguousarray(scales, np.float32)
+    has_zp = zps is not None
+    zps = np.ascontiguousarray(zps, np.int32) if has_zp else np.zeros(1, np.int32)
+    n, elems = len(slots), heads * dim
+    if out is None:
+        out = np.empty((n, heads, dim), np.float32)
+    o2 = out.reshape(n, elems)
+    idx = np.ascontiguousarray(slots, np.int64)
+    if et.sub_byte:
+        signed = et.is_signed
+        run_bands(lambda a, b: kern.dequantize_gather_packed(
+            rows, idx, page_size, elems, et.bits, signed, scales, zps, has_zp, o2, a, b),
+            n, o2.nbytes)
+    else:
+        slot_rows = rows.reshape(num_slots, elems)
+        run_bands(lambda a, b: kern.dequantize_gather(slot_rows, idx, scales, zps, has_zp, o2,
+                                                    a, b), n, o2.nbytes)
+    return out
+
+
+def pack_codes(codes: np.ndarray, et: ElementType) -> np.ndarray:
+    """Sub-byte codes (in range, as ``quantize_slots`` makes them) packed to uint8, low
+    bits first, as ``wire.dtypes.pack`` packs them."""
+    kern = _k.impl() if et.bits in (2, 4) and codes.size % (8 // et.bits) == 0 else None
+    if kern is None:
+        return np.frombuffer(pack(codes, et), np.uint8).copy()
+    flat = codes.reshape(-1)
+    out = np.empty(et.nbytes(flat.size), np.uint8)
+    run_bands(lambda a, b: kern.pack_bits(flat, et.bits, out, a, b), len(out), flat.nbytes)
     return out
 
 

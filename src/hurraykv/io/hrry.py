@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 
 from ..errors import ContainerError, HurrayError
 from ..paged import byte_view
+from ..threads import run_bands
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from ..wire.layouts import Composite
 from .crc32c import crc32c
@@ -365,15 +366,27 @@ class HrryFile:
         import numpy as np
 
         with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
             data = np.empty(size, np.uint8)
-            view, got = memoryview(data), 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-        return cls.from_bytes(view[:got], str(path))
+            view = memoryview(data)
+            got: list[int] = []
+
+            def band(a: int, b: int) -> None:
+                # page-cache reads take no file lock: bands copy on every core at once
+                pos = a
+                while pos < b:
+                    n = os.preadv(fd, [view[pos:b]], pos)
+                    if not n:
+                        break
+                    pos += n
+                got.append(pos - a)
+
+            run_bands(band, size, size)
+        if sum(got) != size:  # the file shrank while being read
+            raise _bad(f"{path}: read {sum(got)} of {size} bytes (the file changed while "
+                       "being read)", "file_size", value=got[0])
+        return cls.from_bytes(view, str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, source: str = "<bytes>"

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import HurrayError, RemoteError, TransportError
+from ..errors import HurrayError, LayoutError, RemoteError, TransportError
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .memory import ReceivePool
 from .messages import (
     HEADER,
     DataAssembler,
@@ -231,16 +232,19 @@ class KVClient:
         return stream
 
     def _read_tensor(self, stream: int, progress: Progress | None = None,
-                     done: list[int] | None = None) -> tuple[TensorDescriptor, list]:
+                     done: list[int] | None = None, into: Into = None
+                     ) -> tuple[TensorDescriptor, list]:
+        """One tensor of a pull.  ``into(desc)`` may name the caller's buffers for it."""
         _, payload = self._expect(stream, MessageType.TENSOR_DESCRIPTOR)
         msg = decode_descriptor_message(payload)
-        asm = DataAssembler(msg.descriptor)
+        views = into(msg.descriptor) if into is not None else None
+        asm = DataAssembler(msg.descriptor, pool=receive_pool(), into=views)
         while True:
             mtype, sid, length = self._recv()
             if mtype == MessageType.TENSOR_DATA and sid == stream and length >= 8:
                 self._recv_into(memoryview(self._off))
-                target = asm.target(int.from_bytes(self._off, "little"), length - 8)
-                self._recv_into(target)  # straight into the tensor's buffer
+                for target in asm.targets(int.from_bytes(self._off, "little"), length - 8):
+                    self._recv_into(target)  # straight into the tensor's buffer
                 if done is not None:
                     done[0] += length - 8
                     if progress is not None:
@@ -255,11 +259,13 @@ class KVClient:
             raise ProtocolError(f"unexpected message 0x{mtype:x} on stream {sid} inside a "
                                 "tensor transfer")
 
-    def iter_pull(self, key: str, progress: Progress | None = None
+    def iter_pull(self, key: str, progress: Progress | None = None, *,
+                  into: KVCacheSnapshot | None = None
                   ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
         """Layers ``(i, (key, value))`` as they arrive; ``self.last_snapshot`` holds the
-        whole snapshot once the group has closed."""
+        whole snapshot once the group has closed.  ``into``: see ``pull``."""
         total = self._size_of(key) if progress is not None else 0  # before the transfer
+        target = _IntoSnapshot(into) if into is not None else None
         stream = self._request(key)
         head, _ = self._read_tensor(stream)
         if not isinstance(head.layout, Composite):
@@ -268,10 +274,12 @@ class KVClient:
         assembler = SnapshotAssembler()
         done = [0, total]
         for _ in range(head.layout.member_count):
-            desc, buffers = self._read_tensor(stream, progress, done)
+            desc, buffers = self._read_tensor(stream, progress, done, target)
             layer = assembler.add(desc, buffers, f"from {self.address}")
-            if layer is not None:
+            if layer is not None and (target is None or not target.misfits):
                 yield layer
+        if target is not None:
+            target.raise_misfits(key)
         self.last_snapshot = assembler.finish()
 
     def _size_of(self, key: str) -> int:
@@ -282,15 +290,31 @@ class KVClient:
         except RemoteError:
             return 0
 
-    def pull(self, key: str, progress: Progress | None = None) -> KVCacheSnapshot:
-        for _ in self.iter_pull(key, progress):
+    def pull(self, key: str, progress: Progress | None = None, *,
+             into: KVCacheSnapshot | None = None) -> KVCacheSnapshot:
+        """The snapshot under ``key``.
+
+        Received bytes land in recycled memory (mappings of snapshots this process has
+        dropped, up to ``RECYCLE_BYTES`` kept) or in fresh mappings populated in bulk
+        ahead of the socket.  ``into``: a snapshot whose memory to receive into, e.g. the
+        previous pull of the same key or views of an engine's cache - every member the
+        server sends must match one of ``into``'s (layer, role, shape, element type,
+        layout, quantization and buffer sizes), else ``LayoutError`` once the transfer
+        has ended; its buffers must be writable.  The returned snapshot's arrays are
+        ``into``'s memory; after a failure that memory holds an unspecified mix."""
+        for _ in self.iter_pull(key, progress, into=into):
             pass
         return self.last_snapshot
 
-    def pull_tensor(self, key: str, seq_lens: Any = None) -> BlockPagedTensor:
-        """One block-paged tensor; its token counts travel beside it (D6)."""
+    def pull_tensor(self, key: str, seq_lens: Any = None, *,
+                    into: BlockPagedTensor | None = None) -> BlockPagedTensor:
+        """One block-paged tensor; its token counts travel beside it (D6).  ``into``: a
+        tensor of the same descriptor whose memory to receive into (see ``pull``)."""
+        target = _IntoSnapshot.single(into) if into is not None else None
         stream = self._request(key)
-        desc, buffers = self._read_tensor(stream)
+        desc, buffers = self._read_tensor(stream, into=target)
+        if target is not None:
+            target.raise_misfits(key)
         return BlockPagedTensor.from_descriptor(desc, buffers, seq_lens)
 
     # -- others ------------------------------------------------------------------------
@@ -363,3 +387,69 @@ class KVClient:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
+
+
+RECYCLE_BYTES = 1 << 30  # idle receive memory a process keeps for its next pulls
+_RECEIVE_POOL: ReceivePool | None = None
+Into = Callable[[TensorDescriptor], list[memoryview] | None] | None
+
+
+def receive_pool() -> ReceivePool:
+    """The process's pool of receive mappings, shared by its clients."""
+    global _RECEIVE_POOL
+    if _RECEIVE_POOL is None:
+        _RECEIVE_POOL = ReceivePool(RECYCLE_BYTES)
+    return _RECEIVE_POOL
+
+
+def _facts(desc: TensorDescriptor) -> tuple:
+    """What must agree for a tensor to be received into another's memory."""
+    return (desc.type_tag, desc.shape, desc.layout, desc.quantization,
+            tuple(h.byte_size for h in desc.buffers))
+
+
+class _IntoSnapshot:
+    """Maps each arriving block-paged member to the buffers of the matching member of a
+    caller's snapshot; records the members that match none (they land in fresh memory,
+    the stream is read to its end, and then ``raise_misfits`` reports them)."""
+
+    def __init__(self, snapshot: KVCacheSnapshot | None,
+                 tensors: dict[tuple[int | None, str], BlockPagedTensor] | None = None) -> None:
+        self.tensors = tensors if tensors is not None else {
+            k: snapshot.tensor(*k) for k in snapshot.member_keys()}
+        self.misfits: list[str] = []
+        for (layer, role), t in self.tensors.items():
+            for i, v in enumerate(t.buffers()):
+                if v.readonly:
+                    raise LayoutError.at("into", None, f"layer {layer} {role} buffer {i}",
+                                         "pull(into=) writes the received bytes there: its "
+                                         "buffers must be writable (not a read-only mmap)")
+
+    @classmethod
+    def single(cls, tensor: BlockPagedTensor) -> _IntoSnapshot:
+        return cls(None, {(tensor.layer_index, tensor.kv_role): tensor})
+
+    def __call__(self, desc: TensorDescriptor) -> list[memoryview] | None:
+        if not isinstance(desc.layout, BlockPaged):
+            return None  # seq_lens, kv_scales, info: small, received fresh
+        lay = desc.layout
+        key = (lay.layer_index, {0: "key", 1: "value", 2: "fused"}.get(lay.kv_role, "?"))
+        if len(self.tensors) == 1:
+            key = next(iter(self.tensors))
+        t = self.tensors.get(key)
+        if t is None:
+            self.misfits.append(f"layer {key[0]} {key[1]}: into has no such member")
+            return None
+        mine = t.descriptor()
+        if _facts(mine) != _facts(desc):
+            self.misfits.append(f"layer {key[0]} {key[1]}: into is {list(mine.shape)} "
+                                f"{mine.layout}, the server sends {list(desc.shape)} "
+                                f"{desc.layout}")
+            return None
+        return [v.cast("B") for v in t.buffers()]
+
+    def raise_misfits(self, key: str) -> None:
+        if self.misfits:
+            raise LayoutError(f"pull({key!r}, into=...): {len(self.misfits)} member(s) do not "
+                              f"match into: {'; '.join(self.misfits[:3])}", field="into",
+                              value=key, rule="into has the layout of what is pulled")

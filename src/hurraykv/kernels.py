@@ -1,0 +1,61 @@
+"""Compiled kernels for the quantization data paths (floor 1, optional ``numba``).
+
+Per-block-affine quantization and the dequantizing gather are one pass per page slot
+here: each slot row is read once, its absmax (or min and max) found in the integer
+domain of the input's bits, its scale and zero-point computed, and its codes written
+while the row is still in L1.  NumPy's float16 -> float32 conversion is not vectorised
+in the NumPy builds we pin, and its formulation costs four passes over memory; these
+kernels are the same arithmetic in one.
+
+**Results are bit-identical to the NumPy code in ``quant.py``** (tested on both): the
+same float32 operations in the same order, with ``rint`` rounding half to even.  Input
+rows holding Inf or NaN make a kernel report failure, and the caller takes the NumPy
+path for the whole call, so even those results match.
+
+Installed with ``pip install 'hurraykv[fast]'``; without numba, or with
+``HURRAYKV_KERNELS=numpy``, ``ENABLED`` is False and ``quant.py`` uses NumPy alone.
+Kernels release the GIL, so ``threads.run_bands`` spreads them over the cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import ml_dtypes
+import numpy as np
+
+ENABLED = (os.environ.get("HURRAYKV_KERNELS", "").lower() != "numpy"
+           and importlib.util.find_spec("numba") is not None)
+
+# Input kinds: how a slot row's unsigned bits become float32.
+FLOAT16, BFLOAT16, FLOAT32 = 0, 1, 2
+KINDS = {np.dtype(np.float16): FLOAT16, np.dtype(np.float32): FLOAT32}
+KINDS[np.dtype(ml_dtypes.bfloat16)] = BFLOAT16
+_BITS_VIEW = {FLOAT16: np.uint16, BFLOAT16: np.uint16, FLOAT32: np.uint32}
+
+
+def input_kind(dtype: np.dtype) -> int | None:
+    """The kernel input kind of a float pool dtype, or None (convert to float32 first)."""
+    return KINDS.get(np.dtype(dtype))
+
+
+def as_bits(rows: np.ndarray, kind: int) -> np.ndarray:
+    """``rows`` reinterpreted as the unsigned integers the kernels read."""
+    return rows.view(_BITS_VIEW[kind])
+
+
+def impl() -> ModuleType | None:
+    """The compiled kernels, or None without them.  numba is imported, and the kernels
+    compiled or loaded from its cache, on the first call; a numba that fails to import
+    (say, built for another NumPy) turns the kernels off rather than failing the call."""
+    global ENABLED
+    if not ENABLED:
+        return None
+    try:
+        from . import _numba_kernels
+    except ImportError:
+        ENABLED = False
+        return None
+    return _numba_kernels

@@ -1,0 +1,182 @@
+"""The compiled kernels give the bytes and values the NumPy path gives.
+
+Every case runs twice on the same tensor, kernels on and kernels off (``ENABLED`` is read
+at call time), and compares every buffer byte and every dequantized float bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hurraykv as hk
+from hurraykv import kernels, threads
+
+
+def test_kernels_are_on_in_the_test_environment():
+    # numba is a test dependency: a silent fallback would make every test below vacuous
+    assert kernels.ENABLED or os.environ.get("HURRAYKV_KERNELS") == "numpy"
+
+
+def both_paths(fn, monkeypatch):
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    slow = fn()
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    fast = fn()
+    return slow, fast
+
+
+def tensor(pool: np.ndarray, rng: np.random.Generator) -> hk.BlockPagedTensor:
+    """Two sequences over a permuted pool, one page shared, a partial last page and
+    pages nobody reads."""
+    pages, ps = pool.shape[:2]
+    bt = rng.permutation(pages)[: pages - 3].astype(np.uint32)
+    cut = len(bt) // 2
+    bt[cut] = bt[0]  # shared by both sequences
+    lens = [cut * ps - 5, (len(bt) - cut) * ps - 1]
+    return hk.BlockPagedTensor(pool, bt, np.array([0, cut, len(bt)], np.uint32),
+                               seq_lens=np.array(lens))
+
+
+def quantized_outputs(t, dtype, symmetric, scale_dtype):
+    q = t.quantize("per_block_affine", dtype, symmetric, scale_dtype=scale_dtype)
+    out = np.empty((int(q.seq_lens[1]), q.num_heads, q.head_dim), np.float32)
+    return ([bytes(b) for b in q.buffers()], q.to_dense(dequantize=True).view(np.uint32),
+            q.gather(1, out=out, dequantize=True).view(np.uint32))
+
+
+def assert_same(slow, fast):
+    sb, sd, sg = slow
+    fb, fd, fg = fast
+    assert len(sb) == len(fb)
+    for i, (a, b) in enumerate(zip(sb, fb, strict=True)):
+        assert a == b, f"buffer {i} differs"
+    np.testing.assert_array_equal(sd, fd)
+    np.testing.assert_array_equal(sg, fg)
+
+
+POOL_TYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
+CODES = [("int8", True), ("int8", False), ("uint8", False), ("int4", True), ("int4", False),
+         ("uint4", False), ("int2", True), ("uint2", False)]
+
+
+@pytest.mark.parametrize("pool_type", POOL_TYPES, ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize(("dtype", "symmetric"), CODES)
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
+def test_block_affine_kernels_match_numpy(pool_type, dtype, symmetric, scale_dtype,
+                                          monkeypatch):
+    rng = np.random.default_rng(7)
+    pool = (rng.standard_normal((24, 16, 4, 32)) * 5).astype(pool_type)
+    flat = pool.reshape(-1, 4 * 32)
+    flat[3] = 0  # an all-zero slot: scale 1
+    flat[4] = pool_type(2.5)  # a constant slot
+    flat[5, :6] = np.array([6e-8, -6e-8, 1e-5, -1e-5, 0, -0.0]).astype(pool_type)
+    flat[6] = np.finfo(pool_type).max if pool_type is not ml_dtypes.bfloat16 else 1e30
+    flat[7] = -flat[6]
+    slow, fast = both_paths(lambda: quantized_outputs(tensor(pool, rng=np.random.default_rng(1)),
+                                                      dtype, symmetric, scale_dtype),
+                            monkeypatch)
+    assert_same(slow, fast)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("scheme", ["per_block_affine", "per_tensor", "per_channel"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_non_finite_values_are_refused_by_slot(bad, scheme, enabled, monkeypatch):
+    monkeypatch.setattr(kernels, "ENABLED", enabled)
+    pool = np.random.default_rng(3).standard_normal((8, 4, 2, 16)).astype(np.float16)
+    pool[2, 1, 0, 3] = bad
+    t = hk.BlockPagedTensor(pool, np.array([0, 2, 5], np.uint32), np.array([0, 3], np.uint32),
+                            seq_lens=np.array([10]))
+    axis = 1 if scheme == "per_channel" else None
+    with pytest.raises(hk.QuantizationError, match=r"page_pool slot at index 9: .*finite"):
+        t.quantize(scheme, "int8", axis=axis)
+    pool[2, 1, 0, 3] = 0
+    pool[7, 0, 0, 0] = bad  # a page no sequence reads: its values do not matter
+    assert np.isfinite(t.quantize(scheme, "int8", axis=axis).to_dense(dequantize=True)).all()
+
+
+def test_bfloat16_subnormals_quantize_into_range(monkeypatch):
+    # absmax / qmax below float32's smallest normal: 1/scale must stay finite, codes in range
+    pool = np.zeros((2, 1, 1, 8), ml_dtypes.bfloat16)
+    pool[0, 0, 0] = np.arange(8, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    t = hk.BlockPagedTensor(pool, np.array([0], np.uint32), np.array([0, 1], np.uint32),
+                            seq_lens=np.array([1]))
+    for enabled in (False, True):
+        monkeypatch.setattr(kernels, "ENABLED", enabled)
+        q = t.quantize("per_block_affine", "int4")
+        values = q.to_dense(dequantize=True).reshape(-1)
+        err = np.abs(values - pool[0, 0, 0].astype(np.float32))
+        assert (err <= np.finfo(np.float32).tiny / 2).all()
+
+
+def test_fp8_pools_quantize_through_the_float32_kernel(monkeypatch):
+    rng = np.random.default_rng(4)
+    pool = rng.standard_normal((12, 8, 2, 16)).astype(ml_dtypes.float8_e4m3fn)
+    t = tensor(pool, rng)
+    t.fp8_scale = 0.37
+    slow, fast = both_paths(lambda: quantized_outputs(t, "int8", True, "float32"),
+                            monkeypatch)
+    assert_same(slow, fast)
+
+
+def test_large_work_is_split_over_threads_with_the_same_result(monkeypatch):
+    # above PARALLEL_BYTES the kernels run in bands on several threads
+    monkeypatch.setattr(threads, "workers", lambda: 3)
+    rng = np.random.default_rng(5)
+    pool = rng.standard_normal((320, 16, 8, 128)).astype(np.float16)  # 10 MiB
+    assert pool.nbytes >= threads.PARALLEL_BYTES
+    assert len(threads.bands(len(pool) * 16, pool.nbytes)) == 3
+    slow, fast = both_paths(lambda: quantized_outputs(
+        tensor(pool, np.random.default_rng(6)), "int4", False, "float32"), monkeypatch)
+    assert_same(slow, fast)
+
+
+def test_a_failing_band_is_raised_after_every_band_finished(monkeypatch):
+    monkeypatch.setattr(threads, "workers", lambda: 4)
+    seen = []
+
+    def work(a, b):
+        seen.append((a, b))
+        if a == 0:
+            raise hk.LayoutError("band 0 failed")
+
+    with pytest.raises(hk.LayoutError, match="band 0"):
+        threads.run_bands(work, 100, threads.PARALLEL_BYTES)
+    assert sorted(seen) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), min_size=64, max_size=64),
+       st.sampled_from(CODES), st.sampled_from([np.float16, ml_dtypes.bfloat16]),
+       st.sampled_from(["float32", "bfloat16"]))
+def test_any_16_bit_pattern_quantizes_as_numpy_does(bits, code, pool_type, scale_dtype):
+    # every 16-bit pattern: subnormals, signed zeros, extremes; Inf and NaN are refused
+    pool = np.array(bits, np.uint16).view(pool_type).reshape(4, 2, 1, 8)
+    t = hk.BlockPagedTensor(pool, np.array([1, 3, 0], np.uint32), np.array([0, 2, 3], np.uint32),
+                            seq_lens=np.array([3, 2]))
+
+    def run():
+        try:
+            return quantized_outputs(t, code[0], code[1], scale_dtype)
+        except hk.QuantizationError as exc:
+            return str(exc)
+
+    saved = kernels.ENABLED
+    kernels.ENABLED = False
+    try:
+        slow = run()
+    finally:
+        kernels.ENABLED = saved
+    fast = run()
+    if isinstance(slow, str):
+        assert slow == fast
+        magnitude = pool.view(np.uint16) & 0x7FFF
+        assert (magnitude >= (0x7C00 if pool_type is np.float16 else 0x7F80)).any()
+    else:
+        assert_same(slow, fast)
