@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import alloc
 from . import quant as _quant
 from .arrays import as_numpy
 from .errors import (
@@ -442,10 +443,8 @@ class BlockPagedTensor:
     def _take_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         n = len(slots)
         out_shape = (n, self.num_heads, self.head_dim)
-        if out is not None and (out.shape != out_shape or out.dtype != self.dtype
-                                or not out.flags.c_contiguous):
-            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
-                                 f"out must be a C-contiguous {out_shape} {self.dtype} array")
+        if out is not None:
+            self._check_out(out, n)
         if self.element_type.sub_byte and n:
             # Packed pages are byte-aligned, slots may not be: unpack the pages touched.
             ps = self.page_size
@@ -458,8 +457,7 @@ class BlockPagedTensor:
                 return res
             out[...] = res
             return out
-        if out is None:
-            out = np.empty(out_shape, dtype=self.dtype)
+        out = self._check_out(out, n)
         if n == 0:
             return out
         slot_rows = self._rows.reshape(self.num_pages * self.page_size,
@@ -484,7 +482,39 @@ class BlockPagedTensor:
             raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
         if not self._has_data():
             return self._empty(int(self._lens()[s]), dequantize)
+        if self._plain(dequantize) and not self.element_type.sub_byte:
+            return self._gather_pages(s, out)
         return self._read(self._slots(np.array([s])), out, dequantize)
+
+    def _plain(self, dequantize: bool) -> bool:
+        """True when reading returns the stored elements (no dequantization to do)."""
+        return not dequantize or (self.quantization is None and self.fp8_scale is None
+                                  and self.element_type.is_float)
+
+    def _gather_pages(self, s: int, out: np.ndarray | None) -> np.ndarray:
+        """One sequence by whole pages (one row each) and the partial last page: no
+        per-token index is built, which dominates small gathers."""
+        n, ps = int(self._lens()[s]), self.page_size
+        out = self._check_out(out, n)
+        full, rem = divmod(n, ps)
+        first = int(self.seq_ptr[s])
+        pages = self.block_table[first:first + full + (rem > 0)]
+        rows = out[:full * ps].reshape(full, ps * self.num_heads * self.head_dim)
+        run_bands(lambda a, b: np.take(self._rows, pages[a:b], axis=0, out=rows[a:b],
+                                       mode="clip"), full, rows.nbytes)
+        if rem:
+            last = min(int(pages[full]), self.num_pages - 1)  # as mode="clip"
+            out[full * ps:] = self._rows[last].reshape(ps, self.num_heads, self.head_dim)[:rem]
+        return out
+
+    def _check_out(self, out: np.ndarray | None, n: int) -> np.ndarray:
+        shape = (n, self.num_heads, self.head_dim)
+        if out is None:
+            return alloc.empty(shape, self.dtype)
+        if out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
+                                 f"out must be a C-contiguous {shape} {self.dtype} array")
+        return out
 
     def to_dense(self, out: np.ndarray | None = None, *,
                  dequantize: bool = False) -> np.ndarray:
@@ -499,8 +529,7 @@ class BlockPagedTensor:
         return self.num_heads * self.head_dim > 0
 
     def _read(self, slots: np.ndarray, out: np.ndarray | None, dequantize: bool) -> np.ndarray:
-        if not dequantize or (self.quantization is None and self.fp8_scale is None
-                              and self.element_type.is_float):
+        if self._plain(dequantize):
             return self._take_slots(slots, out)
         shape = (len(slots), self.num_heads, self.head_dim)
         if out is not None and (out.shape != shape or out.dtype != np.float32

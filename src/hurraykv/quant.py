@@ -23,6 +23,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from . import alloc
 from . import kernels as _k
 from .errors import QuantizationError
 from .threads import run_bands
@@ -114,7 +115,7 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
                                    f"{scheme} scales are float32")
     qmin, qmax = storage_range(et.name)
     n = x.shape[0]
-    codes = np.empty(x.shape, _code_dtype(et))
+    codes = alloc.empty(x.shape, _code_dtype(et))
     step = _chunk_rows(x.shape[1] * x.shape[2])
     if scheme == "per_block_affine":
         scales = np.ones(n, np.float32)
@@ -264,7 +265,7 @@ def dequantize(codes: np.ndarray, slots: np.ndarray, q: Quantization,
         raise QuantizationError.at("quantization", None, type(q).__name__,
                                    "hurraykv dequantizes per-tensor, per-channel and "
                                    "per-block-affine block-paged tensors")
-    out = np.empty(codes.shape, np.float32)
+    out = alloc.empty(codes.shape, np.float32)
     wide = np.int64 if codes.dtype.itemsize >= 4 else np.int32
     step = _chunk_rows(heads * dim)
     for a in range(0, n, step):  # chunks of rows keep the temporaries in cache
@@ -299,7 +300,7 @@ def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads:
     zps = np.ascontiguousarray(zps, np.int32) if has_zp else np.zeros(1, np.int32)
     n, elems = len(slots), heads * dim
     if out is None:
-        out = np.empty((n, heads, dim), np.float32)
+        out = alloc.empty((n, heads, dim), np.float32)
     o2 = out.reshape(n, elems)
     idx = np.ascontiguousarray(slots, np.int64)
     if et.sub_byte:
