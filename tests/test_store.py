@@ -112,7 +112,7 @@ def test_missing_page_is_an_error_never_wrong_data(store):
     s = make_snapshot("float16", layers=2)
     store.put("victim", s)
     member = s.tensor(1, "value")
-    from hurraykv.store.pages import _Member
+    from hurraykv.store.members import Member as _Member
 
     digests = _Member(member).digests()
     others = {d for k in s.member_keys() if k != (1, "value")

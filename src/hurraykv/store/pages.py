@@ -27,196 +27,98 @@ Unused page slots are zeroed before pages are hashed and stored (better sharing,
 nothing stale leaves the process); pages no sequence references are not stored and come
 back as zeros.  A page that has gone missing (deleted, evicted) makes ``get`` fail with an
 error naming the snapshot, layer and page - never wrong data.
+
+Pages travel on the raw path of ``resp.py`` (MSETs gathered from the pool's memory, GET
+replies received into the rows being rebuilt) where the connection allows, else in
+redis-py pipelines.  ``members.py`` digests pages, ``manifest.py`` encodes manifests and
+prefix values, ``scripts.py`` holds the keys and the reference-counting Lua.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import alloc
 from ..errors import StoreError, require
-from ..info import info_member
-from ..io.stream import write_tensor
-from ..paged import BlockPagedTensor, byte_view
+from ..paged import BlockPagedTensor
 from ..snapshot import (
     KVCacheSnapshot,
     SnapshotAssembler,
-    group_head,
-    kv_scales_member,
-    seq_lens_member,
 )
-from ..wire.descriptor import TensorDescriptor, decode_descriptor
+from ..wire.descriptor import TensorDescriptor
 from ..wire.dtypes import BY_NAME
 from ..wire.layouts import BlockPaged, Composite
 from ..wire.quantization import SCALE_TYPES, PerBlockAffine
+from . import resp
+from .manifest import (
+    encode_manifest,
+    parse_manifest,
+    parse_prefix_value,
+    prefix_value,
+    split_tokens,
+    token_chains,
+)
+from .members import ZERO, Member, hash_pool
+from .scripts import (
+    _DECREF,
+    _DEL_IF,
+    _EXISTS_MANY,
+    _INCREF,
+    _INCREF_MANY,
+    MANY,
+    Script,
+    manifest_key,
+    page_key,
+    prefix_key,
+    ref_key,
+)
 
-MAGIC = b"HKVM"
-DIGEST = 16
-ZERO = bytes(DIGEST)
 BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
+MSET_BYTES = 1 << 20  # page bytes per MSET
 STATS = "hkv:stats"
 PAGE_SIZES = "hkv:page_sizes"
 
-# Lua: keys[1] page, keys[2] refcount; in one slot (same hash tag), so atomic in a cluster.
-# Page bytes never go through Lua (it would copy them): a plain SET NX stores a page, then
-# INCREF counts the reference only if the page is still there (else the caller stores it
-# again: a concurrent delete may have removed it in between).
-_INCREF = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-return redis.call('INCR', KEYS[2])
-"""
-# The same for many pages in one call (a single server: no slot rule to respect).
-_INCREF_MANY = """
-local out = {}
-for i = 1, #KEYS, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 0 then out[#out + 1] = 0
-  else out[#out + 1] = redis.call('INCR', KEYS[i + 1]) end
-end
-return out
-"""
-_EXISTS_MANY = """
-local out = {}
-for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end
-return out
-"""
-MANY = 512  # pages per *_MANY call
-_DECREF = """
-local n = redis.call('DECR', KEYS[2])
-if n <= 0 then
-  local size = redis.call('STRLEN', KEYS[1])
-  redis.call('DEL', KEYS[1], KEYS[2])
-  return -1 - size
-end
-return n
-"""
-_DEL_IF = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+def _page_width(desc: TensorDescriptor) -> int:
+    """Bytes a member's page occupies in the store: its pool row, plus its slots'
+    scales and zero-points under per-block-affine quantization (D4)."""
+    n = desc.layout.num_pages
+    if not n:
+        return 0
+    width = desc.buffers[0].byte_size // n
+    if isinstance(desc.quantization, PerBlockAffine):
+        width += sum(h.byte_size for h in desc.buffers[3:]) // n
+    return width
 
 
-class _Script:
-    """A Lua script run by EVALSHA, also inside cluster pipelines (redis-py refuses its
-    Script helpers there; a raw EVALSHA whose keys share one slot is routed normally).
-    The script is loaded on every primary first, so pipelines never meet NOSCRIPT."""
-
-    def __init__(self, client: Any, lua: str) -> None:
-        self.lua = lua
-        self.client = client
-        self.sha = hashlib.sha1(lua.encode()).hexdigest()
-        self.load()
-
-    def load(self) -> None:
-        if hasattr(self.client, "get_primaries"):  # a cluster: every primary
-            for node in self.client.get_primaries():
-                self.client.get_redis_connection(node).script_load(self.lua)
-        else:
-            self.client.script_load(self.lua)
-
-    def __call__(self, keys: list[str], args: list[Any] | None = None, client: Any = None
-                 ) -> Any:
-        target = client if client is not None else self.client
-        return target.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
-
-
-def page_key(digest: bytes) -> str:
-    return f"hkv:p:{{{digest.hex()}}}"
-
-
-def ref_key(digest: bytes) -> str:
-    return f"hkv:r:{{{digest.hex()}}}"
-
-
-def manifest_key(snapshot_id: str) -> str:
-    return f"hkv:m:{{{snapshot_id}}}"
-
-
-def prefix_key(chain: bytes) -> str:
-    return f"hkv:x:{{{chain.hex()}}}"
-
-
-class _Member:
-    """One block-paged member as the store sees it: page values and where they go."""
-
-    def __init__(self, t: BlockPagedTensor, zero_unused: bool = True) -> None:
-        self.tensor = t
-        self.desc = t.descriptor()
-        q = t.quantization
-        self.per_slot = isinstance(q, PerBlockAffine)
-        views = t.clean_buffers() if zero_unused and t.seq_lens is not None else list(
-            t.buffers())
-        pool_parts = len(views) - (len(t.buffers()) - 1)
-        pool = np.concatenate([np.frombuffer(v, np.uint8) for v in views[:pool_parts]]) \
-            if pool_parts > 1 else np.frombuffer(views[0], np.uint8)
-        self.rows = pool.reshape(t.num_pages, -1) if t.num_pages else pool.reshape(0, 0)
-        extra = [np.frombuffer(byte_view(p), np.uint8) for p in t.quant_params]
-        if self.per_slot and q is not None:
-            # scales (and zero-points) of a page travel with the page (D4)
-            slot = [p.reshape(t.num_pages, -1) for p in extra]
-            if q.zero_point_buffer is not None and q.zero_point_buffer == q.scale_buffer:
-                half = slot[0].shape[1] // 2 if t.num_pages else 0
-                slot = [np.ascontiguousarray(slot[0][:, :half]),
-                        np.ascontiguousarray(slot[0][:, half:])]
-            self.rows = np.concatenate([self.rows, *slot], axis=1)
-            self.global_params: list[Any] = []
-        else:
-            self.global_params = extra
-        self.referenced = np.zeros(t.num_pages, bool)
-        self.referenced[t.block_table.astype(np.int64)] = True
-        geometry = self.desc.encode()[14:15] + struct.pack(
-            "<III", t.page_size, t.num_heads, t.head_dim) + (q.encode() if q is not None
-                                                              else b"")
-        self.geometry = geometry
-
-    def digests(self) -> list[bytes]:
-        """One digest per page (ZERO for unreferenced pages): SHA-256 (hardware-assisted
-        where the CPU has it) truncated to 128 bits.  The loop's body hashes a whole page
-        in C with the GIL released, so members hash in parallel on worker threads."""
-        geometry = hashlib.sha256(self.geometry)
-        out = []
-        for i, row in enumerate(self.rows):
-            if not self.referenced[i]:
-                out.append(ZERO)
-                continue
-            h = geometry.copy()
-            h.update(row)
-            out.append(h.digest()[:DIGEST])
-        return out
-
-    def skeleton(self) -> bytes:
-        t = self.tensor
-        parts = [self.desc.encode(), bytes(byte_view(t.block_table)), bytes(byte_view(t.seq_ptr))]
-        parts += [bytes(p) for p in self.global_params]
-        return b"".join(parts)
-
-
-_POOL: Any = None
-
-
-def _hash_pool() -> Any:
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                   thread_name_prefix="hurraykv-hash")
-    return _POOL
-
-
-def _token_chains(tokens: np.ndarray, page_size: int) -> list[bytes]:
-    """Chained digest over each full page of token ids (engine-style prefix hashing)."""
-    out, prev = [], struct.pack("<I", page_size)
-    full = len(tokens) // page_size
-    data = np.ascontiguousarray(tokens[: full * page_size], dtype="<i8").reshape(full, -1)
-    for row in data:
-        prev = hashlib.blake2b(prev + row.tobytes(), digest_size=DIGEST).digest()
-        out.append(prev)
+def _rounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges of about BATCH_BYTES each."""
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n + 64
+        if acc >= BATCH_BYTES:
+            out.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(sizes):
+        out.append((start, len(sizes)))
     return out
+
+
+def _missing(snapshot_id: str, plan: list, missing: set[bytes]) -> StoreError:
+    """The error for pages gone from the store, naming the first one's layer and page."""
+    for desc, _, ds, take in plan:
+        for i, d in enumerate(ds):
+            if take and d in missing:
+                lay = desc.layout
+                return StoreError(
+                    f"snapshot {snapshot_id!r}: layer {lay.layer_index} {lay.kv_role_name} "
+                    f"page {i} ({page_key(d)}) is missing from the store (evicted or "
+                    f"deleted; {len(missing)} page(s) in all)", field="page", value=i,
+                    rule="every page a manifest names must be stored")
+    return StoreError(f"snapshot {snapshot_id!r}: {len(missing)} page(s) missing",
+                      field="page")
 
 
 class PageStore:
@@ -225,7 +127,7 @@ class PageStore:
     def __init__(self, client: Any, *, zero_unused: bool = True) -> None:
         self.client = client
         self.zero_unused = zero_unused
-        self._scripts = {name: _Script(client, lua) for name, lua in (
+        self._scripts = {name: Script(client, lua) for name, lua in (
             ("incref", _INCREF), ("incref_many", _INCREF_MANY),
             ("exists_many", _EXISTS_MANY), ("decref", _DECREF), ("del_if", _DEL_IF))}
         self._cluster = hasattr(client, "get_primaries")
@@ -266,11 +168,11 @@ class PageStore:
         """Store a snapshot (replacing one under the same id); returns byte counts."""
         if snapshot.seq_lens is None:
             raise StoreError("a snapshot without seq_lens cannot be stored", field="seq_lens")
-        members = [_Member(snapshot.tensor(*k), self.zero_unused)
+        members = [Member(snapshot.tensor(*k), self.zero_unused)
                    for k in snapshot.member_keys()]
         # Members are hashed on worker threads (hashlib releases the GIL) while the pages
         # of the members already hashed travel to Redis: hashing overlaps the network.
-        futures = [_hash_pool().submit(m.digests) for m in members]
+        futures = [hash_pool().submit(m.digests) for m in members]
         digests: list[list[bytes]] = []
         seen: set[bytes] = set()
         logical = new_bytes = new_pages = 0
@@ -287,7 +189,7 @@ class PageStore:
             pages, nbytes = self._store_pages(snapshot_id, batch)
             new_pages += pages
             new_bytes += nbytes
-        manifest = self._manifest(snapshot, members, digests, token_ids)
+        manifest = encode_manifest(snapshot, members, digests, token_ids)
         old = self.client.get(manifest_key(snapshot_id))
         pipe = self._pipe()
         pipe.set(manifest_key(snapshot_id), manifest)
@@ -329,21 +231,20 @@ class PageStore:
     def _store_pages(self, snapshot_id: str, values: dict[bytes, memoryview]
                      ) -> tuple[int, int]:
         """Count one reference to each page, storing the pages Redis lacks; returns the
-        pages and bytes newly stored."""
+        pages and bytes newly stored (those whose count went from 0 to 1)."""
         keys = list(values)
         exists = self._exists_all(keys)
         todo = [d for d, e in zip(keys, exists, strict=True) if not e]
         counted = [d for d, e in zip(keys, exists, strict=True) if e]
         new_bytes = new_pages = 0
         for _attempt in range(5):
-            # store the missing pages' bytes (SET NX: a racing writer's copy is identical)
-            created = self._batched(todo, [values[d].nbytes for d in todo],
-                                    lambda p, d: p.set(page_key(d), values[d], nx=True))
-            for d, c in zip(todo, created, strict=True):
-                if c:
+            # store the missing pages' bytes (a racing writer's copy is identical)
+            self._set_pages(todo, values)
+            refs = self._incref_all(counted + todo)
+            for d, n in zip(counted + todo, refs, strict=True):
+                if n == 1:
                     new_pages += 1
                     new_bytes += values[d].nbytes
-            refs = self._incref_all(counted + todo)
             todo = [d for d, n in zip(counted + todo, refs, strict=True) if n == 0]
             counted = []
             if not todo:
@@ -351,54 +252,38 @@ class PageStore:
         raise StoreError(f"pages of {snapshot_id!r} kept vanishing while being stored "
                          "(concurrent deletes)", field="page")
 
-    def _manifest(self, snapshot: KVCacheSnapshot, members: list[_Member],
-                  digests: list[list[bytes]], token_ids: Any) -> bytes:
-        import io
-
-        buf = io.BytesIO()
-        write_tensor(buf, group_head(snapshot.member_count()), [])
-        write_tensor(buf, *seq_lens_member(snapshot.seq_lens))
-        if snapshot.kv_scales is not None:
-            write_tensor(buf, *kv_scales_member(snapshot.kv_scales))
-        if snapshot.has_info:
-            write_tensor(buf, *info_member(snapshot.model, snapshot.metadata))
-        for m in members:
-            buf.write(m.skeleton())
-        hurray = buf.getvalue()
-        table = b"".join(d for ds in digests for d in ds)
-        tokens = b""
-        if token_ids is not None:
-            tokens = np.concatenate([np.asarray(t, dtype="<i8").reshape(-1)
-                                     for t in self._split_tokens(snapshot, token_ids)]
-                                    or [np.zeros(0, "<i8")]).tobytes()
-        return b"".join([MAGIC, struct.pack("<IQ", 1, len(hurray)), hurray,
-                         struct.pack("<Q", len(table)), table,
-                         struct.pack("<Q", len(tokens)), tokens])
-
-    @staticmethod
-    def _split_tokens(snapshot: KVCacheSnapshot, token_ids: Any) -> list[np.ndarray]:
-        lens = snapshot.seq_lens
-        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
-            if len(token_ids) != int(lens.sum()):
-                raise StoreError(f"token_ids holds {len(token_ids)} ids for "
-                                 f"{int(lens.sum())} tokens", field="token_ids")
-            return np.split(token_ids, np.cumsum(lens)[:-1])
-        seqs = [np.asarray(t).reshape(-1) for t in token_ids]
-        if [len(t) for t in seqs] != lens.tolist():
-            raise StoreError(f"token_ids lengths {[len(t) for t in seqs]} differ from seq_lens "
-                             f"{lens.tolist()}", field="token_ids")
-        for t in seqs:
-            if t.size and t.dtype.kind not in "iu":
-                raise StoreError("token_ids are integers", field="token_ids")
-        return seqs
+    def _set_pages(self, digests: list[bytes], values: dict[bytes, memoryview]) -> None:
+        """Page bytes under their keys: MSETs of ~1 MiB sent straight from the pages'
+        memory, BATCH_BYTES per round trip (redis-py pipelines where that cannot be)."""
+        with resp.open_wire(self.client) as wire:
+            if wire is None:
+                self._batched(digests, [values[d].nbytes for d in digests],
+                              lambda p, d: p.set(page_key(d), values[d]))
+                return
+            parts: list[Any] = []
+            group: list[bytes] = []
+            pending = group_bytes = commands = 0
+            for i, d in enumerate(digests):
+                group.append(d)
+                group_bytes += values[d].nbytes
+                if group_bytes >= MSET_BYTES or i == len(digests) - 1:
+                    parts += resp.mset([page_key(g) for g in group], [values[g] for g in group])
+                    commands += 1
+                    pending += group_bytes
+                    group, group_bytes = [], 0
+                    if pending >= BATCH_BYTES or i == len(digests) - 1:
+                        wire.send(parts)
+                        for _ in range(commands):
+                            wire.simple()
+                        parts, pending, commands = [], 0, 0
 
     def _index_prefixes(self, snapshot_id: str, snapshot: KVCacheSnapshot, token_ids: Any
                         ) -> None:
         pipe = self._pipe()
         pipe.sadd(PAGE_SIZES, snapshot.page_size)
-        for s, tokens in enumerate(self._split_tokens(snapshot, token_ids)):
-            for k, chain in enumerate(_token_chains(tokens, snapshot.page_size)):
-                pipe.set(prefix_key(chain), _prefix_value(snapshot_id, s,
+        for s, tokens in enumerate(split_tokens(snapshot, token_ids)):
+            for k, chain in enumerate(token_chains(tokens, snapshot.page_size)):
+                pipe.set(prefix_key(chain), prefix_value(snapshot_id, s,
                                                           (k + 1) * snapshot.page_size))
         pipe.execute()
 
@@ -408,7 +293,7 @@ class PageStore:
         if raw is None:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
-        return _parse_manifest(snapshot_id, raw)
+        return parse_manifest(snapshot_id, raw)
 
     def get(self, snapshot_id: str) -> KVCacheSnapshot:
         """The snapshot, pages fetched with pipelined reads and put back into their pools."""
@@ -433,7 +318,6 @@ class PageStore:
     def _assemble(self, snapshot_id: str, items: list, table: list[bytes],
                   only_layer: int | None) -> tuple[list, list]:
         """(non-page members, block-paged members) as ``(None, descriptor, buffers)``."""
-        wanted: dict[bytes, None] = {}
         plan = []
         pos = 0
         for desc, skeleton in items:
@@ -444,60 +328,86 @@ class PageStore:
             pos += n
             take = only_layer is None or desc.layout.layer_index == only_layer
             plan.append((desc, skeleton, ds, take))
-            if take:
-                for d in ds:
-                    if d != ZERO:
-                        wanted.setdefault(d, None)
         if pos != len(table):
             raise StoreError(f"manifest of {snapshot_id!r}: {len(table)} page digests for "
                              f"{pos} pages", field="manifest")
-        keys = list(wanted)
-        fetched = dict(zip(keys, self._batched(keys, [1 << 16] * len(keys),
-                                               lambda p, d: p.get(page_key(d))), strict=True))
+        jobs: list[tuple[bytes, np.ndarray]] = []
         members = []
         for desc, skeleton, ds, take in plan:
             if take:
-                members.append((None, desc, self._member_buffers(snapshot_id, desc, skeleton, ds,
-                                                                 fetched)))
+                rows = self._rows_for(desc, ds, jobs)
+                members.append((desc, skeleton, ds, rows))
+        self._fetch(snapshot_id, jobs, plan)
+        out = [(None, desc, self._member_buffers(desc, skeleton, ds, rows))
+               for desc, skeleton, ds, rows in members]
         scalars = [(None, d, b) for d, b in items if not isinstance(d.layout, BlockPaged)
                    and not isinstance(d.layout, Composite)]
-        return scalars, members
+        return scalars, out
 
-    def _member_buffers(self, snapshot_id: str, desc: TensorDescriptor, skeleton: list,
-                        digests: list[bytes], fetched: dict[bytes, Any]) -> list[Any]:
-        layout = desc.layout
-        n = layout.num_pages
-        pool_bytes = desc.buffers[0].byte_size
-        row = pool_bytes // n if n else 0
-        q = desc.quantization
-        slot_sizes = [desc.buffers[i].byte_size // n if n else 0 for i in range(3, len(
-            desc.buffers))] if isinstance(q, PerBlockAffine) else []
-        width = row + sum(slot_sizes)
-        present = np.array([d != ZERO for d in digests], bool)
-        values = []
+    @staticmethod
+    def _rows_for(desc: TensorDescriptor, digests: list[bytes],
+                  jobs: list[tuple[bytes, np.ndarray]]) -> np.ndarray:
+        """The member's page rows, each referenced one a job for ``_fetch``."""
+        rows = alloc.empty((desc.layout.num_pages, _page_width(desc)), np.uint8)
         for i, d in enumerate(digests):
             if d == ZERO:
-                continue
-            v = fetched.get(d)
-            if v is None:
-                raise StoreError(
-                    f"snapshot {snapshot_id!r}: layer {layout.layer_index} "
-                    f"{layout.kv_role_name} page {i} ({page_key(d)}) is missing from the "
-                    "store (evicted or deleted)", field="page", value=i,
-                    rule="every page a manifest names must be stored")
-            if len(v) != width:
-                raise StoreError(f"snapshot {snapshot_id!r}: page {i} holds {len(v)} bytes, "
-                                 f"expected {width}", field="page", value=i)
-            values.append(v)
-        if present.all():  # every page referenced: one copy, straight from the replies
-            rows = np.frombuffer(b"".join(values), np.uint8).reshape(n, width) if n else \
-                np.zeros((0, width), np.uint8)
-        else:
-            rows = np.zeros((n, width), np.uint8)
-            if values:
-                rows[present] = np.frombuffer(b"".join(values), np.uint8).reshape(-1, width)
-        buffers = [rows[:, :row].reshape(-1), *skeleton[:2]]
-        if not slot_sizes:
+                rows[i] = 0  # a page no sequence references comes back as zeros
+            else:
+                jobs.append((d, rows[i]))
+        return rows
+
+    def _fetch(self, snapshot_id: str, jobs: list[tuple[bytes, np.ndarray]], plan: list
+               ) -> None:
+        """Fill every job's row: each distinct page is fetched once, its GET reply received
+        straight into its first row (BATCH_BYTES per round trip); later rows of the same
+        page are copied from that one."""
+        first: dict[bytes, np.ndarray] = {}
+        fetch: list[tuple[bytes, np.ndarray]] = []
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        for d, row in jobs:
+            if d in first:
+                copies.append((row, first[d]))
+            else:
+                first[d] = row
+                fetch.append((d, row))
+        missing: list[bytes] = []
+        with resp.open_wire(self.client) as wire:
+            for a, b in _rounds([row.nbytes for _, row in fetch]):
+                batch = fetch[a:b]
+                if wire is None:
+                    values = self._batched([d for d, _ in batch], [0] * len(batch),
+                                           lambda p, d: p.get(page_key(d)))
+                    for (d, row), v in zip(batch, values, strict=True):
+                        if v is None:
+                            missing.append(d)
+                        elif len(v) != row.nbytes:
+                            raise StoreError(f"snapshot {snapshot_id!r}: page {page_key(d)} "
+                                             f"holds {len(v)} bytes, expected {row.nbytes}",
+                                             field="page", value=len(v))
+                        else:
+                            row[...] = np.frombuffer(v, np.uint8)
+                    continue
+                wire.send([resp.get(page_key(d)) for d, _ in batch])
+                for d, row in batch:
+                    if not wire.bulk_into(memoryview(row)):
+                        missing.append(d)
+        if missing:
+            raise _missing(snapshot_id, plan, set(missing))
+        for row, src in copies:
+            row[...] = src
+
+    @staticmethod
+    def _member_buffers(desc: TensorDescriptor, skeleton: list, digests: list[bytes],
+                        rows: np.ndarray) -> list[Any]:
+        layout = desc.layout
+        n = layout.num_pages
+        row = desc.buffers[0].byte_size // n if n else 0
+        width = rows.shape[1]
+        q = desc.quantization
+        present = np.array([d != ZERO for d in digests], bool)
+        buffers = [rows[:, :row].reshape(-1) if width == row else
+                   np.ascontiguousarray(rows[:, :row]).reshape(-1), *skeleton[:2]]
+        if not isinstance(q, PerBlockAffine):
             return buffers + skeleton[2:]
         # Per-page-slot parameters (D4): scales, then zero-points, after each page's bytes.
         ps = layout.page_size
@@ -520,7 +430,7 @@ class PageStore:
             int(x) for x in self.client.smembers(PAGE_SIZES))
         best: tuple[str, int, int] | None = None
         for ps in sizes:
-            chains = _token_chains(tokens, ps)
+            chains = token_chains(tokens, ps)
             if not chains:
                 continue
             pipe = self._pipe()
@@ -530,7 +440,7 @@ class PageStore:
             for k in range(len(chains) - 1, -1, -1):
                 if hits[k] is None:
                     continue
-                sid, seq, count = _parse_prefix_value(hits[k])
+                sid, seq, count = parse_prefix_value(hits[k])
                 if self.client.exists(manifest_key(sid)) and (best is None or count > best[2]):
                     best = (sid, seq, count)
                 break
@@ -545,16 +455,13 @@ class PageStore:
         self._release(snapshot_id, raw, keep_manifest=False)
 
     def _release(self, snapshot_id: str, raw: bytes, keep_manifest: bool) -> None:
-        items, table, tokens = _parse_manifest(snapshot_id, raw)
+        items, table, tokens = parse_manifest(snapshot_id, raw)
         logical = 0
         pos = 0
         for desc, _ in items:
             if isinstance(desc.layout, BlockPaged):
                 n = desc.layout.num_pages
-                width = sum(h.byte_size for h in desc.buffers[:1]) // n if n else 0
-                if isinstance(desc.quantization, PerBlockAffine) and n:
-                    width += sum(h.byte_size for h in desc.buffers[3:]) // n
-                logical += width * sum(1 for d in table[pos:pos + n] if d != ZERO)
+                logical += _page_width(desc) * sum(1 for d in table[pos:pos + n] if d != ZERO)
                 pos += n
         distinct = list(dict.fromkeys(d for d in table if d != ZERO))
         results = self._batched(distinct, [0] * len(distinct), lambda p, d: self._decref(
@@ -584,8 +491,8 @@ class PageStore:
         ids = np.frombuffer(tokens, "<i8")
         pipe = self._pipe()
         for s, seq in enumerate(np.split(ids, np.cumsum(seq_lens)[:-1])):
-            for k, chain in enumerate(_token_chains(seq, page_size)):
-                value = _prefix_value(snapshot_id, s, (k + 1) * page_size)
+            for k, chain in enumerate(token_chains(seq, page_size)):
+                value = prefix_value(snapshot_id, s, (k + 1) * page_size)
                 self._del_if(keys=[prefix_key(chain)], args=[value], client=pipe)
         pipe.execute()
 
@@ -607,56 +514,6 @@ class PageStore:
         for sid in snapshot_ids:
             pipe.exists(manifest_key(sid))
         return [bool(n) for n in pipe.execute()]
-
-
-def _prefix_value(snapshot_id: str, seq: int, count: int) -> bytes:
-    raw = snapshot_id.encode("utf-8")
-    return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count)
-
-
-def _parse_prefix_value(value: bytes) -> tuple[str, int, int]:
-    (n,) = struct.unpack_from("<I", value)
-    seq, count = struct.unpack_from("<IQ", value, 4 + n)
-    return value[4:4 + n].decode("utf-8"), seq, count
-
-
-def _parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], bytes]:
-    """(items: [(descriptor, buffers)], page digests, token bytes)."""
-    mv = memoryview(raw)
-    try:
-        if bytes(mv[:4]) != MAGIC:
-            raise ValueError("magic")
-        version, n = struct.unpack_from("<IQ", mv, 4)
-        if version != 1:
-            raise ValueError(f"version {version}")
-        pos = 16
-        hurray = mv[pos:pos + n]
-        pos += n
-        (tn,) = struct.unpack_from("<Q", mv, pos)
-        table_raw = bytes(mv[pos + 8:pos + 8 + tn])
-        pos += 8 + tn
-        (kn,) = struct.unpack_from("<Q", mv, pos)
-        tokens = bytes(mv[pos + 8:pos + 8 + kn])
-        if len(table_raw) != tn or tn % DIGEST or len(tokens) != kn:
-            raise ValueError("truncated")
-    except (ValueError, struct.error) as e:
-        raise StoreError(f"manifest of {snapshot_id!r} does not parse: {e}",
-                         field="manifest", value=snapshot_id) from None
-    items = []
-    off = 0
-    while off < len(hurray):
-        desc = decode_descriptor(hurray[off:])
-        off += len(desc.encode())
-        bufs = []
-        for i, h in enumerate(desc.buffers):
-            if isinstance(desc.layout, BlockPaged) and (
-                    i == 0 or (i >= 3 and isinstance(desc.quantization, PerBlockAffine))):
-                continue  # page data: in the page keys
-            bufs.append(np.frombuffer(hurray[off:off + h.byte_size], np.uint8))
-            off += h.byte_size
-        items.append((desc, bufs))
-    table = [table_raw[i:i + DIGEST] for i in range(0, len(table_raw), DIGEST)]
-    return items, table, tokens
 
 
 __all__ = ["PageStore", "StoreError"]

@@ -1,0 +1,128 @@
+"""The page store's manifest and prefix-index values (floor 4): bytes <-> fields.
+
+Manifest: ``"HKVM" | u32 version (1) | u64 n | n Hurray bytes | u64 n | page digests
+(16 bytes each, all zero for a page no sequence references) | u64 n | token ids`` (see
+``pages.py``).  A prefix-index value names the snapshot, sequence and token count where
+a chain of full token pages ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreError
+from ..info import info_member
+from ..io.stream import write_tensor
+from ..snapshot import KVCacheSnapshot, group_head, kv_scales_member, seq_lens_member
+from ..wire.descriptor import decode_descriptor
+from ..wire.layouts import BlockPaged
+from ..wire.quantization import PerBlockAffine
+from .members import DIGEST, Member
+
+MAGIC = b"HKVM"
+
+
+def encode_manifest(snapshot: KVCacheSnapshot, members: list[Member],
+                    digests: list[list[bytes]], token_ids: Any) -> bytes:
+    """The manifest of a snapshot being stored (its pages' digests in table order)."""
+    buf = io.BytesIO()
+    write_tensor(buf, group_head(snapshot.member_count()), [])
+    write_tensor(buf, *seq_lens_member(snapshot.seq_lens))
+    if snapshot.kv_scales is not None:
+        write_tensor(buf, *kv_scales_member(snapshot.kv_scales))
+    if snapshot.has_info:
+        write_tensor(buf, *info_member(snapshot.model, snapshot.metadata))
+    for m in members:
+        buf.write(m.skeleton())
+    hurray = buf.getvalue()
+    table = b"".join(d for ds in digests for d in ds)
+    tokens = b""
+    if token_ids is not None:
+        tokens = np.concatenate([np.asarray(t, dtype="<i8").reshape(-1)
+                                 for t in split_tokens(snapshot, token_ids)]
+                                or [np.zeros(0, "<i8")]).tobytes()
+    return b"".join([MAGIC, struct.pack("<IQ", 1, len(hurray)), hurray,
+                     struct.pack("<Q", len(table)), table,
+                     struct.pack("<Q", len(tokens)), tokens])
+
+def split_tokens(snapshot: KVCacheSnapshot, token_ids: Any) -> list[np.ndarray]:
+    lens = snapshot.seq_lens
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+        if len(token_ids) != int(lens.sum()):
+            raise StoreError(f"token_ids holds {len(token_ids)} ids for "
+                             f"{int(lens.sum())} tokens", field="token_ids")
+        return np.split(token_ids, np.cumsum(lens)[:-1])
+    seqs = [np.asarray(t).reshape(-1) for t in token_ids]
+    if [len(t) for t in seqs] != lens.tolist():
+        raise StoreError(f"token_ids lengths {[len(t) for t in seqs]} differ from seq_lens "
+                         f"{lens.tolist()}", field="token_ids")
+    for t in seqs:
+        if t.size and t.dtype.kind not in "iu":
+            raise StoreError("token_ids are integers", field="token_ids")
+    return seqs
+
+
+def token_chains(tokens: np.ndarray, page_size: int) -> list[bytes]:
+    """Chained digest over each full page of token ids (engine-style prefix hashing)."""
+    out, prev = [], struct.pack("<I", page_size)
+    full = len(tokens) // page_size
+    data = np.ascontiguousarray(tokens[: full * page_size], dtype="<i8").reshape(full, -1)
+    for row in data:
+        prev = hashlib.blake2b(prev + row.tobytes(), digest_size=DIGEST).digest()
+        out.append(prev)
+    return out
+
+
+def prefix_value(snapshot_id: str, seq: int, count: int) -> bytes:
+    raw = snapshot_id.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count)
+
+
+def parse_prefix_value(value: bytes) -> tuple[str, int, int]:
+    (n,) = struct.unpack_from("<I", value)
+    seq, count = struct.unpack_from("<IQ", value, 4 + n)
+    return value[4:4 + n].decode("utf-8"), seq, count
+
+
+def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], bytes]:
+    """(items: [(descriptor, buffers)], page digests, token bytes)."""
+    mv = memoryview(raw)
+    try:
+        if bytes(mv[:4]) != MAGIC:
+            raise ValueError("magic")
+        version, n = struct.unpack_from("<IQ", mv, 4)
+        if version != 1:
+            raise ValueError(f"version {version}")
+        pos = 16
+        hurray = mv[pos:pos + n]
+        pos += n
+        (tn,) = struct.unpack_from("<Q", mv, pos)
+        table_raw = bytes(mv[pos + 8:pos + 8 + tn])
+        pos += 8 + tn
+        (kn,) = struct.unpack_from("<Q", mv, pos)
+        tokens = bytes(mv[pos + 8:pos + 8 + kn])
+        if len(table_raw) != tn or tn % DIGEST or len(tokens) != kn:
+            raise ValueError("truncated")
+    except (ValueError, struct.error) as e:
+        raise StoreError(f"manifest of {snapshot_id!r} does not parse: {e}",
+                         field="manifest", value=snapshot_id) from None
+    items = []
+    off = 0
+    while off < len(hurray):
+        desc = decode_descriptor(hurray[off:])
+        off += len(desc.encode())
+        bufs = []
+        for i, h in enumerate(desc.buffers):
+            if isinstance(desc.layout, BlockPaged) and (
+                    i == 0 or (i >= 3 and isinstance(desc.quantization, PerBlockAffine))):
+                continue  # page data: in the page keys
+            bufs.append(np.frombuffer(hurray[off:off + h.byte_size], np.uint8))
+            off += h.byte_size
+        items.append((desc, bufs))
+    table = [table_raw[i:i + DIGEST] for i in range(0, len(table_raw), DIGEST)]
+    return items, table, tokens
