@@ -42,6 +42,7 @@ test-engine: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]'
+	$(PY) benchmarks/warm_memory.py
 	$(PY) benchmarks/bench_paged.py
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_snapshot.py

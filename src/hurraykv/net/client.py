@@ -266,6 +266,7 @@ class KVClient:
         whole snapshot once the group has closed.  ``into``: see ``pull``."""
         total = self._size_of(key) if progress is not None else 0  # before the transfer
         target = _IntoSnapshot(into) if into is not None else None
+        self.last_snapshot = None  # the previous pull's memory can be recycled for this one
         stream = self._request(key)
         head, _ = self._read_tensor(stream)
         if not isinstance(head.layout, Composite):
