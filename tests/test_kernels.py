@@ -47,17 +47,18 @@ def quantized_outputs(t, dtype, symmetric, scale_dtype):
     q = t.quantize("per_block_affine", dtype, symmetric, scale_dtype=scale_dtype)
     out = np.empty((int(q.seq_lens[1]), q.num_heads, q.head_dim), np.float32)
     return ([bytes(b) for b in q.buffers()], q.to_dense(dequantize=True).view(np.uint32),
-            q.gather(1, out=out, dequantize=True).view(np.uint32))
+            q.gather(1, out=out, dequantize=True).view(np.uint32),
+            q.dequantize().page_pool.view(np.uint32))
 
 
 def assert_same(slow, fast):
-    sb, sd, sg = slow
-    fb, fd, fg = fast
-    assert len(sb) == len(fb)
-    for i, (a, b) in enumerate(zip(sb, fb, strict=True)):
+    buffers, *floats = slow
+    fast_buffers, *fast_floats = fast
+    assert len(buffers) == len(fast_buffers)
+    for i, (a, b) in enumerate(zip(buffers, fast_buffers, strict=True)):
         assert a == b, f"buffer {i} differs"
-    np.testing.assert_array_equal(sd, fd)
-    np.testing.assert_array_equal(sg, fg)
+    for a, b in zip(floats, fast_floats, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 POOL_TYPES = [np.float16, ml_dtypes.bfloat16, np.float32]

@@ -736,8 +736,13 @@ class BlockPagedTensor:
     def dequantize(self) -> BlockPagedTensor:
         """A float32 copy: quantized pools per the spec formula, fp8 pools times
         ``fp8_scale``, float pools widened.  Tables and aliasing are unchanged."""
-        codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)
-        values = self._float_values(codes, np.arange(len(codes)))
+        slots = np.arange(self.num_pages * self.page_size)
+        values = _quant.gather_dequantized(
+            self._rows, self.element_type, self.page_size, self.num_heads, self.head_dim,
+            slots, self.quantization, self.quant_params) if self._has_data() else None
+        if values is None:
+            codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)
+            values = self._float_values(codes, slots)
         return self._derive(values.reshape(self.num_pages, -1), element_type=element_type(
             "float32"), quantization=None, params=(), fp8_scale=None)
 
