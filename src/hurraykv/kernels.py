@@ -10,7 +10,7 @@ kernels are the same arithmetic in one.
 **Results are bit-identical to the NumPy code in ``quant.py``** (tested on both): the
 same float32 operations in the same order, with ``rint`` rounding half to even.  Input
 rows holding Inf or NaN make a kernel report failure, and the caller takes the NumPy
-path for the whole call, so even those results match.
+path for the whole call, which refuses them naming the slot (decision H72).
 
 Installed with ``pip install 'hurraykv[fast]'``; without numba, or with
 ``HURRAYKV_KERNELS=numpy``, ``ENABLED`` is False and ``quant.py`` uses NumPy alone.
@@ -31,8 +31,8 @@ ENABLED = (os.environ.get("HURRAYKV_KERNELS", "").lower() != "numpy"
 
 # Input kinds: how a slot row's unsigned bits become float32.
 FLOAT16, BFLOAT16, FLOAT32 = 0, 1, 2
-KINDS = {np.dtype(np.float16): FLOAT16, np.dtype(np.float32): FLOAT32}
-KINDS[np.dtype(ml_dtypes.bfloat16)] = BFLOAT16
+KINDS = {np.dtype(np.float16): FLOAT16, np.dtype(ml_dtypes.bfloat16): BFLOAT16,
+         np.dtype(np.float32): FLOAT32}
 _BITS_VIEW = {FLOAT16: np.uint16, BFLOAT16: np.uint16, FLOAT32: np.uint32}
 
 
