@@ -59,3 +59,27 @@ def impl() -> ModuleType | None:
         ENABLED = False
         return None
     return _numba_kernels
+
+
+_warm = False
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every dequantizing-read kernel variant a
+    tensor can meet: int8 and uint8 codes, packed pages, each in writable and read-only
+    memory.  For callers that must not compile later (compilation allocates ~10 MB)."""
+    global _warm
+    kern = impl()
+    if kern is None or _warm:
+        return
+    _warm = True
+    slots, scales, zps = np.zeros(1, np.int64), np.ones(2, np.float32), np.zeros(2, np.int32)
+    out = np.empty((1, 8), np.float32)
+    for readonly in (False, True):
+        for dt in (np.int8, np.uint8):
+            rows = np.zeros((2, 8), dt)
+            rows.flags.writeable = not readonly
+            kern.dequantize_gather(rows, slots, scales, zps, True, out, 0, 1)
+        pages = np.zeros((2, 4), np.uint8)
+        pages.flags.writeable = not readonly
+        kern.dequantize_gather_packed(pages, slots, 1, 8, 4, True, scales, zps, True, out, 0, 1)

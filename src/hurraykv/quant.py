@@ -295,9 +295,10 @@ def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads:
         return None
     num_slots = rows.shape[0] * page_size
     scales, zps = params_arrays(q, params, num_slots)
-    scales = np.ascontiguousarray(scales, np.float32)
+    # writable copies (one value per slot): the kernels then meet one array type only
+    scales = np.array(scales, np.float32)
     has_zp = zps is not None
-    zps = np.ascontiguousarray(zps, np.int32) if has_zp else np.zeros(1, np.int32)
+    zps = np.array(zps, np.int32) if has_zp else np.zeros(1, np.int32)
     n, elems = len(slots), heads * dim
     if out is None:
         out = alloc.empty((n, heads, dim), np.float32)
