@@ -11,7 +11,7 @@ import hashlib
 from typing import Any
 
 # Lua: keys[1] page, keys[2] refcount; in one slot (same hash tag), so atomic in a cluster.
-# Page bytes never go through Lua (it would copy them): a plain SET NX stores a page, then
+# Page bytes never go through Lua (it would copy them): a plain (M)SET stores a page, then
 # INCREF counts the reference only if the page is still there (else the caller stores it
 # again: a concurrent delete may have removed it in between).
 _INCREF = """
