@@ -6,7 +6,8 @@ Every engine runs in its own process (``hurraykv.integrations.engine_run``), vll
 1. Per-request cost on the same engine, model and prompts: a tiny Llama (2 layers,
    2 KV heads x 32, float32), 20 prompts of 200 tokens, ``generate()`` of 8 tokens one
    request at a time, median over ``--repeats`` engine pairs (each over prompts of its
-   own; the first request of an engine warms up and is left out).  "storing": prompts not
+   own; the first request of an engine warms up and is left out).  Repetitions are
+   interleaved: each runs every contender once, so drift over the run meets all alike.  "storing": prompts not
    stored yet; "hit": a fresh engine process over the stored prompts (192 tokens
    reused).  Beside each median: the time spent inside the connector's own methods per
    request (wrapped by ``engine_run``), the part of the cost that is the connector's.
@@ -28,6 +29,7 @@ LMCache lives in its own environment (``.venv-lmcache``, pinned in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -108,52 +110,55 @@ def peers(work: Path, n_prompts: int, repeats: int) -> list[tuple[str, str, str,
         # the first request of each engine warms up; the others are pooled
         return float(np.median([t for r in results for t in r[key][1:]])) * 1e3
 
-    def pair(name: str, connector: dict, python: str | None = None, **kw) -> list:
-        slug = "".join(c if c.isalnum() else "-" for c in name)
-        stored, hit = [], []
-        for rep in range(repeats):  # new prompts each time: nothing stored yet
-            stored.append(engine(spec(connector, rep, **kw), work, f"{slug}-store{rep}", python))
-            hit.append(engine(spec(connector, rep, **kw), work, f"{slug}-hit{rep}", python))
-        reused = [o["num_cached_tokens"] for r in hit for o in r["outputs"]]
-        assert min(reused) >= 192, (name, reused)
-        return [(name, "storing", med(stored), med(stored, "connector_times")),
-                (name, f"{min(reused)}-token hit", med(hit), med(hit, "connector_times"))]
-
-    rows = [("no connector", "", med([engine(spec(None, rep), work, f"none{rep}")
-                                      for rep in range(repeats)]), 0.0)]
     example = {"name": "ExampleConnector", "module": "", "role": "kv_both",
                "extra": {"shared_storage_path": str(work / "example")}}
-    rows += pair("vLLM ExampleConnector", example)
     py = lmcache_python()
-    port = free_port()
-    server = subprocess.Popen([py, "-m", "lmcache.v1.multiprocess.server", "--host",
-                               "localhost", "--port", str(port), "--chunk-size", "32",
-                               "--l1-size-gb", "1", "--eviction-policy", "LRU",
-                               "--supported-transfer-mode", "engine_driven",
-                               "--disable-observability"], env=dict(os.environ, **LMCACHE_ENV),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(8)  # the server binds its ZMQ socket after imports
+    with contextlib.ExitStack() as stack:
+        port = free_port()
+        lmcache = subprocess.Popen(
+            [py, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost", "--port",
+             str(port), "--chunk-size", "32", "--l1-size-gb", "1", "--eviction-policy", "LRU",
+             "--supported-transfer-mode", "engine_driven", "--disable-observability"],
+            env=dict(os.environ, **LMCACHE_ENV), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        stack.callback(lambda: (lmcache.terminate(), lmcache.wait(30)))
+        hs = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"], stdout=subprocess.PIPE,
+                              text=True)
+        stack.callback(lambda: (hs.terminate(), hs.wait(10)))
+        address = hs.stdout.readline().split()[-1]
+        from tests.redis_servers import single_server
+
+        redis_url = stack.enter_context(single_server(work))
+        time.sleep(8)  # the LMCache server binds its ZMQ socket after imports
         lm = {"name": "LMCacheMPConnector", "module": "", "role": "kv_both",
               "extra": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
-        rows += pair("LMCache 0.5.6 (server mode)", lm, py, patch_dispatcher=True)
-    finally:
-        server.terminate()
-        server.wait(30)
-    rows += pair("hurraykv file://", hurray_conn((work / "hkv").as_uri()))
-    hs = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
-                           "127.0.0.1:0", "--log-level", "warning"], stdout=subprocess.PIPE,
-                          text=True)
-    try:
-        address = hs.stdout.readline().split()[-1]
-        rows += pair("hurraykv hurray://", hurray_conn(f"hurray://{address}"))
-    finally:
-        hs.terminate()
-        hs.wait(10)
-    from tests.redis_servers import single_server
-
-    with single_server(work) as url:
-        rows += pair("hurraykv redis://", hurray_conn(url))
+        contenders = [
+            ("vLLM ExampleConnector", example, None, {}),
+            ("LMCache 0.5.6 (server mode)", lm, py, {"patch_dispatcher": True}),
+            ("hurraykv file://", hurray_conn((work / "hkv").as_uri()), None, {}),
+            ("hurraykv hurray://", hurray_conn(f"hurray://{address}"), None, {}),
+            ("hurraykv redis://", hurray_conn(redis_url), None, {}),
+        ]
+        none: list[dict] = []
+        stored: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
+        hit: dict[str, list[dict]] = {name: [] for name, *_ in contenders}
+        # repetitions outermost: every contender meets the machine in the same state
+        for rep in range(repeats):  # new prompts each time: nothing stored yet
+            none.append(engine(spec(None, rep), work, f"none{rep}"))
+            for name, conn, python, kw in contenders:
+                slug = "".join(c if c.isalnum() else "-" for c in name)
+                stored[name].append(engine(spec(conn, rep, **kw), work, f"{slug}-store{rep}",
+                                           python))
+                hit[name].append(engine(spec(conn, rep, **kw), work, f"{slug}-hit{rep}",
+                                        python))
+    rows = [("no connector", "", med(none), 0.0)]
+    for name, *_ in contenders:
+        reused = [o["num_cached_tokens"] for r in hit[name] for o in r["outputs"]]
+        assert min(reused) >= 192, (name, reused)
+        rows += [(name, "storing", med(stored[name]), med(stored[name], "connector_times")),
+                 (name, f"{min(reused)}-token hit", med(hit[name]),
+                  med(hit[name], "connector_times"))]
     base = rows[0][2]
     peer_best = {kind: min(ms for name, k, ms, _ in rows if k.startswith(kind)
                            and not name.startswith("hurraykv")) for kind in ("storing", "1")}
