@@ -181,3 +181,25 @@ def test_any_16_bit_pattern_quantizes_as_numpy_does(bits, code, pool_type, scale
         assert (magnitude >= (0x7C00 if pool_type is np.float16 else 0x7F80)).any()
     else:
         assert_same(slow, fast)
+
+
+def test_a_block_table_changed_after_validation_cannot_make_a_kernel_read_out_of_bounds(
+        monkeypatch):
+    # the kernels do not bound-check: such slots take the NumPy path, whatever it does
+    rng = np.random.default_rng(8)
+    t = tensor(rng.standard_normal((8, 4, 2, 16)).astype(np.float16), rng)
+
+    def read(q):
+        try:
+            return q.to_dense(dequantize=True).view(np.uint32)
+        except Exception as exc:
+            return type(exc)
+
+    for dtype in ("int8", "int4"):
+        q = t.quantize("per_block_affine", dtype, False)
+        q.block_table[0] = 1 << 30  # past the pool, behind validate()'s back
+        slow, fast = both_paths(lambda q=q: read(q), monkeypatch)
+        if isinstance(slow, type):
+            assert slow is fast
+        else:
+            np.testing.assert_array_equal(slow, fast)

@@ -299,11 +299,15 @@ def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads:
     scales = np.array(scales, np.float32)
     has_zp = zps is not None
     zps = np.array(zps, np.int32) if has_zp else np.zeros(1, np.int32)
+    if not num_slots or len(scales) < num_slots or (has_zp and len(zps) < num_slots):
+        return None  # short parameter buffers: the NumPy path reports them
     n, elems = len(slots), heads * dim
+    idx = np.ascontiguousarray(slots, np.int64)
+    if n and (idx.min() < 0 or idx.max() >= num_slots):
+        return None  # the kernels do not bound-check: the NumPy path handles such slots
     if out is None:
         out = alloc.empty((n, heads, dim), np.float32)
     o2 = out.reshape(n, elems)
-    idx = np.ascontiguousarray(slots, np.int64)
     if et.sub_byte:
         signed = et.is_signed
         run_bands(lambda a, b: kern.dequantize_gather_packed(
