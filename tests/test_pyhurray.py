@@ -9,6 +9,7 @@ import itertools
 import subprocess
 import sys
 
+import hurray  # pyhurray: a test dependency (constraints.txt), never skipped
 import numpy as np
 import pytest
 
@@ -16,8 +17,6 @@ import hurraykv as hk
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.wire.layouts import BlockPaged
 from tests.snapshots import make_fused, make_snapshot, same_tokens
-
-hurray = pytest.importorskip("hurray", reason="pyhurray is a test dependency (constraints.txt)")
 
 
 # ---- converting between the two object models -------------------------------------------
