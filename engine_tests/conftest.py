@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-from tests.redis_servers import cluster, single_server
+from tests.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
 
 from hurraykv.integrations import engine_run
 
@@ -87,15 +87,3 @@ def run_engine(spec: dict, tmp_path: Path, name: str = "engine") -> dict:
     if result["code"]:
         pytest.fail(f"{name} failed ({result['code']}):\n{result['log'][-6000:]}")
     return result
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    with single_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def redis_cluster_url(tmp_path_factory):
-    with cluster(tmp_path_factory.mktemp("cluster")) as url:
-        yield url

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.redis_servers import cluster, single_server
+from tests.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
 
 # CI (CI=true) replays a fixed set of examples so a run is reproducible; local runs keep
 # exploring new ones.  No deadlines: a loaded 2-core machine is slow, not wrong.
@@ -39,16 +39,3 @@ def split_stream(data: bytes):
         buffers.append(data[pos:pos + h.byte_size])
         pos += h.byte_size
     return desc, buffers
-
-
-# ---- real Redis servers, started by the suite (tests/redis_servers.py) --------------------
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    with single_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def redis_cluster_url(tmp_path_factory):
-    with cluster(tmp_path_factory.mktemp("cluster")) as url:
-        yield url
