@@ -61,3 +61,11 @@ def same_tokens(a: KVCacheSnapshot, b: KVCacheSnapshot) -> bool:
             if x.gather(s).tobytes() != y.gather(s).tobytes():
                 return False
     return True
+
+
+def zeroed(s: KVCacheSnapshot) -> KVCacheSnapshot:
+    """What a reader may see of ``s`` after a transfer: every unused page slot zeroed."""
+    tensors = [t.copy() for t in s.tensors()]
+    for t in tensors:
+        t.zero_unused_slots()
+    return KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)

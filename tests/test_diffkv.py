@@ -13,7 +13,7 @@ import hurraykv as hk
 from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
 from hurraykv.store import PageStore
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, zeroed
 
 KINDS = ["bfloat16", "fp8", "int8"]
 
@@ -21,12 +21,6 @@ KINDS = ["bfloat16", "fp8", "int8"]
 def diffkv(kind: str) -> hk.KVCacheSnapshot:
     return make_snapshot(kind, dim=16, dim_v=8)
 
-
-def zeroed(s: hk.KVCacheSnapshot) -> hk.KVCacheSnapshot:
-    tensors = [t.copy() for t in s.tensors()]
-    for t in tensors:
-        t.zero_unused_slots()
-    return hk.KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -21,7 +21,7 @@ from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.messages import MessageType as T
 from hurraykv.net.server import KVServer
 from tests.certs import PKI, name
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, zeroed
 
 KINDS = ["float16", "bfloat16", "int8", "fp8"]
 
@@ -31,13 +31,6 @@ def server():
     with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
         yield st
 
-
-def zeroed(s: hk.KVCacheSnapshot) -> hk.KVCacheSnapshot:
-    """What a reader may see: the snapshot with every unused page slot zeroed."""
-    tensors = [t.copy() for t in s.tensors()]
-    for t in tensors:
-        t.zero_unused_slots()
-    return hk.KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)
 
 
 @pytest.mark.parametrize("kind", KINDS)

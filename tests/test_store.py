@@ -10,7 +10,7 @@ from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.store import PageStore
 from hurraykv.store.pages import StoreError, page_key
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, zeroed
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -23,12 +23,6 @@ def store(request):
     yield s
     s.client.close()
 
-
-def zeroed(s: KVCacheSnapshot) -> KVCacheSnapshot:
-    tensors = [t.copy() for t in s.tensors()]
-    for t in tensors:
-        t.zero_unused_slots()
-    return KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)
 
 
 @pytest.mark.parametrize("kind", ["float16", "int8", "int4", "fp8"])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from .. import __version__, units
 from ..errors import HurrayError, MissingDependencyError, TransportError
@@ -27,35 +29,24 @@ from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
 USAGE, INVALID = 2, 1
 
 
-def _size(text: str) -> int:
-    try:
-        n = units.parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8G, 512M or "
-                                         "1048576") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0")
-    return n
+def _greater_than_zero(parse: Callable[[str], Any], what: str, rule: str
+                       ) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse`` the text, which must name ``what``, and be > 0."""
+    def check(text: str) -> Any:
+        try:
+            v = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {rule}")
+        return v
+    return check
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
-    return v
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
-    return v
+_size = _greater_than_zero(units.parse_size, "a size like 8G, 512M or 1048576",
+                           "a size must be > 0")
+_seconds = _greater_than_zero(float, "a number of seconds", "seconds must be > 0")
+_positive = _greater_than_zero(int, "a whole number", "must be > 0")
 
 
 def _client_options(sp: argparse.ArgumentParser) -> None:
