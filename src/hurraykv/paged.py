@@ -413,6 +413,19 @@ class BlockPagedTensor:
                                            f"zero-points MUST lie in [{lo}, {hi}]",
                                            where="index")
 
+    def _slot_params(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per-block-affine scales (float32) and zero-points (int32, or None), writable
+        and contiguous, converted once per ``quant_params`` (which is only ever replaced
+        whole), not on every dequantizing read."""
+        cached = getattr(self, "_slot_params_cache", None)
+        if cached is None or cached[0] is not self.quant_params:
+            scales, zps = _quant.params_arrays(self.quantization, self.quant_params,
+                                               self._param_count())
+            cached = (self.quant_params, np.array(scales, np.float32),
+                      None if zps is None else np.array(zps, np.int32))
+            self._slot_params_cache = cached
+        return cached[1], cached[2]
+
     def _param_count(self) -> int:
         q = self.quantization
         if isinstance(q, PerChannel):
@@ -537,9 +550,12 @@ class BlockPagedTensor:
             raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
                                  f"out must be a C-contiguous {shape} float32 array")
         if self.quantization is not None:
-            fused = _quant.gather_dequantized(self._rows, self.element_type, self.page_size,
-                                              self.num_heads, self.head_dim, slots,
-                                              self.quantization, self.quant_params, out)
+            fused = None
+            if isinstance(self.quantization, PerBlockAffine):
+                fused = _quant.gather_dequantized(self._rows, self.element_type,
+                                                  self.page_size, self.num_heads,
+                                                  self.head_dim, slots, *self._slot_params(),
+                                                  out)
             if fused is not None:
                 return fused
         values = self._float_values(self._take_slots(slots), slots)
@@ -739,7 +755,8 @@ class BlockPagedTensor:
         slots = np.arange(self.num_pages * self.page_size)
         values = _quant.gather_dequantized(
             self._rows, self.element_type, self.page_size, self.num_heads, self.head_dim,
-            slots, self.quantization, self.quant_params) if self._has_data() else None
+            slots, *self._slot_params()) if isinstance(self.quantization, PerBlockAffine) \
+            and self._has_data() else None
         if values is None:
             codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)
             values = self._float_values(codes, slots)

@@ -281,24 +281,22 @@ def dequantize(codes: np.ndarray, slots: np.ndarray, q: Quantization,
 
 
 def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads: int,
-                       dim: int, slots: np.ndarray, q: Quantization,
-                       params: tuple[np.ndarray, ...], out: np.ndarray | None = None
+                       dim: int, slots: np.ndarray, scales: np.ndarray,
+                       zps: np.ndarray | None, out: np.ndarray | None = None
                        ) -> np.ndarray | None:
     """float32 ``[len(slots), heads, dim]`` of per-block-affine codes read straight from
     the page rows (packed or not) in one compiled pass, or None when the kernels do not
-    apply (the caller then gathers and calls ``dequantize``).  Same values as that path."""
-    if not (isinstance(q, PerBlockAffine) and rows.flags.c_contiguous
-            and et.bits in (2, 4, 8) and not et.is_float):
+    apply (the caller then gathers and calls ``dequantize``).  Same values as that path.
+    ``scales`` (float32) and ``zps`` (int32 or None): per slot, writable, contiguous."""
+    if not (rows.flags.c_contiguous and et.bits in (2, 4, 8) and not et.is_float):
         return None
     kern = _k.impl()
     if kern is None:
         return None
     num_slots = rows.shape[0] * page_size
-    scales, zps = params_arrays(q, params, num_slots)
-    # writable copies (one value per slot): the kernels then meet one array type only
-    scales = np.array(scales, np.float32)
     has_zp = zps is not None
-    zps = np.array(zps, np.int32) if has_zp else np.zeros(1, np.int32)
+    if not has_zp:
+        zps = np.zeros(1, np.int32)
     if not num_slots or len(scales) < num_slots or (has_zp and len(zps) < num_slots):
         return None  # short parameter buffers: the NumPy path reports them
     n, elems = len(slots), heads * dim

@@ -403,7 +403,7 @@ def receive_pool() -> ReceivePool:
     return _RECEIVE_POOL
 
 
-def _facts(desc: TensorDescriptor) -> tuple:
+def _receivable(desc: TensorDescriptor) -> tuple:
     """What must agree for a tensor to be received into another's memory."""
     return (desc.type_tag, desc.shape, desc.layout, desc.quantization,
             tuple(h.byte_size for h in desc.buffers))
@@ -433,8 +433,7 @@ class _IntoSnapshot:
     def __call__(self, desc: TensorDescriptor) -> list[memoryview] | None:
         if not isinstance(desc.layout, BlockPaged):
             return None  # seq_lens, kv_scales, info: small, received fresh
-        lay = desc.layout
-        key = (lay.layer_index, {0: "key", 1: "value", 2: "fused"}.get(lay.kv_role, "?"))
+        key = (desc.layout.layer_index, desc.layout.kv_role_name)
         if len(self.tensors) == 1:
             key = next(iter(self.tensors))
         t = self.tensors.get(key)
@@ -442,7 +441,7 @@ class _IntoSnapshot:
             self.misfits.append(f"layer {key[0]} {key[1]}: into has no such member")
             return None
         mine = t.descriptor()
-        if _facts(mine) != _facts(desc):
+        if _receivable(mine) != _receivable(desc):
             self.misfits.append(f"layer {key[0]} {key[1]}: into is {list(mine.shape)} "
                                 f"{mine.layout}, the server sends {list(desc.shape)} "
                                 f"{desc.layout}")
