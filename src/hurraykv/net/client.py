@@ -21,6 +21,7 @@ from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .gather import send_gathered
 from .memory import ReceivePool
 from .messages import (
     HEADER,
@@ -85,7 +86,6 @@ class KVClient:
         except OSError as e:
             raise self._transport(e, "connecting to") from None
         self.sock = sock
-        self.tls = isinstance(sock, ssl.SSLSocket)
         self.max_message_size = max_message_size
         self.frame_bytes = frame_bytes
         self._stream = 1
@@ -113,24 +113,9 @@ class KVClient:
 
     def _send(self, *parts: Any) -> None:
         try:
-            self._send_views([byte_view(p) for p in parts])
+            send_gathered(self.sock, [byte_view(p) for p in parts])
         except OSError as e:
             raise self._transport(e) from None
-
-    def _send_views(self, views: list[memoryview]) -> None:
-        if self.tls or not hasattr(self.sock, "sendmsg"):
-            for v in views:
-                self.sock.sendall(v)
-            return
-        while views:  # scatter-gather: header, offset and data in one system call
-            sent = self.sock.sendmsg(views)
-            while sent and views:
-                if sent >= views[0].nbytes:
-                    sent -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
 
     def _recv_into(self, view: memoryview) -> None:
         got = 0

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import StoreError
+from ..net.gather import send_gathered
 
-IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
 _READ = 1 << 16
 HEADER_READ = 64
 
@@ -35,20 +35,9 @@ class Wire:
         self._buf = bytearray(_READ)
         self._start = self._end = 0
 
-    # -- sending -------------------------------------------------------------------------
     def send(self, parts: Sequence[Any]) -> None:
-        """Send ``parts`` (bytes or memoryviews) gathered, ``IOV_MAX`` per call."""
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        while views:
-            batch = views[:IOV_MAX]
-            sent = self.sock.sendmsg(batch)
-            while sent:
-                if sent >= batch[0].nbytes:
-                    sent -= batch.pop(0).nbytes
-                    views.pop(0)
-                else:
-                    views[0] = batch[0] = batch[0][sent:]
-                    sent = 0
+        """Send ``parts`` (bytes or memoryviews) gathered, without copying them."""
+        send_gathered(self.sock, parts)
 
     # -- receiving -----------------------------------------------------------------------
     def _fill(self, limit: int = _READ) -> None:
