@@ -29,11 +29,13 @@ def workers() -> int:
     return max(1, min(cores, 8))
 
 
-def _executor() -> ThreadPoolExecutor:
+def executor() -> ThreadPoolExecutor:
+    """The process's worker threads (one per core), for leaf work that releases the GIL:
+    copy bands, kernels, page hashing.  Work on them must not wait for other work on
+    them."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, workers() - 1),
-                                   thread_name_prefix="hurraykv-copy")
+        _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="hurraykv")
     return _pool
 
 
@@ -52,7 +54,7 @@ def run_bands(fn: Callable[[int, int], object], rows: int, nbytes: int) -> None:
     if len(parts) == 1:
         fn(*parts[0])
         return
-    futures = [_executor().submit(fn, a, b) for a, b in parts[:-1]]
+    futures = [executor().submit(fn, a, b) for a, b in parts[:-1]]
     error: BaseException | None = None
     try:
         fn(*parts[-1])

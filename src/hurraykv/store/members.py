@@ -8,7 +8,6 @@ layer, snapshot or tenant share one key; the digest must be collision-resistant.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from typing import Any
 
@@ -74,16 +73,3 @@ class Member:
         parts = [self.desc.encode(), bytes(byte_view(t.block_table)), bytes(byte_view(t.seq_ptr))]
         parts += [bytes(p) for p in self.global_params]
         return b"".join(parts)
-
-
-_POOL: Any = None
-
-
-def hash_pool() -> Any:
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                   thread_name_prefix="hurraykv-hash")
-    return _POOL

@@ -48,6 +48,7 @@ from ..snapshot import (
     KVCacheSnapshot,
     SnapshotAssembler,
 )
+from ..threads import executor
 from ..wire.descriptor import TensorDescriptor
 from ..wire.dtypes import BY_NAME
 from ..wire.layouts import BlockPaged, Composite
@@ -61,7 +62,7 @@ from .manifest import (
     split_tokens,
     token_chains,
 )
-from .members import ZERO, Member, hash_pool
+from .members import ZERO, Member
 from .scripts import (
     _DECREF,
     _DEL_IF,
@@ -172,7 +173,7 @@ class PageStore:
                    for k in snapshot.member_keys()]
         # Members are hashed on worker threads (hashlib releases the GIL) while the pages
         # of the members already hashed travel to Redis: hashing overlaps the network.
-        futures = [hash_pool().submit(m.digests) for m in members]
+        futures = [executor().submit(m.digests) for m in members]
         digests: list[list[bytes]] = []
         seen: set[bytes] = set()
         logical = new_bytes = new_pages = 0
