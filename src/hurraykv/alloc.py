@@ -26,10 +26,15 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     if nbytes < MAPPED_FROM:
         return np.empty(shape, dt)
     try:
-        mm = mmap.mmap(-1, -(-nbytes // HUGE) * HUGE,
-                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm = huge_mapping(nbytes)
     except OSError:  # out of address space or mappings: the allocator says so its own way
         return np.empty(shape, dt)
+    return np.frombuffer(mm, dt, count=math.prod(shape)).reshape(shape)
+
+
+def huge_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous mapping of ``nbytes`` rounded up to 2 MiB, advised for 2 MiB pages."""
+    mm = mmap.mmap(-1, -(-nbytes // HUGE) * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError, AttributeError):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mm, dt, count=math.prod(shape)).reshape(shape)
+    return mm

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-CLASS = 2 << 20  # size classes: multiples of 2 MiB (one huge page)
+from ..alloc import HUGE, huge_mapping
+
+CLASS = HUGE  # size classes: multiples of 2 MiB (one huge page)
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module has no name for it yet
 
 
@@ -47,9 +49,7 @@ class ReceivePool:
                 self.recycled += 1
         recycled = mm is not None
         if mm is None:
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            with contextlib.suppress(OSError, AttributeError):
-                mm.madvise(mmap.MADV_HUGEPAGE)
+            mm = huge_mapping(size)
         arr = np.frombuffer(mm, np.uint8, count=n)
         weakref.finalize(arr, self._give, mm, size)
         return arr, mm, recycled
