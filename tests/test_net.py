@@ -396,6 +396,26 @@ def test_pulls_recycle_the_client_memory_of_dropped_snapshots():
         assert pool.recycled >= before + 2
 
 
+def test_a_pull_larger_than_the_idle_cap_is_recycled_whole_next_time(monkeypatch):
+    from hurraykv.net import client as client_mod
+    from hurraykv.net.memory import ReceivePool
+
+    pool = ReceivePool(0)  # nothing kept idle to begin with
+    monkeypatch.setattr(client_mod, "_RECEIVE_POOL", pool)
+    shape = (64, 16, 8, 128)
+    s = hk.KVCacheSnapshot.from_arrays([np.full(shape, 0.5, np.float16)] * 2,
+                                       [np.full(shape, -0.5, np.float16)] * 2,
+                                       np.arange(64), [0, 64], [1024])
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st, KVClient(st.address) as c:
+        c.push("k", s)
+        c.pull("k")
+        assert pool.max_idle_bytes >= 4 * (2 << 20)  # grown to the snapshot's memory
+        c.pull("k")  # drops the first pull's memory into the pool, then receives
+        before = pool.recycled
+        assert c.pull("k").equal(s)
+        assert pool.recycled == before + 4  # every member in recycled memory
+
+
 def test_pull_into_memory_the_caller_holds():
     a = make_snapshot("float16")
     b = make_snapshot("float16", seed=5)

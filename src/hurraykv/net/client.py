@@ -22,9 +22,10 @@ from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
 from .gather import send_gathered
-from .memory import ReceivePool
+from .memory import CLASS, ReceivePool
 from .messages import (
     HEADER,
+    POOL_MIN,
     DataAssembler,
     DataPlan,
     Delete,
@@ -47,6 +48,7 @@ from .messages import (
     encode_text,
     message,
     remote_error,
+    total_data_bytes,
 )
 from .server import parse_address
 
@@ -259,13 +261,20 @@ class KVClient:
                               field="key", value=key, rule="pull() takes snapshots")
         assembler = SnapshotAssembler()
         done = [0, total]
+        held = 0  # receive-pool bytes this snapshot holds
         for _ in range(head.layout.member_count):
             desc, buffers = self._read_tensor(stream, progress, done, target)
+            if target is None and total_data_bytes(desc) >= POOL_MIN:
+                held += -(-total_data_bytes(desc) // CLASS) * CLASS
             layer = assembler.add(desc, buffers, f"from {self.address}")
             if layer is not None and (target is None or not target.misfits):
                 yield layer
         if target is not None:
             target.raise_misfits(key)
+        # keep at least one such snapshot's memory idle once it is dropped, so the next
+        # pull of the same size recycles all of it (fresh memory costs page faults)
+        pool = receive_pool()
+        pool.max_idle_bytes = max(pool.max_idle_bytes, held)
         self.last_snapshot = assembler.finish()
 
     def _size_of(self, key: str) -> int:
@@ -281,13 +290,14 @@ class KVClient:
         """The snapshot under ``key``.
 
         Received bytes land in recycled memory (mappings of snapshots this process has
-        dropped, up to ``RECYCLE_BYTES`` kept) or in fresh mappings populated in bulk
-        ahead of the socket.  ``into``: a snapshot whose memory to receive into, e.g. the
-        previous pull of the same key or views of an engine's cache - every member the
-        server sends must match one of ``into``'s (layer, role, shape, element type,
-        layout, quantization and buffer sizes), else ``LayoutError`` once the transfer
-        has ended; its buffers must be writable.  The returned snapshot's arrays are
-        ``into``'s memory; after a failure that memory holds an unspecified mix."""
+        dropped: ``RECYCLE_BYTES`` or the largest pull's worth kept idle) or in fresh
+        mappings populated in bulk ahead of the socket.  ``into``: a snapshot whose memory
+        to receive into, e.g. the previous pull of the same key or views of an engine's
+        cache - every member the server sends must match one of ``into``'s (layer, role,
+        shape, element type, layout, quantization and buffer sizes), else ``LayoutError``
+        once the transfer has ended; its buffers must be writable.  The returned
+        snapshot's arrays are ``into``'s memory; after a failure that memory holds an
+        unspecified mix."""
         for _ in self.iter_pull(key, progress, into=into):
             pass
         return self.last_snapshot
@@ -375,7 +385,7 @@ class KVClient:
         self.close()
 
 
-RECYCLE_BYTES = 1 << 30  # idle receive memory a process keeps for its next pulls
+RECYCLE_BYTES = 1 << 30  # idle receive memory kept for the next pulls (or the largest pull)
 _RECEIVE_POOL: ReceivePool | None = None
 Into = Callable[[TensorDescriptor], list[memoryview] | None] | None
 
