@@ -257,7 +257,7 @@ class BlockPagedTensor:
                                       f"{desc.element_type_name}")
         total, heads, dim = desc.shape
         ps = layout.page_size
-        _check_row(ps, heads, dim)
+        _check_row(ps, heads, dim, 1 if et.sub_byte else np.dtype(et.numpy).itemsize)
         if et.sub_byte:
             rows = np.frombuffer(views[0], np.uint8).reshape(
                 layout.num_pages, et.nbytes(ps * heads * dim))
@@ -493,6 +493,7 @@ class BlockPagedTensor:
         fp8 pools times ``fp8_scale``).  ``out`` lets a caller reuse one buffer."""
         if not 0 <= s < self.num_seqs:
             raise LayoutError.at("s", None, s, f"sequence index in [0, {self.num_seqs})")
+        self._check_output(int(self._lens()[s]), dequantize)
         if not self._has_data():
             return self._empty(int(self._lens()[s]), dequantize)
         if self._plain(dequantize) and not self.element_type.sub_byte:
@@ -532,9 +533,24 @@ class BlockPagedTensor:
     def to_dense(self, out: np.ndarray | None = None, *,
                  dequantize: bool = False) -> np.ndarray:
         """The logical tensor ``[total_tokens, H, D]``, sequences back to back."""
+        self._check_output(int(self._lens().sum()), dequantize)
         if not self._has_data():
             return self._empty(int(self._lens().sum()), dequantize)
         return self._read(self._slots(np.arange(self.num_seqs)), out, dequantize)
+
+    def _check_output(self, tokens: int, dequantize: bool) -> None:
+        """An output ``[tokens, H, D]`` must be an array NumPy can shape: the product of
+        its non-zero dimensions times the element size at most 2^63-1 bytes (a strictly
+        valid descriptor may declare ``(0, 4683743612465315842, 0)``)."""
+        shape = [tokens, self.num_heads, self.head_dim]
+        nbytes = max(self.dtype.itemsize, 4 if dequantize else 1)
+        for n in shape:
+            nbytes *= n or 1
+        if nbytes > MAX_ROW:
+            raise UnsupportedError.at("shape", None, shape,
+                                      "an output [tokens, num_heads, head_dim] must hold at "
+                                      f"most {MAX_ROW} (2^63-1) bytes counting its non-zero "
+                                      "dimensions (what NumPy can shape)")
 
     def _has_data(self) -> bool:
         """False when heads or head_dim is 0: every token is empty, and token counts (which
@@ -838,13 +854,15 @@ def _check_fp8_scale(et: ElementType, scale: float | None) -> float | None:
 MAX_ROW = np.iinfo(np.intp).max
 
 
-def _check_row(page_size: int, heads: int, dim: int) -> None:
+def _check_row(page_size: int, heads: int, dim: int, itemsize: int = 1) -> None:
     """A page row (page_size*num_heads*head_dim elements) must be an array NumPy can
-    shape, even in a pool of 0 pages whose byte size the product never touches."""
-    if page_size * heads * dim > MAX_ROW:
+    shape, even in a pool of 0 pages whose byte size the product never touches: at most
+    2^63-1 elements and 2^63-1 bytes."""
+    if page_size * heads * dim * itemsize > MAX_ROW:
         raise UnsupportedError.at("shape", None, [page_size, heads, dim],
                                   f"a page of page_size x num_heads x head_dim elements must "
-                                  f"be at most {MAX_ROW} (2^63-1) elements to be held")
+                                  f"be at most {MAX_ROW} (2^63-1) elements and bytes "
+                                  f"({itemsize} per element) to be held")
 
 
 def _check_subbyte_pages(et: ElementType, page_elems: int) -> None:
