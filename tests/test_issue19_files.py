@@ -4,12 +4,21 @@ Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.io.atomic import temp_pattern
+from hurraykv.io.hrry import HrryFile
 from hurraykv.wire.buffers import BufferHandle
 from hurraykv.wire.layouts import BlockPaged
+from tests.snapshots import make_snapshot
 
 
 # ------------------------------------------------------------------- 12 output shapes
@@ -37,3 +46,97 @@ def test_an_output_numpy_cannot_shape_is_a_hurray_error_naming_it():
     # a page row of 2^62 float16 elements is 2^63 bytes: refused when the tensor is built
     with pytest.raises(hk.UnsupportedError, match=rf"shape: found \[1, {1 << 62}, 1\]"):
         _tensor((0, 1 << 62, 1))
+
+
+# ------------------------------------------------------------------- 13 stale temporaries
+def _temps_of(directory, name: str) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if temp_pattern(name).match(p.name))
+
+
+def _age(path, seconds: float = 3600) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past), follow_symlinks=False)
+
+
+def test_a_later_save_removes_the_temporary_a_killed_save_left(tmp_path):
+    target = tmp_path / "s.hrry"
+    code = ("import numpy as np, hurraykv as hk, sys\n"
+            "pools=[np.ones((1024,16,8,128),np.float16) for _ in range(2)]\n"
+            "s=hk.KVCacheSnapshot.from_arrays(pools,pools,np.arange(1024),[0,1024],[16384])\n"
+            "print('ready', flush=True)\n"
+            f"while True: hk.save_snapshot(s, {str(target)!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    p.stdout.readline()
+    deadline = time.monotonic() + 30
+    while not _temps_of(tmp_path, "s.hrry") and time.monotonic() < deadline:
+        time.sleep(0.002)
+    p.kill()
+    p.wait(10)
+    (left,) = _temps_of(tmp_path, "s.hrry")
+    assert (tmp_path / left).stat().st_size > 0
+    _age(tmp_path / left)  # the killed writer's file, untouched for an hour
+    other = tmp_path / ".t.hrry.0123abcd.tmp"  # another target's: not this save's business
+    other.write_bytes(b"x")
+    _age(other)
+    hk.save_snapshot(make_snapshot("float16"), target)
+    assert _temps_of(tmp_path, "s.hrry") == [] and other.exists()
+    assert hk.load_snapshot(target).equal(make_snapshot("float16"))
+
+
+def test_a_temporary_a_live_writer_holds_is_never_removed(tmp_path):
+    target = tmp_path / "s.hrry"
+    code = ("import sys, time\n"
+            "from hurraykv.io.hrry import HrryWriter\n"
+            f"w = HrryWriter({str(target)!r})\n"
+            "print(w._tmp, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "w.finish()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        live = p.stdout.readline().strip()
+        _age(live)  # old, but locked by a live writer
+        young = tmp_path / ".s.hrry.00c0ffee.tmp"  # unlocked, written an instant ago
+        young.write_bytes(b"y")
+        hk.save_snapshot(make_snapshot("float16"), target)
+        assert os.path.exists(live) and young.exists()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(30) == 0  # the live writer finishes: its rename finds its file
+    finally:
+        p.kill()
+    assert not os.path.exists(live) and HrryFile.open(target).names == []
+
+
+# ------------------------------------------------------------------- 14 planted links
+def test_inspect_map_never_writes_through_a_planted_link(tmp_path, monkeypatch, capsys):
+    from hurraykv.cli import main
+
+    src = tmp_path / "s.hrry"
+    hk.save_snapshot(make_snapshot("float16"), src)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "map.svg"
+    names = iter(["deadbeef", "cafef00d", "0badf00d"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n=4: next(names))
+    planted = [tmp_path / ".map.svg.tmp", tmp_path / ".map.svg.deadbeef.tmp",
+               tmp_path / ".map.svg.cafef00d.tmp"]  # the old fixed name and the next two
+    for link in planted:
+        link.symlink_to(victim)
+        _age(link)
+    assert main(["inspect", "--map", str(out), str(src)]) == 0
+    capsys.readouterr()
+    assert victim.read_text() == "precious"
+    assert not out.is_symlink() and out.read_text().startswith("<svg")
+    assert all(link.is_symlink() for link in planted)  # links are neither followed nor taken
+
+
+def test_snapshot_saves_never_write_through_a_planted_link(tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    names = iter(["deadbeef", "cafef00d"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n=4: next(names))
+    (tmp_path / ".s.hrry.deadbeef.tmp").symlink_to(victim)
+    hk.save_snapshot(make_snapshot("float16"), tmp_path / "s.hrry")
+    assert victim.read_text() == "precious"
+    assert hk.load_snapshot(tmp_path / "s.hrry").equal(make_snapshot("float16"))

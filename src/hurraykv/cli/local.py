@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 
 from .. import units
 from ..errors import StreamError
+from ..io.atomic import write_bytes
 from ..io.snapshots import save_snapshot
 from ..snapshot import KVCacheSnapshot
 from ..wire.annotate import format_rows, layout_fields, to_json
@@ -121,9 +121,7 @@ def _write_map(path: str, snap: KVCacheSnapshot | None, contents: Any, name: str
         lens, title = t.seq_lens, f"{name} {n or 'tensor 0'}"
     svg = blockmap.render(t, lens, title)
     _check_writable(path)
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-    tmp.write_text(svg)
-    os.replace(tmp, path)
+    write_bytes(path, svg.encode("utf-8"))  # O_EXCL | O_NOFOLLOW temporary, then rename
 
 
 def _check_writable(path: str) -> None:

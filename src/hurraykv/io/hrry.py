@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from ..paged import byte_view
 from ..threads import run_bands
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from ..wire.layouts import Composite
+from .atomic import create_temp, fsync_dir
 from .crc32c import crc32c
 from .kvmeta import decode_kv, encode_kv
 from .sniff import not_expected
@@ -114,7 +114,7 @@ class HrryWriter:
         self._kv = encode_kv(kv) if kv else b""  # encoded first: errors before any write
         self.entries: list[IndexEntry] = []
         self._names: set[str] = set()
-        fd, self._tmp = _create_temp(self.path)
+        fd, self._tmp = create_temp(self.path)  # locked until closed
         self._f = os.fdopen(fd, "wb", buffering=0)
         self._pending = bytearray()
         try:
@@ -218,10 +218,10 @@ class HrryWriter:
             os.ftruncate(self._f.fileno(), self.pos)  # drop what fallocate reserved past the end
         if self.fsync:
             os.fsync(self._f.fileno())
+        os.replace(self._tmp, self.path)  # renamed while still locked, then closed
         self._f.close()
-        os.replace(self._tmp, self.path)
         if self.fsync:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -264,7 +264,7 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int) -> P
     rename; no fsync), in as few gathered writes as the system allows: a .hrry file whose
     layout is already known (``integrations.chunks``)."""
     path = Path(path)
-    fd, tmp = _create_temp(path)
+    fd, tmp = create_temp(path)
     try:
         views = [memoryview(p).cast("B") for p in pieces]
         if sum(v.nbytes for v in views) != size:
@@ -279,9 +279,9 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int) -> P
                     views.pop(0)
                 else:
                     views[0], n = views[0][n:], 0
+        os.replace(tmp, path)  # renamed while still locked, then closed
         os.close(fd)
         fd = -1
-        os.replace(tmp, path)
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -289,44 +289,6 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int) -> P
             os.unlink(tmp)
         raise
     return path
-
-
-TEMP_SUFFIX = ".tmp"
-
-
-def _create_temp(path: Path) -> tuple[int, str]:
-    """A new temporary file ``.NAME.XXXXXXXX.tmp`` beside ``path``, created with mode
-    0666 less the process umask (as ``open`` would create ``path`` itself), so a reader
-    running as another user sees the same permissions as for any file written here."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ContainerError(f"cannot write {path}: the directory {parent} does not exist",
-                             field="path", value=str(path), rule="an existing directory")
-    for _ in range(100):
-        tmp = parent / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                           0o666), str(tmp)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise ContainerError(f"cannot write {path}: {e.strerror}", field="path",
-                                 value=str(path), rule="a writable directory") from None
-    raise ContainerError(f"no free temporary name beside {path}", field="path",
-                         value=str(path))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- reading

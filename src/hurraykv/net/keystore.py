@@ -21,7 +21,8 @@ from typing import Any
 from .. import units
 from ..errors import HurrayError
 from ..info import is_info
-from ..io.hrry import TEMP_SUFFIX, HrryFile, write_hrry
+from ..io.atomic import remove_stale
+from ..io.hrry import HrryFile, write_hrry
 from ..io.snapshots import HEAD_NAME, snapshot_kv
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
@@ -142,11 +143,10 @@ class KeyStore:
 
     def _scan(self) -> None:
         """Index the persisted objects; temporary files that a killed server left behind
-        (``.NAME.XXXX.tmp``, its own writer's names) are removed."""
+        (``.NAME.XXXXXXXX.tmp``, its own writer's names, unless a live writer holds one
+        locked) are removed."""
         assert self.persist is not None
-        stale = [p for p in self.persist.glob(".*" + TEMP_SUFFIX) if p.is_file()]
-        for path in stale:
-            path.unlink(missing_ok=True)
+        stale = remove_stale(self.persist, None, min_age=0)
         if stale:
             log.info("removed %d stale temporary file(s) from %s", len(stale), self.persist)
         for path in sorted(self.persist.glob("*.hrry")):

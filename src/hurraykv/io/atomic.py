@@ -1,0 +1,151 @@
+"""Temporary files for atomic writes (floor 3): every file hurraykv replaces atomically
+(``.hrry`` files, the server's persisted objects and alias list, ``inspect --map``
+pictures) is written to a temporary file beside it, then renamed over it.
+
+* Names: ``.NAME.XXXXXXXX.tmp`` (8 random hex digits) in the target's directory.
+* Creation: ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never through a planted file or symbolic
+  link: a name that exists is skipped for another), mode 0666 less the umask, as ``open``
+  would create the target itself.
+* While it is written, and until it is renamed, the writer holds an exclusive ``flock``
+  on it.  A writer killed by SIGKILL cannot remove its temporary file, but the kernel
+  drops its lock: a later write of the same target removes that target's temporary files
+  that nobody holds locked and that have not been written to for ``STALE_SECONDS``
+  (``remove_stale``), so a crash leaves at most one leftover per target, and only until
+  the next write.  A live writer's file is locked, and one created an instant ago (not
+  yet locked) is too young to be taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import stat
+import time
+from pathlib import Path
+
+from ..errors import ContainerError
+
+TEMP_SUFFIX = ".tmp"
+STALE_SECONDS = 5.0  # unlocked and untouched this long: a dead writer's
+_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+          | getattr(os, "O_CLOEXEC", 0))
+
+
+def temp_pattern(name: str | None = None) -> re.Pattern[str]:
+    """The temporary names of target ``name`` (of any target when None)."""
+    stem = re.escape(name) if name is not None else r".+"
+    return re.compile(rf"\.{stem}\.[0-9a-f]{{8}}{re.escape(TEMP_SUFFIX)}\Z", re.DOTALL)
+
+
+def _directory(path: Path) -> Path:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ContainerError(f"cannot write {path}: the directory {parent} does not exist",
+                             field="path", value=str(path), rule="an existing directory")
+    return parent
+
+
+def create_temp(path: str | os.PathLike) -> tuple[int, str]:
+    """``(fd, name)`` of a new temporary file for ``path``, locked by this process until
+    ``fd`` is closed; stale temporaries of the same target are removed first."""
+    path = Path(path)
+    parent = _directory(path)
+    remove_stale(parent, path.name)
+    for _ in range(100):
+        tmp = parent / f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, _FLAGS, 0o666)
+        except FileExistsError:
+            continue  # taken, or a planted file or link: never written through
+        except OSError as e:
+            raise ContainerError(f"cannot write {path}: {e.strerror}", field="path",
+                                 value=str(path), rule="a writable directory") from None
+        # a file system without flock: the age rule alone protects it
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, str(tmp)
+    raise ContainerError(f"no free temporary name beside {path}", field="path",
+                         value=str(path))
+
+
+def remove_stale(directory: str | os.PathLike, name: str | None = None,
+                 min_age: float = STALE_SECONDS) -> list[str]:
+    """Remove the temporary files of target ``name`` (of every target when None) in
+    ``directory`` that no writer holds locked and that were last written at least
+    ``min_age`` seconds ago; returns the names removed."""
+    directory = Path(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    match = temp_pattern(name).match
+    removed = []
+    now = time.time()
+    for entry in filter(match, names):  # C-level filter: one regex test per name
+        if _remove_if_stale(directory / entry, now - min_age):
+            removed.append(entry)
+    return removed
+
+
+def _remove_if_stale(path: Path, before: float) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False  # gone, not ours to open, or a symbolic link: left alone
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_mtime > before:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer holds it
+        except OSError:
+            pass
+        # still the same file under that name (not renamed into place meanwhile)?
+        with contextlib.suppress(OSError):
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+                return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
+    """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    fd, tmp = create_temp(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+        os.replace(tmp, path)  # still locked: nobody takes it for a dead writer's
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+    if fsync:
+        fsync_dir(path.parent)
+    return path
