@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hurraykv as hk
-from hurraykv import kernels, threads
+from hurraykv import kernels, quant, threads
+from hurraykv.wire.quantization import storage_range
 
 
 def test_kernels_are_on_in_the_test_environment():
@@ -66,6 +67,26 @@ CODES = [("int8", True), ("int8", False), ("uint8", False), ("int4", True), ("in
          ("uint4", False), ("int2", True), ("uint2", False)]
 
 
+def outcome(fn):
+    """What a quantization gives: its outputs, or the text of its refusal."""
+    try:
+        return fn()
+    except hk.QuantizationError as exc:
+        return str(exc)
+
+
+def assert_same_outcome(slow, fast):
+    if isinstance(slow, str) or isinstance(fast, str):
+        assert slow == fast
+    else:
+        assert_same(slow, fast)
+
+
+def qmax_of(dtype: str, symmetric: bool) -> int:
+    lo, hi = storage_range(dtype)
+    return hi if symmetric else hi - lo
+
+
 @pytest.mark.parametrize("pool_type", POOL_TYPES, ids=lambda t: np.dtype(t).name)
 @pytest.mark.parametrize(("dtype", "symmetric"), CODES)
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
@@ -79,10 +100,90 @@ def test_block_affine_kernels_match_numpy(pool_type, dtype, symmetric, scale_dty
     flat[5, :6] = np.array([6e-8, -6e-8, 1e-5, -1e-5, 0, -0.0]).astype(pool_type)
     flat[6] = np.finfo(pool_type).max if pool_type is not ml_dtypes.bfloat16 else 1e30
     flat[7] = -flat[6]
-    slow, fast = both_paths(lambda: quantized_outputs(tensor(pool, rng=np.random.default_rng(1)),
-                                                      dtype, symmetric, scale_dtype),
-                            monkeypatch)
-    assert_same(slow, fast)
+    slow, fast = both_paths(lambda: outcome(lambda: quantized_outputs(
+        tensor(pool, rng=np.random.default_rng(1)), dtype, symmetric, scale_dtype)),
+        monkeypatch)
+    assert_same_outcome(slow, fast)
+    # slot 6 needs a scale of its value / qmax (its range / (qmax - qmin) when
+    # asymmetric): refused where that passes the scale type's largest value, and where
+    # the scale's extreme code would decode to Inf (H74); nothing else is refused
+    need = np.float32(flat[6, 0]) / np.float32(qmax_of(dtype, symmetric))
+    if not need <= quant.scale_limit(quant.SCALE_TAGS[scale_dtype]):
+        assert isinstance(slow, str)
+    if isinstance(slow, str):
+        assert "page_pool slot at index 6" in slow and scale_dtype in slow
+        assert float(need) * qmax_of(dtype, symmetric) > 1e4
+
+
+def test_defined_at_the_edges_under_the_generic_target_too():
+    # make test runs this file again with NUMBA_CPU_NAME=generic (no AVX-512): the kernels
+    # must give the same bytes there as here, which the tests above check on each run
+    assert os.environ.get("NUMBA_CPU_NAME", "host") in ("host", "generic")
+    if os.environ.get("NUMBA_CPU_NAME") == "generic":
+        import numba
+        assert numba.config.CPU_NAME == "generic" and numba.config.CPU_FEATURES == ""
+
+
+EDGES = [  # (pool dtype, a slot's values, storage, symmetric, scale_dtype): all refused
+    (np.float32, [1e10, 1, -1, 0], "int8", True, "float16"),  # 1e10/127 > 65504
+    (np.float32, [8.4e6, 1, -1, 0], "int8", True, "float16"),  # just past: 66142 > 65504
+    (np.float32, [0, 3e38, -3e38, 0], "uint8", False, "float32"),  # range overflows f32
+    (np.float32, [3e38, -3e38, 1, 0], "int4", False, "float32"),
+    (np.float32, [3e38, -3e38, 1, 0], "int2", False, "float32"),
+    (ml_dtypes.bfloat16, [1e30, -1e30, 0, 0], "int4", True, "float16"),
+]
+
+
+@pytest.mark.parametrize(("pool_type", "values", "dtype", "symmetric", "scale_dtype"), EDGES)
+@pytest.mark.parametrize("enabled", [False, True])
+def test_scales_a_type_cannot_hold_are_refused_by_slot(pool_type, values, dtype, symmetric,
+                                                      scale_dtype, enabled, monkeypatch):
+    monkeypatch.setattr(kernels, "ENABLED", enabled)
+    pool = np.zeros((4, 4, 1, 4), pool_type)
+    pool[2, 1, 0] = np.array(values, np.float32).astype(pool_type)
+    t = hk.BlockPagedTensor(pool, np.array([0, 2], np.uint32), np.array([0, 2], np.uint32),
+                            seq_lens=np.array([8]))
+    with pytest.raises(hk.QuantizationError,
+                       match=rf"page_pool slot at index 9: .*at most {scale_dtype}'s largest"):
+        t.quantize("per_block_affine", dtype, symmetric, scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("scheme", ["per_tensor", "per_channel"])
+def test_float32_ranges_that_overflow_are_refused_for_every_scheme(scheme):
+    pool = np.zeros((4, 4, 2, 4), np.float32)
+    pool[0, 1, 1, 2], pool[0, 2, 1, 3] = 3e38, -3e38
+    t = hk.BlockPagedTensor(pool, np.array([0], np.uint32), np.array([0, 1], np.uint32),
+                            seq_lens=np.array([4]))
+    where = "quantization channel at index 1" if scheme == "per_channel" else \
+        "quantization range at index 0"
+    with pytest.raises(hk.QuantizationError, match=rf"{where}: .*float32's largest"):
+        t.quantize(scheme, "uint8", False, axis=1 if scheme == "per_channel" else None)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(("dtype", "symmetric"), CODES)
+def test_every_accepted_value_is_within_half_a_stored_scale(dtype, symmetric, scale_dtype,
+                                                            enabled, monkeypatch):
+    # values spread over float32's exponents (tiny, subnormal for float16 scales, huge):
+    # whatever is accepted decodes within scale / 2 of the input, the stored scale being
+    # the one the file carries (a scale below its type's smallest normal is raised to it)
+    monkeypatch.setattr(kernels, "ENABLED", enabled)
+    rng = np.random.default_rng(11)
+    exps = rng.integers(-40, 36, size=(64, 1, 1)).astype(np.float32)
+    pool = (rng.standard_normal((64, 2, 1, 16)) * 10.0 ** exps[..., None]).astype(np.float32)
+    t = hk.BlockPagedTensor(pool, np.arange(64, dtype=np.uint32), np.array([0, 64], np.uint32),
+                            seq_lens=np.array([128]))
+    limit = quant.scale_limit(quant.SCALE_TAGS[scale_dtype])
+    absmax = np.abs(pool.reshape(128, -1)).max(axis=1)
+    keep = absmax / qmax_of(dtype, symmetric) < limit * 0.25
+    pool.reshape(128, -1)[~keep] = 0
+    q = t.quantize("per_block_affine", dtype, symmetric, scale_dtype=scale_dtype)
+    got = q.to_dense(dequantize=True).reshape(128, -1)
+    scales, _ = quant.params_arrays(q.quantization, tuple(
+        np.frombuffer(b, np.uint8) for b in q.buffers()[3:]), 128)
+    err = np.abs(got.astype(np.float64) - pool.reshape(128, -1))
+    assert (err <= scales[:, None].astype(np.float64) * 0.5 * (1 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

@@ -75,21 +75,21 @@ def _row_range(x, i, kind):
 
 @_jit
 def _encode_row(x, i, kind, inv, zp, qmin, qmax, symmetric, codes):
-    if symmetric:  # |x| <= scale * qmax: nothing to clip (as quant._encode)
-        for j in range(x.shape[1]):
-            codes[i, j] = np.rint(_to_f32(x[i, j], kind) * inv)
-    else:
-        fz = np.float32(zp)
-        for j in range(x.shape[1]):
-            q = np.rint(_to_f32(x[i, j], kind) * inv) + fz
-            codes[i, j] = min(max(q, np.float32(qmin)), np.float32(qmax))
+    # clipped in every case, as quant._encode: a float -> int conversion out of range
+    # is undefined and gives different codes on different instruction sets (H74)
+    fz = np.float32(0.0) if symmetric else np.float32(zp)
+    lo, hi = np.float32(qmin), np.float32(qmax)
+    for j in range(x.shape[1]):
+        q = np.rint(_to_f32(x[i, j], kind) * inv) + fz
+        codes[i, j] = min(max(q, lo), hi)
 
 @_kernel
 def block_affine_quantize(x, kind, used, qmin, qmax, symmetric, codes, scales, zps,
                           start, stop):
     """Rows ``[start, stop)``: float32 scales and int32 zero-points per slot and the
     codes, exactly as ``quant.quantize_slots``.  False when a used row is not finite
-    (nothing is then promised about the outputs)."""
+    or its scale's extreme code overflows float32 (nothing is then promised about the outputs; the
+    NumPy path refuses such rows by slot)."""
     for i in range(start, stop):
         if not used[i]:
             scales[i] = np.float32(1.0)
@@ -100,16 +100,17 @@ def block_affine_quantize(x, kind, used, qmin, qmax, symmetric, codes, scales, z
         lo, hi, finite = _row_range(x, i, kind)
         if not finite:
             return False
+        span = np.float32(qmax if symmetric else qmax - qmin)
         if symmetric:
-            scale = max(abs(lo), abs(hi)) / np.float32(qmax)
+            scale = max(abs(lo), abs(hi)) / span
         else:
             lo = min(lo, np.float32(0.0))
             hi = max(hi, np.float32(0.0))
-            scale = (hi - lo) / np.float32(qmax - qmin)
-        if scale > 0 and np.isfinite(scale):
-            scale = max(scale, np.float32(1.1754943508222875e-38))  # quant.TINY
-        else:
-            scale = np.float32(1.0)
+            scale = (hi - lo) / span
+        if not np.isfinite(scale * span):  # quant._check_scales refuses it
+            return False
+        tiny = np.float32(1.1754943508222875e-38)  # quant.TINY
+        scale = max(scale, tiny) if scale > 0 else np.float32(1.0)
         zp = 0
         if not symmetric:
             zf = np.rint(np.float32(qmin) - lo / scale)

@@ -53,8 +53,9 @@ def _code_dtype(et: ElementType) -> np.dtype:
 
 
 def _as_scale_dtype(scales: np.ndarray, scale_type: int) -> np.ndarray:
-    """Round scales *up* to the stored type (so the value range still fits the codes),
-    keeping them finite and non-zero; returned widened to float32."""
+    """Round scales *up* to the stored type (so the value range still fits the codes);
+    a scale below the type's smallest normal is raised to it (H74; callers have refused
+    scales above its maximum).  Returned widened to float32."""
     if scale_type == 3:
         return scales
     dt = BY_NAME[SCALE_TYPES[scale_type]].numpy
@@ -64,21 +65,53 @@ def _as_scale_dtype(scales: np.ndarray, scale_type: int) -> np.ndarray:
     below = low.astype(np.float32) < clipped
     bits = low.view(np.uint16)  # positive finite 16-bit floats: next value up is bits + 1
     bits[below] += 1
-    return low.astype(np.float32)
+    return low.astype(np.float32)  # a new array: _affine checks it again
+
+
+def scale_limit(scale_type: int) -> float:
+    """The largest scale ``scale_type`` stores (finite)."""
+    return float(ml_dtypes.finfo(BY_NAME[SCALE_TYPES[scale_type]].numpy).max)
+
+
+def _check_scales(scale: np.ndarray, lo: np.ndarray, hi: np.ndarray, scale_type: int,
+                  span: int, first: int, where: str) -> None:
+    """Refuse a scale that overflowed float32, passes what ``scale_type`` stores, or
+    decodes its extreme code ``span * scale`` to Inf (decision H74): saturating it would
+    put the codes out of range, and their float -> int conversion is what differs
+    between instruction sets."""
+    limit = scale_limit(scale_type)
+    with np.errstate(over="ignore"):
+        bad = ~(scale <= limit) | ~np.isfinite(scale * np.float32(span))
+    if bad.any():
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        lo_i, hi_i = float(lo.reshape(-1)[i]), float(hi.reshape(-1)[i])
+        raise QuantizationError.at(
+            where, first + i, f"values in [{lo_i:g}, {hi_i:g}]",
+            f"the scale this range needs ({float(scale.reshape(-1)[i]):g}) must be at most "
+            f"{SCALE_TYPES[scale_type]}'s largest value {limit:g} and decode its {span} "
+            f"steps within float32; use a wider scale_dtype (float32) or bring the values "
+            f"into range", where="index")
 
 
 def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: bool,
-            scale_type: int = 3) -> tuple[np.ndarray, np.ndarray]:
-    """Scales (rounded to the stored scale type) and zero-points from value ranges."""
-    if symmetric:
-        scale = np.maximum(np.abs(lo), np.abs(hi)) / np.float32(qmax)
-    else:
-        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
-        scale = (hi - lo) / np.float32(qmax - qmin)
+            scale_type: int = 3, first: int = 0, where: str = "page_pool slot"
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Scales (rounded to the stored scale type) and zero-points from value ranges;
+    ``first`` and ``where`` name the first range in a refusal."""
+    span = qmax if symmetric else qmax - qmin
+    with np.errstate(over="ignore"):  # an overflowing range is refused just below
+        if symmetric:
+            scale = np.maximum(np.abs(lo), np.abs(hi)) / np.float32(span)
+        else:
+            lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+            scale = (hi - lo) / np.float32(span)
+    _check_scales(scale, lo, hi, scale_type, span, first, where)
     # at least float32's smallest normal, so 1 / scale is finite and the codes in range
-    scale = np.where((scale > 0) & np.isfinite(scale), np.maximum(scale, TINY),
-                     np.float32(1.0)).astype(np.float32)
-    scale = _as_scale_dtype(scale, scale_type)
+    scale = np.where(scale > 0, np.maximum(scale, TINY), np.float32(1.0)).astype(np.float32)
+    rounded = _as_scale_dtype(scale, scale_type)
+    if rounded is not scale:  # rounding up may pass the float32 decoding bound
+        _check_scales(rounded, lo, hi, scale_type, span, first, where)
+    scale = rounded
     if symmetric:
         return scale, np.zeros(scale.shape, np.int32)
     return scale, np.clip(np.rint(qmin - lo / scale), qmin, qmax).astype(np.int32)
@@ -130,7 +163,7 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
                 xc[~u] = 0
             lo, hi = xc.min(axis=1), xc.max(axis=1)
             _check_finite(lo, hi, a)
-            s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type)
+            s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type, a)
             s[~u], z[~u] = 1.0, 0
             scales[a:b], zps[a:b] = s, z
             _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
@@ -154,7 +187,8 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
             lo = np.minimum(lo, xc.min(axis=red, keepdims=True))
             hi = np.maximum(hi, xc.max(axis=red, keepdims=True))
     lo, hi = np.where(np.isfinite(lo), lo, 0), np.where(np.isfinite(hi), hi, 0)
-    s, z = _affine(lo, hi, qmin, qmax, symmetric)
+    s, z = _affine(lo, hi, qmin, qmax, symmetric, where="quantization channel"
+                   if scheme == "per_channel" else "quantization range")
     for a in range(0, n, step):
         b = min(a + step, n)
         xc = x[a:b].astype(np.float32)
@@ -216,12 +250,14 @@ def _block_affine_kernel(x: np.ndarray, used: np.ndarray, qmin: int, qmax: int,
 
 def _encode(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, qmin: int, qmax: int,
             out: np.ndarray, symmetric: bool) -> None:
-    """``out = clip(rint(x / scale) + zp)``, in place on the float32 chunk ``x``."""
+    """``out = clip(rint(x / scale) + zp)``, in place on the float32 chunk ``x``.  Codes
+    are clipped in every case, symmetric too, so the float -> int conversion only ever
+    sees values in range (its result outside the range differs between CPUs: H74)."""
     x *= np.float32(1.0) / scale  # one multiply per element; the bound holds to 1 ulp
     np.rint(x, out=x)
-    if not symmetric:  # symmetric: |x| <= absmax = scale * qmax, nothing to clip
+    if not symmetric:
         x += zp
-        np.clip(x, qmin, qmax, out=x)
+    np.clip(x, qmin, qmax, out=x)
     out[...] = x
 
 
