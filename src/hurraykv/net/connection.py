@@ -455,8 +455,9 @@ class Connection(asyncio.BufferedProtocol):
         put.open = True
         put.nbytes += put_msg.total_data_bytes
         if put.refused is None:
-            try:
-                self.server.store.reserve(put_msg.total_data_bytes, keep=put.key)
+            try:  # objects that would be lost leave only for the group's last member
+                self.server.store.reserve(put_msg.total_data_bytes, keep=put.key,
+                                          lossy=put.closed + 1 >= put.expected)
             except StoreFull as e:
                 e.in_flight -= put.reserved  # what other PUTs hold, not this one's members
                 self.server.store.release(put.reserved)

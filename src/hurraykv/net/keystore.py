@@ -51,6 +51,12 @@ class StoredObject:
     items: Items
     nbytes: int
     path: Path | None = None
+    backed: bool = False  # also in the backing store
+
+    @property
+    def durable(self) -> bool:
+        """Evicting it from memory loses nothing: it is on disk or in the backing store."""
+        return self.path is not None or self.backed
 
 
 def object_from_items(items: Items, zero_unused: bool) -> tuple[StoredObject, Any]:
@@ -120,8 +126,15 @@ class KeyStore:
             return None
         return max(0, self.memory_budget - self.memory_bytes - self.reserved_bytes)
 
-    def reserve(self, nbytes: int, *, keep: str | None = None) -> None:
-        """Account ``nbytes`` of a PUT before its data arrives, or raise ``StoreFull``."""
+    def reserve(self, nbytes: int, *, keep: str | None = None, lossy: bool = True) -> None:
+        """Account ``nbytes`` of a PUT before its data arrives, or raise ``StoreFull``.
+
+        Whether the bytes can fit at all (evicting every other object) is decided before
+        anything is evicted.  With ``lossy=False`` (a member of a group whose size is not
+        yet known: more members follow) only objects that stay on disk or in the backing
+        store leave memory; objects that would be lost are evicted only once the group's
+        last member shows the whole group fits, so a group refused midway loses nobody
+        else's key (meanwhile memory may pass the budget by at most the group's bytes)."""
         budget = self.memory_budget
         if budget is None:
             self.reserved_bytes += nbytes
@@ -134,7 +147,7 @@ class KeyStore:
         for key in list(self._objects):
             if self.memory_bytes + self.reserved_bytes + nbytes <= budget:
                 break
-            if key != keep:
+            if key != keep and (lossy or self._objects[key].durable):
                 self._evict_key(key)
         self.reserved_bytes += nbytes
 
@@ -191,7 +204,7 @@ class KeyStore:
             return None
         snap = self.backing.get(key)
         items = [(snap.head(), [])] + [(d, list(b)) for _, d, b in snap.members()]
-        obj = StoredObject(items, snap.nbytes)
+        obj = StoredObject(items, snap.nbytes, backed=True)
         self.commit(key, obj, None)  # kept in memory (LRU) until evicted
         return obj
 
@@ -200,6 +213,7 @@ class KeyStore:
         runs in a worker thread, before the PUT is acknowledged."""
         if self.backing is not None and snap is not None:
             self.backing.put(key, snap)
+            obj.backed = True
         if self.persist is None:
             return None
         path = self._path(key)
