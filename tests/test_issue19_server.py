@@ -4,12 +4,22 @@ per-tenant STAT, server aliases.  Each test failed on the code before its fix.""
 
 from __future__ import annotations
 
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.net import messages as m
 from hurraykv.net.client import KVClient
 from hurraykv.net.messages import ErrorCode as E
+from hurraykv.net.messages import MessageType as T
 from hurraykv.net.server import KVServer
 
 MIB = 1 << 20
@@ -53,3 +63,60 @@ def test_a_group_keeps_objects_on_disk_out_of_memory_as_it_arrives(tmp_path):
         # a persisted object may leave memory for a group still arriving: it stays on disk
         assert "other" not in st.server.store._objects
         assert [k for k, _ in c.list()] == ["other"] and c.pull("other").equal(other)
+
+
+# ------------------------------------------------------------------- 7 payload memory
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_control_payloads_are_reserved_against_the_budget():
+    p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                          "127.0.0.1:0", "--memory-budget", "16M", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        host, port = p.stdout.readline().split()[-1].rsplit(":", 1)
+        time.sleep(0.3)
+        before = _rss(p.pid)
+        size = (16 << 20) - 1  # one TENSOR_PUT payload just under --max-message-size
+        body = bytes(size)
+        codes: list[int] = []
+        sent = threading.Barrier(33)
+
+        def send() -> None:
+            with socket.create_connection((host, int(port)), timeout=60) as s:
+                s.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode()))
+                s.recv(4096)
+                s.sendall(struct.pack("<III", T.TENSOR_PUT, 3, size))
+                s.sendall(body[:-1])  # all but the last byte: the server holds the rest
+                sent.wait()
+                sent.wait()
+                s.sendall(body[-1:])
+                f = s.makefile("rb")
+                _, _, n = struct.unpack("<III", f.read(12))
+                codes.append(m.decode_error(f.read(n)).code)
+
+        threads = [threading.Thread(target=send) for _ in range(32)]
+        for t in threads:
+            t.start()
+        sent.wait(120)
+        time.sleep(0.5)  # whatever the server buffers, it holds now
+        grown = _rss(p.pid) - before
+        sent.wait()
+        for t in threads:
+            t.join()
+        # before: 530 MiB; now at most the budget, plus allocator slack
+        assert grown < 40 << 20, f"the server grew by {grown >> 20} MiB under a 16 MiB budget"
+        assert len(codes) == 32 and E.STORE_FULL in codes
+        with KVClient(f"{host}:{port}") as c:  # still serving; nothing left reserved
+            assert c.stat()["reserved_bytes"] == 0
+            many = [f"key-{i:06d}-" + "x" * 100 for i in range(4000)]  # a 460 KiB payload
+            assert c.has(many) == [False] * len(many)
+            c.push("k", _fused(1, 2))
+            assert c.pull("k").equal(_fused(1, 2))
+    finally:
+        p.terminate()
+        p.wait(10)

@@ -111,6 +111,7 @@ class Connection(asyncio.BufferedProtocol):
         self._offset = bytearray(8)
         self._payload = bytearray()
         self._need = 0
+        self._held = 0  # bytes of payload buffers reserved against the memory budget
         self._target: memoryview = memoryview(self._header)
         self._got = 0
         self._state = "header"
@@ -152,6 +153,8 @@ class Connection(asyncio.BufferedProtocol):
         for put in self.puts.values():  # unfinished PUTs leave nothing behind
             self.server.store.release(put.reserved)
         self.puts.clear()
+        self._payload = bytearray()
+        self._unhold_all()
         if self._raw is not None:
             self._raw.close()
             self._raw = None
@@ -237,9 +240,13 @@ class Connection(asyncio.BufferedProtocol):
         elif state == "payload":
             done = len(self._payload)
             if done < self._need:  # grow only as bytes arrive: a claim allocates nothing
-                grown = bytearray(min(self._need, 2 * done))
+                size = min(self._need, 2 * done)
+                if not self._hold(size, self._need - done):
+                    return
+                grown = bytearray(size)
                 grown[:done] = self._payload
                 self._payload = grown
+                self._unhold(done)  # the smaller buffer goes
                 self._expect("payload", memoryview(grown)[done:])
                 return
             payload = memoryview(self._payload)
@@ -252,6 +259,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._stream_error(stream, e, 0)
             except HurrayError as e:
                 self._stream_error(stream, ProtocolError(str(e)), 0)
+            finally:
+                del payload
+                self._unhold_all()
         elif state == "discard":
             self._discard -= self._got
             if self._discard > 0:
@@ -289,8 +299,45 @@ class Connection(asyncio.BufferedProtocol):
             self._expect("data_offset", memoryview(self._offset))
             return
         self._need = length
+        if not self._hold(min(length, FIRST_CHUNK), length):
+            return
         self._payload = bytearray(min(length, FIRST_CHUNK))
         self._expect("payload", memoryview(self._payload))
+
+    def _hold(self, nbytes: int, rest: int) -> bool:
+        """Reserve a payload buffer of ``nbytes`` against the memory budget before any byte
+        lands in it (the first FIRST_CHUNK bytes of a payload are the connection's own,
+        like its header: at most --max-connections x 64 KiB in all).  The reservation
+        never evicts an object that would be lost, a message being refusable after it; if
+        the budget cannot hold the buffer the message is refused with ERROR STORE_FULL on
+        its stream and its ``rest`` bytes are read and discarded."""
+        if nbytes <= FIRST_CHUNK:
+            return True
+        try:
+            self.server.store.reserve(nbytes, lossy=False)
+        except StoreFull as e:
+            _, stream, length = self._msg
+            self._payload = bytearray()
+            self._unhold_all()
+            text = f"a {length}-byte message payload does not fit the memory budget: {e}"
+            log.info("stream %d: %s", stream, text)
+            self._send_error(stream, ErrorCode.STORE_FULL, text)
+            self._abort_stream(stream)
+            self._start_discard(rest)
+            return False
+        self._held += nbytes
+        return True
+
+    def _unhold(self, nbytes: int) -> None:
+        """Release what ``_hold(nbytes)`` reserved."""
+        if nbytes > FIRST_CHUNK:
+            self._held -= nbytes
+            self.server.store.release(nbytes)
+
+    def _unhold_all(self) -> None:
+        if self._held:
+            self.server.store.release(self._held)
+            self._held = 0
 
     def _start_discard(self, n: int) -> None:
         self._discard = n
