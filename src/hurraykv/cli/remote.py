@@ -128,19 +128,24 @@ def cmd_stat(args: argparse.Namespace) -> int:
     with _client(args) as client:
         s = client.stat()
     budget = s.get("memory_budget")
+    persist = s.get("persist")
     rows = [
         ("server", f"hurraykv {s.get('version')} at {s.get('address')}, up "
                    f"{s.get('uptime_s', 0):.0f} s"),
         ("objects", f"{units.count(s.get('objects_in_memory', 0))} in memory, "
                     f"{units.count(s.get('persisted_objects', 0))} persisted"),
         ("memory", f"{units.size(s.get('memory_bytes', 0))} held, "
-                   f"{units.size(s.get('reserved_bytes', 0))} reserved by pushes in flight, "
-                   f"{units.size(s.get('idle_receive_bytes', 0))} idle receive buffers"),
-        ("budget", "unlimited" if budget is None else units.size(budget)),
+                   f"{units.size(s.get('reserved_bytes', 0))} reserved by pushes in flight"
+                   + (f", {units.size(s['idle_receive_bytes'])} idle receive buffers"
+                      if "idle_receive_bytes" in s else "")),
+        ("budget", ("unlimited" if budget is None else units.size(budget))
+         + (" (shared by every tenant)" if "tenant" in s else "")),
         ("connections", f"{s.get('connections')} of at most {s.get('max_connections')}"),
-        ("persist", str(s.get("persist") or "off")),
+        ("persist", "on" if persist is True else str(persist or "off")),
         ("backing store", "yes" if s.get("backing_store") else "none"),
     ]
+    if "tenant" in s:  # a server under mutual TLS counts this client's own
+        rows.insert(1, ("tenant", f"{s['tenant']} (the counts below are this tenant's)"))
     for name, value in rows:
         print(f"{name:<13}: {value}")
     return 0

@@ -136,6 +136,7 @@ class Connection(asyncio.BufferedProtocol):
                 log.warning("refusing a client: %s", self.refusal)
             else:
                 self.tenant, readable = identity
+                self.server.tenant_connections[self.tenant] += 1
                 log.info("tenant %s (%s) connected", self.tenant, readable)
         elif transport.get_extra_info("sslcontext") is None:
             # A duplicate of the plain socket lets buffer_updated keep reading while bytes
@@ -150,8 +151,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections -= 1
+        if self.tenant:
+            self.server.tenant_connections[self.tenant] -= 1
         for put in self.puts.values():  # unfinished PUTs leave nothing behind
-            self.server.store.release(put.reserved)
+            self.server.store.release(put.reserved, self.tenant)
         self.puts.clear()
         self._payload = bytearray()
         self._unhold_all()
@@ -314,7 +317,7 @@ class Connection(asyncio.BufferedProtocol):
         if nbytes <= FIRST_CHUNK:
             return True
         try:
-            self.server.store.reserve(nbytes, lossy=False)
+            self.server.store.reserve(nbytes, lossy=False, owner=self.tenant)
         except StoreFull as e:
             _, stream, length = self._msg
             self._payload = bytearray()
@@ -332,11 +335,11 @@ class Connection(asyncio.BufferedProtocol):
         """Release what ``_hold(nbytes)`` reserved."""
         if nbytes > FIRST_CHUNK:
             self._held -= nbytes
-            self.server.store.release(nbytes)
+            self.server.store.release(nbytes, self.tenant)
 
     def _unhold_all(self) -> None:
         if self._held:
-            self.server.store.release(self._held)
+            self.server.store.release(self._held, self.tenant)
             self._held = 0
 
     def _start_discard(self, n: int) -> None:
@@ -357,7 +360,7 @@ class Connection(asyncio.BufferedProtocol):
         is discarded, not taken for a new PUT."""
         put = self.puts.pop(stream, None)
         if put is not None:
-            self.server.store.release(put.reserved)
+            self.server.store.release(put.reserved, self.tenant)
         self.dead[stream] = None
         if len(self.dead) > CLOSED_STREAMS:
             self.dead.popitem(last=False)
@@ -444,8 +447,9 @@ class Connection(asyncio.BufferedProtocol):
             self._write(message(MessageType.LIST_REPLY, stream, encode_listing(entries)))
         elif mtype == MessageType.STAT:
             decode_empty(payload, "stat")
+            mine = self.tenant if self.cfg.tls_ca else None  # a tenant sees its own
             self._write(message(MessageType.STAT_REPLY, stream,
-                                encode_text(json.dumps(self.server.stats()))))
+                                encode_text(json.dumps(self.server.stats(mine)))))
         elif mtype == MessageType.ERROR:
             err = decode_error(payload)
             log.info("stream %d: client error %d: %s", stream, err.code, err.message)
@@ -504,10 +508,11 @@ class Connection(asyncio.BufferedProtocol):
         if put.refused is None:
             try:  # objects that would be lost leave only for the group's last member
                 self.server.store.reserve(put_msg.total_data_bytes, keep=put.key,
+                                          owner=self.tenant,
                                           lossy=put.closed + 1 >= put.expected)
             except StoreFull as e:
                 e.in_flight -= put.reserved  # what other PUTs hold, not this one's members
-                self.server.store.release(put.reserved)
+                self.server.store.release(put.reserved, self.tenant)
                 put.reserved, put.refused = 0, e
             else:
                 put.reserved += put_msg.total_data_bytes
@@ -542,20 +547,20 @@ class Connection(asyncio.BufferedProtocol):
             path = await self.loop.run_in_executor(None, store.persist_object, put.key, obj,
                                                    snap)
         except asyncio.CancelledError:
-            store.release(put.reserved)
+            store.release(put.reserved, self.tenant)
             raise
         except HurrayError as e:
-            store.release(put.reserved)
+            store.release(put.reserved, self.tenant)
             self._send_error(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE),
                              f"rejected: {e}")
             return
         except Exception as e:  # a bug must still answer the client, and be seen
-            store.release(put.reserved)
+            store.release(put.reserved, self.tenant)
             log.exception("put key=%r failed", put.shown)
             self._send_error(stream, ErrorCode.INTERNAL,
                              f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
             return
-        store.commit(put.key, obj, path, put.reserved)
+        store.commit(put.key, obj, path, put.reserved, self.tenant)
         seconds = time.perf_counter() - put.started
         log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
                  units.rate(obj.nbytes, seconds))

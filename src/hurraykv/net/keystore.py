@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .tenants import SEPARATOR
 
 log = logging.getLogger("hurraykv.server")
 ALIASES = "aliases.jsonl"
@@ -113,6 +114,7 @@ class KeyStore:
         self._mapped: dict[str, StoredObject] = {}
         self.memory_bytes = 0
         self.reserved_bytes = 0
+        self._reserved_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
         self._aliases: dict[str, str] = {}
         if self.persist:
             self.persist.mkdir(parents=True, exist_ok=True)
@@ -126,7 +128,8 @@ class KeyStore:
             return None
         return max(0, self.memory_budget - self.memory_bytes - self.reserved_bytes)
 
-    def reserve(self, nbytes: int, *, keep: str | None = None, lossy: bool = True) -> None:
+    def reserve(self, nbytes: int, *, keep: str | None = None, lossy: bool = True,
+                owner: str = "") -> None:
         """Account ``nbytes`` of a PUT before its data arrives, or raise ``StoreFull``.
 
         Whether the bytes can fit at all (evicting every other object) is decided before
@@ -137,7 +140,7 @@ class KeyStore:
         else's key (meanwhile memory may pass the budget by at most the group's bytes)."""
         budget = self.memory_budget
         if budget is None:
-            self.reserved_bytes += nbytes
+            self._add_reserved(nbytes, owner)
             return
         kept = self._objects[keep].nbytes if keep in self._objects else 0
         if self.reserved_bytes + kept + nbytes > budget:  # not even by evicting everything
@@ -149,10 +152,17 @@ class KeyStore:
                 break
             if key != keep and (lossy or self._objects[key].durable):
                 self._evict_key(key)
-        self.reserved_bytes += nbytes
+        self._add_reserved(nbytes, owner)
 
-    def release(self, nbytes: int) -> None:
+    def _add_reserved(self, nbytes: int, owner: str) -> None:
+        self.reserved_bytes += nbytes
+        self._reserved_by[owner] += nbytes
+
+    def release(self, nbytes: int, owner: str = "") -> None:
         self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+        self._reserved_by[owner] = max(0, self._reserved_by[owner] - nbytes)
+        if not self._reserved_by[owner]:
+            del self._reserved_by[owner]
 
     def _scan(self) -> None:
         """Index the persisted objects; temporary files that a killed server left behind
@@ -233,11 +243,11 @@ class KeyStore:
         write_hrry(path, tensors, kv)
         return path
 
-    def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0
-               ) -> None:
+    def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0,
+               owner: str = "") -> None:
         """Make ``obj`` the value of ``key`` (its ``reserved`` bytes become held bytes)."""
         self._drop_memory(key)
-        self.release(reserved)
+        self.release(reserved, owner)
         if path is not None:
             self._files[key] = path
             obj.path = path
@@ -309,12 +319,23 @@ class KeyStore:
                     continue
         return sorted(sizes.items())
 
-    def stats(self) -> dict[str, Any]:
-        return {"objects_in_memory": len(self._objects), "persisted_objects": len(self._files),
-                "memory_bytes": self.memory_bytes, "reserved_bytes": self.reserved_bytes,
-                "memory_budget": self.memory_budget,
-                "idle_receive_bytes": self.pool.idle_bytes if self.pool is not None else 0,
-                "persist": str(self.persist) if self.persist else None,
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Server-wide counts, or (``tenant``) that tenant's own: its objects and bytes,
+        the bytes its PUTs in flight reserve, and only whether the server persists."""
+        if tenant is None:
+            return {"objects_in_memory": len(self._objects),
+                    "persisted_objects": len(self._files),
+                    "memory_bytes": self.memory_bytes, "reserved_bytes": self.reserved_bytes,
+                    "memory_budget": self.memory_budget,
+                    "idle_receive_bytes": self.pool.idle_bytes if self.pool is not None else 0,
+                    "persist": str(self.persist) if self.persist else None,
+                    "backing_store": self.backing is not None}
+        prefix = tenant + SEPARATOR
+        mine = [o.nbytes for k, o in self._objects.items() if k.startswith(prefix)]
+        return {"objects_in_memory": len(mine),
+                "persisted_objects": sum(1 for k in self._files if k.startswith(prefix)),
+                "memory_bytes": sum(mine), "reserved_bytes": self._reserved_by[tenant],
+                "memory_budget": self.memory_budget, "persist": self.persist is not None,
                 "backing_store": self.backing is not None}
 
     def delete(self, key: str) -> bool:

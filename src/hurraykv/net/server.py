@@ -13,6 +13,7 @@ import os
 import ssl
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,18 +91,25 @@ class KVServer:
         self.pool = ReceivePool(self.config.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0
+        self.tenant_connections: Counter[str] = Counter()
         self.started = time.monotonic()
         self.scratch = memoryview(bytearray(SCRATCH))
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
 
-    def stats(self) -> dict[str, Any]:
-        """What ``hurraykv stat`` shows: objects, bytes, budget, connections."""
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """What ``hurraykv stat`` shows: objects, bytes, budget, connections; for a
+        ``tenant`` (mutual TLS) its own objects, bytes and connections only, and whether
+        the server persists rather than where."""
         from .. import __version__
 
-        return {"version": __version__, "address": self.address,
-                "connections": self.connections, "max_connections": self.config.max_connections,
-                "uptime_s": round(time.monotonic() - self.started, 3), **self.store.stats()}
+        out = {"version": __version__, "address": self.address,
+               "max_connections": self.config.max_connections,
+               "uptime_s": round(time.monotonic() - self.started, 3)}
+        if tenant is None:
+            return {**out, "connections": self.connections, **self.store.stats()}
+        return {**out, "tenant": tenant, "connections": self.tenant_connections[tenant],
+                **self.store.stats(tenant)}
 
     def _ssl(self) -> ssl.SSLContext | None:
         c = self.config
