@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-vllm test test-engine lint bench bench-vllm fuzz clean
+.PHONY: demo demo-vllm test test-fast test-engine lint bench bench-vllm fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,10 +32,18 @@ demo: $(STAMP)
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m hurraykv.demo_vllm
 
+# Everything: lint, the main suite, the kernels again compiled for a CPU without AVX-512
+# (numba's generic x86-64 target, so this machine checks what such a machine would run),
+# and the real-engine suite.
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks engine_tests
 	$(PY) -m pytest
+	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py
 	$(VLLM_PY) -m pytest engine_tests
+
+# The quick loop while developing: the main suite without the tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 test-engine: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest engine_tests

@@ -21,6 +21,11 @@ from tests.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fi
 from hurraykv.integrations import engine_run
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # every test here runs (or inspects) a real vLLM
+        item.add_marker(pytest.mark.engine)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return engine_run.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -78,6 +83,21 @@ class Engine:
     def close(self) -> None:
         del self.core, self.runner, self.llm
         gc.collect()
+
+
+def skip_unless_cpu_takes(dtype: str, kv_cache_dtype: str, *, block_size: int = 32,
+                          head_size: int = 32) -> None:
+    """Skip, with vLLM's own refusal as the reason, a cache vLLM's CPU backend does not
+    take on this machine (fp8 needs AVX-512 or AMX there).  vLLM's check is called, not
+    re-implemented: ``_get_attn_isa`` in ``vllm/v1/attention/backends/cpu_attn.py`` is
+    what ``CPUAttentionMetadataBuilder.__init__`` calls when an engine starts."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(getattr(torch, dtype), block_size, head_size, kv_cache_dtype)
+    except NotImplementedError as exc:
+        pytest.skip(f"vLLM's CPU backend refuses {kv_cache_dtype} caches here: {exc}")
 
 
 def run_engine(spec: dict, tmp_path: Path, name: str = "engine") -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hurraykv as hk
-from engine_tests.conftest import Engine
+from engine_tests.conftest import Engine, skip_unless_cpu_takes
 from hurraykv.adapters import vllm as hv
 
 CONFIGS = [("float32", "auto"), ("bfloat16", "auto"), ("float16", "auto"),
@@ -27,6 +27,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 def running(request, tiny_llama):
     """An engine after prefill and four decode steps of three ragged requests."""
     dtype, kv_cache_dtype = request.param
+    skip_unless_cpu_takes(dtype, kv_cache_dtype)
     eng = Engine(tiny_llama, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     ids = eng.add(prompts())
     eng.step(5)
@@ -137,6 +138,8 @@ def test_the_cpu_kernels_own_writes_read_back(dtype, kv_cache_dtype):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     blocks, heads, bs, hs = 6, 2, 32, 64
+    skip_unless_cpu_takes(str(dtype).removeprefix("torch."), kv_cache_dtype, block_size=bs,
+                          head_size=hs)
     g = torch.Generator().manual_seed(1)
     n = 70
     key = torch.randn(n, heads, hs, generator=g).to(dtype)
@@ -149,8 +152,10 @@ def test_the_cpu_kernels_own_writes_read_back(dtype, kv_cache_dtype):
     isa = _get_attn_isa(dtype, bs, hs, kv_cache_dtype)
     ops.cpu_attn_reshape_and_cache(key, value, k_half, v_half, slots, isa, k_scale=1.0,
                                    v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    # the ISA the engine would use (a float32 model's fp8 cache is VEC even where a
+    # bfloat16 model's is AMX): the cache alone does not say which
     snap = hv.from_vllm([cache], [table], [n], backend="CPU_ATTN",
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, isa=isa)
     got_k, got_v = (t.gather(0, dequantize=True).astype(np.float32) for t in snap.layer(0))
     want_k, want_v = key.float().numpy(), value.float().numpy()
     if kv_cache_dtype == "auto":
@@ -160,10 +165,53 @@ def test_the_cpu_kernels_own_writes_read_back(dtype, kv_cache_dtype):
             assert (np.abs(got - want) <= fp8_step(want, kv_cache_dtype) * 1.01).all()
 
 
-def test_an_isa_hurraykv_does_not_read_is_refused():
+def test_fp8_is_skipped_with_vllms_own_refusal_where_the_cpu_lacks_it(monkeypatch):
+    # a machine without AVX-512 and AMX, as vLLM's check reads it (torch's CPU probes)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(pytest.skip.Exception,
+                       match=r"requires x86 with AVX-512 or AMX"):
+        skip_unless_cpu_takes("bfloat16", "fp8")
+    skip_unless_cpu_takes("bfloat16", "auto")  # not refused: no skip
+
+
+def test_an_isa_the_kernel_cannot_show_is_refused():
+    # NEON is an Arm kernel: the x86 extension refuses the probe, and so do we
     cache = torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16)
-    with pytest.raises(hk.UnsupportedError, match=r"'amx'.*not supported"):
-        hv.from_vllm([cache], [[1]], [5], backend="CPU_ATTN", isa="amx")
+    with pytest.raises(hk.UnsupportedError, match=r"'neon'.*not supported"):
+        hv.from_vllm([cache], [[1]], [5], backend="CPU_ATTN", isa="neon")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+def test_amx_tiles_read_and_write_as_the_kernel_lays_them(kv_cache_dtype, head_size):
+    """The AMX kernel's own writes (any machine: the layout code runs without AMX tiles)
+    read back through the probed permutation, and our writes equal the kernel's bytes."""
+    from vllm import _custom_ops as ops
+
+    blocks, heads, bs, n = 5, 2, 32, 80
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(n, heads, head_size, generator=g).to(torch.bfloat16)
+    value = torch.randn(n, heads, head_size, generator=g).to(torch.bfloat16)
+    storage = torch.uint8 if kv_cache_dtype != "auto" else torch.bfloat16
+    cache = torch.zeros(blocks, heads, bs, 2 * head_size, dtype=storage)
+    halves = cache.view(blocks, heads, 2 * bs, head_size).chunk(2, dim=2)
+    table = [3, 0, 4]
+    slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(n)])
+    ops.cpu_attn_reshape_and_cache(key, value, *halves, slots, "amx", k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    snap = hv.from_vllm([cache], [table], [n], backend="CPU_ATTN", isa="amx",
+                        kv_cache_dtype=kv_cache_dtype)
+    got_k, got_v = (t.gather(0, dequantize=True).astype(np.float32) for t in snap.layer(0))
+    for got, want in ((got_k, key.float().numpy()), (got_v, value.float().numpy())):
+        if kv_cache_dtype == "auto":
+            assert np.array_equal(got, want)
+        else:
+            assert (np.abs(got - want) <= fp8_step(want, kv_cache_dtype) * 1.01).all()
+    fresh = torch.zeros_like(cache)
+    hv.load_into_vllm(snap, [fresh], [table], backend="CPU_ATTN", isa="amx",
+                      kv_cache_dtype=kv_cache_dtype)
+    assert torch.equal(fresh[table], cache[table])
 
 
 # --------------------------------------------------------------------------- by shape

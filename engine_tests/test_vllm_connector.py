@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from engine_tests.conftest import run_engine
+from engine_tests.conftest import run_engine, skip_unless_cpu_takes
 from hurraykv.io.hrry import HrryFile
 
 BLOCK = 32
@@ -204,6 +204,7 @@ def test_redis_cluster_url_with_saving_in_the_engine_thread(tiny_llama, tmp_path
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("bfloat16", "auto"),
                                                        ("bfloat16", "fp8")])
 def test_bfloat16_and_fp8_caches(tiny_llama, tmp_path, reference, dtype, kv_cache_dtype):
+    skip_unless_cpu_takes(dtype, kv_cache_dtype)
     store = tmp_path / "kv"
     out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path, dtype=dtype,
                            kv_cache_dtype=kv_cache_dtype)

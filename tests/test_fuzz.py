@@ -24,6 +24,7 @@ def _live_server():
     targets._LiveServer.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", list(COUNTS))
 def test_fuzz_target(target, tmp_path):
     seed = 0 if os.environ.get("CI") else time.time_ns() % (1 << 32)

