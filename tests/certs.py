@@ -10,7 +10,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtensionOID, NameOID
 
 
 def name(*pairs: tuple[str, str]) -> x509.Name:
@@ -36,13 +36,16 @@ class PKI:
     def pair(self, label: str) -> tuple[str, str]:
         return str(self.dir / f"{label}.pem"), str(self.dir / f"{label}.key")
 
-    def client(self, label: str, subject: x509.Name, san: list | None = None
+    def client(self, label: str, subject: x509.Name, san: list | bytes | None = None
                ) -> tuple[str, str]:
+        """A client certificate; ``san`` as GeneralName objects, or as the DER of a whole
+        GeneralNames value (for the types cryptography cannot build: x400Address,
+        ediPartyName)."""
         self._make(label, subject, self.ca, san=san)
         return self.pair(label)
 
     def _make(self, label: str, subject: x509.Name, issuer, *, ca: bool = False,
-              san: list | None = None):
+              san: list | bytes | None = None):
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (x509.CertificateBuilder().subject_name(subject)
                    .issuer_name(issuer[0].subject if issuer else subject)
@@ -51,7 +54,10 @@ class PKI:
                    .not_valid_after(self.now + datetime.timedelta(days=1))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None),
                                   critical=True))
-        if san:
+        if isinstance(san, bytes):
+            builder = builder.add_extension(x509.UnrecognizedExtension(
+                ExtensionOID.SUBJECT_ALTERNATIVE_NAME, san), critical=False)
+        elif san:
             builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
         cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
         (self.dir / f"{label}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -96,16 +96,22 @@ def test_a_subject_alternative_name_alone_identifies_a_tenant(tls_server):
     other.close()
 
 
-def test_tenant_identity_is_unambiguous_and_keys_never_cross():
-    issuer = ((("commonName", "ca"),),)
-    a = tenant_identity({"issuer": issuer, "subject": ((("commonName", "x"),),
-                                                       (("organizationName", "y"),))})
-    b = tenant_identity({"issuer": issuer,
-                         "subject": ((("commonName", "x,organizationName=y"),),)})
-    c = tenant_identity({"issuer": issuer, "subject": ((("commonName", "x"),
-                                                        ("organizationName", "y")),)})
+def test_tenant_identity_is_unambiguous_and_keys_never_cross(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    pki = PKI(tmp_path)
+
+    def der(label: str, subject: x509.Name) -> bytes:
+        pem = Path(pki.client(label, subject)[0]).read_bytes()
+        return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)
+
+    a = tenant_identity(der("a", name(("CN", "x"), ("O", "y"))))
+    b = tenant_identity(der("b", name(("CN", "x,organizationName=y"))))
+    c = tenant_identity(der("c", x509.Name([x509.RelativeDistinguishedName([
+        x509.NameAttribute(x509.NameOID.COMMON_NAME, "x"),
+        x509.NameAttribute(x509.NameOID.ORGANIZATION_NAME, "y")])])))
     assert a and b and c and len({a[0], b[0], c[0]}) == 3
-    assert tenant_identity({"issuer": issuer, "subject": ()}) is None
+    assert tenant_identity(der("nobody", x509.Name([]))) is None
     internal = scoped_key(a[0], "k")
     assert client_key(a[0], internal) == "k" and client_key(b[0], internal) is None
     assert client_key("", internal) is None and client_key("", "plain") == "plain"

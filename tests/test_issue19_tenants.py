@@ -5,16 +5,21 @@ fix."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
+import hurraykv as hk
 from hurraykv.cli import main
 from hurraykv.net.client import KVClient
+from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.server import KVServer
+from hurraykv.net.tenants import UnreadableIdentity, tenant_identity
 from tests.certs import PKI, name
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, zeroed
 
 
 @pytest.fixture
@@ -74,3 +79,101 @@ def test_stat_without_tenants_is_server_wide(tmp_path):
         s = c.stat()
         assert s["objects_in_memory"] == 2 and s["persist"] == str(tmp_path)
         assert s["connections"] == 2 and "tenant" not in s
+
+
+# ------------------------------------------------------------------- 1 identities
+def _der(*elements: bytes) -> bytes:
+    """DER of a GeneralNames value holding ``elements`` (each a whole GeneralName)."""
+    body = b"".join(elements)
+    return b"\x30" + bytes([len(body)]) + body
+
+
+def _x400(country: str) -> bytes:
+    """[3] x400Address: an ORAddress whose built-in attributes hold a country name."""
+    c = b"\x13\x02" + country.encode()  # PrintableString
+    attrs = b"\x61" + bytes([len(c)]) + c  # [APPLICATION 1] country-name
+    std = b"\x30" + bytes([len(attrs)]) + attrs  # BuiltInStandardAttributes
+    return b"\xa3" + bytes([len(std)]) + std  # IMPLICIT [3] of the ORAddress SEQUENCE
+
+
+def _edi(party: str) -> bytes:
+    """[5] ediPartyName with partyName [1] (explicit) as a UTF8String."""
+    s = b"\x0c" + bytes([len(party)]) + party.encode()
+    p = b"\xa1" + bytes([len(s)]) + s
+    return b"\xa5" + bytes([len(p)]) + p
+
+
+def _other(value: str, oid: str = "1.3.6.1.4.1.55555.1") -> x509.OtherName:
+    """An otherName of a private type (getpeercert() renders it '<unsupported>')."""
+    utf8 = b"\x0c" + bytes([len(value)]) + value.encode()  # UTF8String
+    return x509.OtherName(x509.ObjectIdentifier(oid), utf8)
+
+
+PAIRS = {  # two identities that getpeercert() renders alike (or that differ by one name)
+    "otherName": ([_other("alice")], [_other("bob")]),
+    "otherName-type": ([_other("alice")], [_other("alice", "1.3.6.1.4.1.55555.2")]),
+    "registeredID": ([x509.RegisteredID(x509.ObjectIdentifier("1.2.3.4"))],
+                     [x509.RegisteredID(x509.ObjectIdentifier("1.2.3.5"))]),
+    "x400Address": (_der(_x400("US")), _der(_x400("FR"))),
+    "ediPartyName": (_der(_edi("alice")), _der(_edi("bob"))),
+    "iPAddress": ([x509.IPAddress(ipaddress.ip_address("10.0.0.1"))],
+                  [x509.IPAddress(ipaddress.ip_address("10.0.0.2"))]),
+    "iPv6Address": ([x509.IPAddress(ipaddress.ip_address("fd00::1"))],
+                    [x509.IPAddress(ipaddress.ip_address("fd00::1:0"))]),
+}
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_certificates_naming_different_tenants_by_subject_alt_name_stay_apart(
+        tls_server, kind):
+    _, connect, _ = tls_server
+    a_san, b_san = PAIRS[kind]
+    alice, bob = connect("alice", x509.Name([]), a_san), connect("bob", x509.Name([]), b_san)
+    alice.push("secret", make_snapshot(seed=1))
+    with pytest.raises(hk.RemoteError) as exc:  # before: bob pulled alice's key
+        bob.pull("secret")
+    assert exc.value.code == E.UNKNOWN_TENSOR
+    assert bob.list() == [] and bob.stat()["objects_in_memory"] == 0
+    with pytest.raises(hk.RemoteError):
+        bob.delete("secret")
+    # the same names in a certificate issued again (new key and serial): the same tenant
+    again = connect("alice-again", x509.Name([]), a_san)
+    assert again.pull("secret").equal(zeroed(make_snapshot(seed=1)))
+    for c in (alice, bob, again):
+        c.close()
+
+
+def test_every_name_counts_and_their_order_does_not(tls_server):
+    _, connect, _ = tls_server
+    uri = x509.UniformResourceIdentifier("spiffe://example/ns/a")
+    dns = x509.DNSName("a.example")
+    first = connect("first", name(("CN", "svc")), [uri, dns])
+    swapped = connect("swapped", name(("CN", "svc")), [dns, uri])
+    fewer = connect("fewer", name(("CN", "svc")), [uri])
+    first.push("k", make_snapshot(seed=4))
+    assert swapped.pull("k").equal(zeroed(make_snapshot(seed=4)))  # a set, not a list
+    with pytest.raises(hk.RemoteError):
+        fewer.pull("k")  # one name less is another tenant
+    for c in (first, swapped, fewer):
+        c.close()
+
+
+def _cert_der(pki: PKI, label: str, subject: x509.Name, san) -> bytes:
+    cert, _ = pki.client(label, subject, san)
+    return x509.load_pem_x509_certificate(open(cert, "rb").read()).public_bytes(
+        serialization.Encoding.DER)
+
+
+def test_identities_are_read_from_the_der_exactly(pki):
+    sans = {repr(san): san for pair in PAIRS.values() for san in pair}  # 13 distinct
+    ids = {key: tenant_identity(_cert_der(pki, f"c{i}", x509.Name([]), san))[0]
+           for i, (key, san) in enumerate(sans.items())}
+    assert len(set(ids.values())) == len(sans)
+    assert tenant_identity(_cert_der(pki, "nobody", x509.Name([]), None)) is None
+    good = _cert_der(pki, "good", name(("CN", "x")), None)
+    for bad, why in ((good[:-7], "cut short|claims"), (b"\x30\x80" + good[2:], "length form"),
+                     (b"", "no certificate")):
+        with pytest.raises(UnreadableIdentity, match=why):
+            tenant_identity(bad)
+    with pytest.raises(UnreadableIdentity, match="GeneralName at byte"):
+        tenant_identity(_cert_der(pki, "odd", x509.Name([]), _der(b"\x0c\x01x")))

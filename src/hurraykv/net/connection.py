@@ -65,7 +65,7 @@ from .messages import (
     encode_text,
     message,
 )
-from .tenants import client_key, scoped_key, tenant_identity
+from .tenants import UnreadableIdentity, client_key, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
     from .server import KVServer
@@ -129,15 +129,23 @@ class Connection(asyncio.BufferedProtocol):
         self.server.connections += 1
         self.busy = self.server.connections > self.cfg.max_connections
         if self.cfg.tls_ca:
-            identity = tenant_identity(transport.get_extra_info("peercert") or {})
-            if identity is None:
-                self.refusal = ("the client certificate has neither a subject nor a "
-                                "subjectAltName: it names no tenant")
+            ssl_object = transport.get_extra_info("ssl_object")
+            try:
+                identity = tenant_identity(
+                    ssl_object.getpeercert(binary_form=True) if ssl_object else None,
+                    transport.get_extra_info("peercert"))
+            except UnreadableIdentity as e:
+                self.refusal = f"the client certificate names no tenant exactly: {e}"
                 log.warning("refusing a client: %s", self.refusal)
             else:
-                self.tenant, readable = identity
-                self.server.tenant_connections[self.tenant] += 1
-                log.info("tenant %s (%s) connected", self.tenant, readable)
+                if identity is None:
+                    self.refusal = ("the client certificate has neither a subject nor a "
+                                    "subjectAltName: it names no tenant")
+                    log.warning("refusing a client: %s", self.refusal)
+                else:
+                    self.tenant, readable = identity
+                    self.server.tenant_connections[self.tenant] += 1
+                    log.info("tenant %s (%s) connected", self.tenant, readable)
         elif transport.get_extra_info("sslcontext") is None:
             # A duplicate of the plain socket lets buffer_updated keep reading while bytes
             # are waiting, instead of one event-loop round per kernel-buffer's worth.
