@@ -7,6 +7,7 @@ import struct
 import pytest
 
 from hurraykv.net import messages as m
+from hurraykv.net.dataplane import DataAssembler, DataPlan
 from hurraykv.net.messages import ErrorCode as E
 from tests.vectors.make_vectors import WORKED
 
@@ -117,10 +118,10 @@ def test_data_error_delete_and_empty_messages():
 
 def test_data_plane_concatenates_buffers_without_padding():
     """D10: offsets index the concatenation of the buffers in table order."""
-    plan = m.DataPlan([memoryview(b"abcde"), memoryview(b""), memoryview(b"fgh")])
+    plan = DataPlan([memoryview(b"abcde"), memoryview(b""), memoryview(b"fgh")])
     frames = [(o, b"".join(bytes(p) for p in parts)) for o, parts in plan.frames(3)]
     assert frames == [(0, b"abc"), (3, b"def"), (6, b"gh")]  # frames span buffers
-    asm = m.DataAssembler(WORKED)
+    asm = DataAssembler(WORKED)
     with pytest.raises(m.ProtocolError, match="expected 0"):
         asm.target(8, 8)
     asm.target(0, 600)[:] = bytes(600)

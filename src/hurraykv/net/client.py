@@ -21,13 +21,11 @@ from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .dataplane import POOL_MIN, DataAssembler, DataPlan
 from .gather import send_gathered
 from .memory import CLASS, ReceivePool
 from .messages import (
     HEADER,
-    POOL_MIN,
-    DataAssembler,
-    DataPlan,
     Delete,
     ErrorCode,
     Hello,
@@ -37,19 +35,16 @@ from .messages import (
     Request,
     decode_descriptor_message,
     decode_error,
-    decode_flags,
     decode_header,
     decode_hello,
-    decode_keys,
-    decode_listing,
     decode_text,
     encode_data_header,
-    encode_keys,
     encode_text,
     message,
     remote_error,
     total_data_bytes,
 )
+from .private import decode_flags, decode_keys, decode_listing, encode_keys
 from .server import parse_address
 
 Progress = Callable[[int, int], None]

@@ -26,46 +26,35 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import units
 from ..errors import HurrayError
-from ..wire.layouts import Composite
-from .keystore import StoredObject, StoreFull, object_from_items
+from . import admin, puts
+from .dataplane import DataPlan
+from .keystore import StoredObject, StoreFull
 from .messages import (
     HEADER,
-    DataAssembler,
-    DataPlan,
     DescriptorMessage,
     ErrorCode,
     ErrorMessage,
     Hello,
     MessageType,
     ProtocolError,
-    decode_delete,
     decode_empty,
     decode_error,
     decode_header,
     decode_hello,
-    decode_keys,
-    decode_put,
     decode_request,
-    decode_text,
     encode_data_header,
-    encode_flags,
-    encode_keys,
-    encode_listing,
-    encode_text,
     message,
 )
-from .tenants import UnreadableIdentity, client_key, scoped_key, tenant_identity
+from .tenants import UnreadableIdentity, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
     from .server import KVServer
@@ -76,21 +65,6 @@ PUMP_BYTES = 64 << 20  # read at most this much per event before letting others 
 PRE_HELLO_MAX = 64 << 10  # the largest message accepted before the handshake
 FIRST_CHUNK = 64 << 10  # control payloads start this big and grow as bytes arrive
 CLOSED_STREAMS = 4096  # closed stream ids remembered per connection
-
-
-@dataclass
-class _Put:
-    key: str  # the internal (tenant-scoped) key
-    shown: str  # the key as the client named it
-    expected: int  # tensors this PUT carries: 1, or a group head and its members
-    items: list = field(default_factory=list)
-    assembler: DataAssembler | None = None
-    open: bool = False  # a member's TENSOR_PUT arrived, its TENSOR_DATA_END not yet
-    closed: int = 0  # members whose TENSOR_DATA_END arrived
-    nbytes: int = 0  # bytes announced so far
-    reserved: int = 0  # of those, reserved against the memory budget
-    refused: StoreFull | None = None  # read to the end, discarded, then answered
-    started: float = field(default_factory=time.perf_counter)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -104,7 +78,7 @@ class Connection(asyncio.BufferedProtocol):
         self.hello: Hello | None = None
         self.busy = False
         self.closed = False
-        self.puts: dict[int, _Put] = {}
+        self.puts: dict[int, puts.Put] = {}
         self.dead: OrderedDict[int, None] = OrderedDict()  # streams closed by an ERROR
         self.tasks: set[asyncio.Task] = set()
         self._header = bytearray(HEADER.size)
@@ -419,45 +393,16 @@ class Connection(asyncio.BufferedProtocol):
                                     "the client does not take CPU", ErrorCode.DEVICE_UNAVAILABLE)
             self._spawn(self._send_object(stream, req.key, obj))
         elif mtype == MessageType.TENSOR_PUT:
-            self._on_put(stream, payload)
+            puts.on_put(self, stream, payload)
         elif mtype == MessageType.TENSOR_DATA:
             raise ProtocolError("tensor_data without a TENSOR_PUT open on this stream")
         elif mtype == MessageType.TENSOR_DATA_END:
             decode_empty(payload, "tensor_data_end")
-            self._on_data_end(stream)
+            puts.on_data_end(self, stream)
         elif mtype == MessageType.PING:
             self._write(message(MessageType.PONG, stream, bytes(payload)))
-        elif mtype == MessageType.DELETE:
-            key = decode_delete(payload).key
-            if not self.server.store.delete(self._key(key)):
-                raise ProtocolError(f"no tensor under key {key!r}", ErrorCode.UNKNOWN_TENSOR)
-            log.info("delete key=%r", key)
-            self._write(message(MessageType.DELETE_ACK, stream))
-        elif mtype == MessageType.HAS:
-            store = self.server.store
-            flags = [self._key(k) in store for k in decode_keys(payload)]
-            self._write(message(MessageType.HAS_REPLY, stream, encode_flags(flags)))
-        elif mtype == MessageType.LINK:
-            pairs = decode_keys(payload, "link", per=2)
-            store = self.server.store
-            store.link([(self._key(a), self._key(t)) for a, t in zip(pairs[::2], pairs[1::2],
-                                                                      strict=True)])
-            self._write(message(MessageType.LINK_ACK, stream))
-        elif mtype == MessageType.LOCATE:
-            store = self.server.store
-            found = [store.locate(self._key(k)) for k in decode_keys(payload, "locate")]
-            names = [client_key(self.tenant, f) or "" if f is not None else "" for f in found]
-            self._write(message(MessageType.LOCATE_REPLY, stream, encode_keys(names)))
-        elif mtype == MessageType.LIST:
-            prefix = decode_text(payload, "list")
-            mine = [(client_key(self.tenant, k), n) for k, n in self.server.store.listing()]
-            entries = [(k, n) for k, n in mine if k is not None and k.startswith(prefix)]
-            self._write(message(MessageType.LIST_REPLY, stream, encode_listing(entries)))
-        elif mtype == MessageType.STAT:
-            decode_empty(payload, "stat")
-            mine = self.tenant if self.cfg.tls_ca else None  # a tenant sees its own
-            self._write(message(MessageType.STAT_REPLY, stream,
-                                encode_text(json.dumps(self.server.stats(mine)))))
+        elif mtype in admin.HANDLERS:
+            admin.HANDLERS[mtype](self, stream, payload)
         elif mtype == MessageType.ERROR:
             err = decode_error(payload)
             log.info("stream %d: client error %d: %s", stream, err.code, err.message)
@@ -495,85 +440,6 @@ class Connection(asyncio.BufferedProtocol):
         reply = Hello(1, self.cfg.max_message_size, 0)
         self._write(message(MessageType.SERVER_HELLO, stream, reply.encode()))
 
-    def _on_put(self, stream: int, payload: memoryview) -> None:
-        put_msg = decode_put(payload)
-        desc = put_msg.descriptor
-        put = self.puts.get(stream)
-        if put is None:
-            expected = 1 + (desc.layout.member_count if isinstance(desc.layout, Composite)
-                            else 0)
-            put = _Put(self._key(put_msg.key), put_msg.key, expected)
-            self.puts[stream] = put
-        elif put.open:
-            raise ProtocolError("TENSOR_PUT while the previous tensor's data is still open")
-        elif put_msg.key != put.shown:
-            raise ProtocolError(f"member pushed under key {put_msg.key!r} inside the group of "
-                                f"{put.shown!r}")
-        elif isinstance(desc.layout, Composite):
-            raise ProtocolError("nested composites are not stored by this server")
-        put.open = True
-        put.nbytes += put_msg.total_data_bytes
-        if put.refused is None:
-            try:  # objects that would be lost leave only for the group's last member
-                self.server.store.reserve(put_msg.total_data_bytes, keep=put.key,
-                                          owner=self.tenant,
-                                          lossy=put.closed + 1 >= put.expected)
-            except StoreFull as e:
-                e.in_flight -= put.reserved  # what other PUTs hold, not this one's members
-                self.server.store.release(put.reserved, self.tenant)
-                put.reserved, put.refused = 0, e
-            else:
-                put.reserved += put_msg.total_data_bytes
-        if put.refused is None:
-            put.assembler = DataAssembler(desc, pool=self.server.pool)
-
-    def _on_data_end(self, stream: int) -> None:
-        put = self.puts.get(stream)
-        if put is None or not put.open:
-            raise ProtocolError("tensor_data_end without an open TENSOR_PUT")
-        if put.assembler is not None:
-            buffers = put.assembler.finish()
-            put.items.append((put.assembler.desc, buffers))
-        put.assembler, put.open = None, False
-        put.closed += 1
-        if put.closed < put.expected:
-            return
-        del self.puts[stream]  # the group closes at its Nth member
-        if put.refused is not None:
-            what = "snapshot" if put.expected > 1 else "tensor"
-            self._send_error(stream, ErrorCode.STORE_FULL,
-                             f"{what} {put.shown!r} {_needs(put.nbytes, put.refused)}")
-            log.info("refused put key=%r: %s over the memory budget", put.shown,
-                     units.size(put.nbytes))
-            return
-        self._spawn(self._commit(stream, put))
-
-    async def _commit(self, stream: int, put: _Put) -> None:
-        store = self.server.store
-        try:
-            obj, snap = object_from_items(put.items, self.cfg.zero_unused)
-            path = await self.loop.run_in_executor(None, store.persist_object, put.key, obj,
-                                                   snap)
-        except asyncio.CancelledError:
-            store.release(put.reserved, self.tenant)
-            raise
-        except HurrayError as e:
-            store.release(put.reserved, self.tenant)
-            self._send_error(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE),
-                             f"rejected: {e}")
-            return
-        except Exception as e:  # a bug must still answer the client, and be seen
-            store.release(put.reserved, self.tenant)
-            log.exception("put key=%r failed", put.shown)
-            self._send_error(stream, ErrorCode.INTERNAL,
-                             f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
-            return
-        store.commit(put.key, obj, path, put.reserved, self.tenant)
-        seconds = time.perf_counter() - put.started
-        log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
-                 units.rate(obj.nbytes, seconds))
-        self._write(message(MessageType.TENSOR_PUT_ACK, stream))
-
     async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
         started = time.perf_counter()
         max_frame = min(self.cfg.frame_bytes, (self.hello.max_message_size if self.hello
@@ -594,10 +460,3 @@ class Connection(asyncio.BufferedProtocol):
         seconds = time.perf_counter() - started
         log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,
                  units.rate(obj.nbytes, seconds))
-
-
-def _needs(nbytes: int, refused: StoreFull) -> str:
-    return (f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB); the memory budget is "
-            f"{refused.budget} bytes ({refused.budget / (1 << 30):.3f} GiB), of which "
-            f"{refused.in_flight} are reserved by other PUTs in flight and {refused.kept} hold the "
-            "key's current value")
