@@ -75,6 +75,9 @@ def free_port() -> int:
 
 def engine(spec: dict, work: Path, name: str, python: str | None = None) -> dict:
     if python is None:
+        # a new interpreter per engine, as for the peers in their environment (the test
+        # suite's fork server would start ours faster than theirs)
+        os.environ["HURRAYKV_ENGINE_FORK"] = "0"
         result = run(spec, work, name)
     else:  # another environment: its own interpreter runs the same driver
         path = work / f"{name}.json"
