@@ -21,6 +21,7 @@ from hurraykv.net.client import KVClient
 from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.messages import MessageType as T
 from hurraykv.net.server import KVServer
+from tests.snapshots import make_snapshot
 
 MIB = 1 << 20
 
@@ -120,3 +121,101 @@ def test_control_payloads_are_reserved_against_the_budget():
     finally:
         p.terminate()
         p.wait(10)
+
+
+# ------------------------------------------------------------------- 6 aliases
+def test_a_line_cut_by_a_crash_never_swallows_the_next_link(tmp_path):
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("target", make_snapshot())
+        c.link([("first", "target")])
+    with open(tmp_path / "aliases.jsonl", "ab") as f:
+        f.write(b'["cut-by-a-cr')  # the server died in the middle of an append
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.link([("second", "target")])  # acknowledged
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        assert c.locate(["first", "second", "cut-by-a-cr"]) == ["target", "target", None]
+        assert (tmp_path / "aliases.jsonl").read_bytes().endswith(b"\n")
+
+
+def test_hostile_alias_lines_do_not_stop_a_server(tmp_path):
+    lines = [b"[" * 100_000, b'["ok", "target"]', b'{"not": "a pair"}', b'["a", ["b"]]',
+             b'["x" ' + b" " * 200_000 + b']', b"\xff\xfe", b'["y", 1]', b'["also", "target"]']
+    (tmp_path / "aliases.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:  # before: RecursionError, the server did not start
+        assert c.aliases() == [("also", "target"), ("ok", "target")]
+    assert (tmp_path / "aliases.jsonl").stat().st_size < 100  # compacted to what is live
+
+
+def test_aliases_are_listed_removed_and_dropped_with_their_target(tmp_path, capsys):
+    from hurraykv.cli import main
+
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("seg-1", make_snapshot(seed=1))
+        c.push("seg-2", make_snapshot(seed=2))
+        c.link([("a1", "seg-1"), ("a2", "seg-1"), ("b1", "seg-2")])
+        assert main(["ls", "--aliases", st.address]) == 0
+        out = capsys.readouterr().out
+        assert "a1  -> seg-1" in out and "b1  -> seg-2" in out and "3 aliases" in out
+        assert main(["rm", st.address, "b1"]) == 0  # an alias: its target stays
+        assert c.aliases() == [("a1", "seg-1"), ("a2", "seg-1")]
+        assert [k for k, _ in c.list()] == ["seg-1", "seg-2"]
+        c.delete("seg-1")  # a target: its aliases go too
+        assert c.aliases() == [] and c.locate(["a1"]) == [None]
+        with pytest.raises(hk.RemoteError) as exc:
+            c.delete("a1")
+        assert exc.value.code == E.UNKNOWN_TENSOR
+        assert c.stat()["aliases"] == 0
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        assert c.aliases() == [] and c.locate(["a1", "b1"]) == [None, None]
+
+
+def test_aliases_count_against_the_budget_and_the_file_is_compacted(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                          "127.0.0.1:0", "--memory-budget", "16M", "--persist", str(tmp_path),
+                          "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = p.stdout.readline().split()[-1]
+        time.sleep(0.3)
+        before = _rss(p.pid)
+        refused = linked = 0
+        with KVClient(address) as c:
+            c.push("target", make_snapshot())
+            for batch in range(120):  # 12,000 aliases of 2 KB names: 48 MB of keys
+                pairs = [(f"{batch:03d}-{i:03d}-" + "a" * 2000, "target") for i in range(100)]
+                try:
+                    c.link(pairs)
+                    linked += len(pairs)
+                except hk.RemoteError as e:
+                    assert e.code == E.STORE_FULL and "aliases" in str(e)
+                    refused += 1
+            s = c.stat()
+            grown = _rss(p.pid) - before
+            assert refused and 6000 < linked < 7500, (refused, linked)  # before: none refused
+            assert s["aliases"] == linked and s["alias_bytes"] <= 16 * MIB
+            assert grown < 40 * MIB, f"the server grew by {grown >> 20} MiB"  # before: 100+
+            assert (tmp_path / "aliases.jsonl").stat().st_size < s["alias_bytes"]
+            for alias, _ in c.aliases()[:linked - 10]:
+                c.delete(alias)
+            assert len(c.aliases()) == 10
+            assert (tmp_path / "aliases.jsonl").stat().st_size < 2 * MIB  # compacted
+            c.link([("fits-again", "target")])
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def test_an_alias_goes_when_its_target_is_evicted_for_good():
+    with KVServer(listen="127.0.0.1:0", memory_budget=5 * MIB).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("t1", _fused(1, 2, seed=1))
+        c.link([("a", "t1")])
+        c.push("t2", _fused(1, 3, seed=2))  # evicts t1: no disk, no backing store
+        assert [k for k, _ in c.list()] == ["t2"]
+        assert c.aliases() == [] and st.server.store.aliases.nbytes == 0

@@ -5,7 +5,7 @@
     hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
     hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR] ...
     hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
-    hurraykv ls ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
+    hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
 on stderr); 2 usage, or a file, directory or server that cannot be read, written or
@@ -141,11 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="the keys a server holds, with their sizes")
     _client_options(ls)
     ls.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
+    ls.add_argument("--aliases", action="store_true", help="list aliases (LINK) and the "
+                    "keys they name instead of stored keys")
     ls.set_defaults(func=cmd_ls)
     st = sub.add_parser("stat", help="a server's objects, bytes, budget and connections")
     _client_options(st)
     st.set_defaults(func=cmd_stat)
-    rm = sub.add_parser("rm", help="delete keys from a server")
+    rm = sub.add_parser("rm", help="delete keys (and the aliases naming them) or aliases "
+                        "from a server")
     _client_options(rm)
     rm.add_argument("keys", nargs="+", metavar="KEY")
     rm.set_defaults(func=cmd_rm)

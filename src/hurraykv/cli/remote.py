@@ -114,6 +114,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.aliases:
+        with _client(args) as client:
+            aliases = sorted(client.aliases(args.prefix))
+        width = max((len(a) for a, _ in aliases), default=5)
+        for alias, target in aliases:
+            print(f"{alias:<{width}}  -> {target}")
+        print(f"{units.count(len(aliases))} aliases (`hurraykv rm` removes one)")
+        return 0
     with _client(args) as client:
         keys = sorted(client.list(args.prefix))
     width = max((len(k) for k, _ in keys), default=3)
@@ -141,6 +149,8 @@ def cmd_stat(args: argparse.Namespace) -> int:
         ("budget", ("unlimited" if budget is None else units.size(budget))
          + (" (shared by every tenant)" if "tenant" in s else "")),
         ("connections", f"{s.get('connections')} of at most {s.get('max_connections')}"),
+        ("aliases", f"{units.count(s.get('aliases', 0))}, "
+                    f"{units.size(s.get('alias_bytes', 0))} held"),
         ("persist", "on" if persist is True else str(persist or "off")),
         ("backing store", "yes" if s.get("backing_store") else "none"),
     ]

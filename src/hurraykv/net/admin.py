@@ -1,5 +1,5 @@
 """The private messages a ``hurraykv serve`` connection answers (floor 4): DELETE, HAS,
-LINK, LOCATE, LIST and STAT (decisions H35, H62).  Each handler takes the connection, the
+LINK, LOCATE, LIST, ALIASES and STAT (decisions H35, H62).  Each handler takes the connection, the
 stream and the payload; keys are scoped to the connection's tenant."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .keystore import StoreFull
 from .messages import (
     ErrorCode,
     MessageType,
@@ -19,7 +20,13 @@ from .messages import (
     encode_text,
     message,
 )
-from .private import decode_keys, encode_flags, encode_keys, encode_listing
+from .private import (
+    decode_keys,
+    encode_alias_listing,
+    encode_flags,
+    encode_keys,
+    encode_listing,
+)
 from .tenants import client_key
 
 if TYPE_CHECKING:
@@ -44,8 +51,12 @@ def has(c: Connection, stream: int, payload: memoryview) -> None:
 
 def link(c: Connection, stream: int, payload: memoryview) -> None:
     pairs = decode_keys(payload, "link", per=2)
-    c.server.store.link([(c._key(a), c._key(t))
-                         for a, t in zip(pairs[::2], pairs[1::2], strict=True)])
+    try:
+        c.server.store.link([(c._key(a), c._key(t))
+                             for a, t in zip(pairs[::2], pairs[1::2], strict=True)])
+    except StoreFull as e:
+        raise ProtocolError(f"link of {len(pairs) // 2} aliases: {e}", ErrorCode.STORE_FULL,
+                            field="aliases", value=e.value) from None
     c._write(message(MessageType.LINK_ACK, stream))
 
 
@@ -63,6 +74,16 @@ def listing(c: Connection, stream: int, payload: memoryview) -> None:
     c._write(message(MessageType.LIST_REPLY, stream, encode_listing(entries)))
 
 
+def aliases(c: Connection, stream: int, payload: memoryview) -> None:
+    prefix = decode_text(payload, "aliases")
+    entries = []
+    for alias, target in c.server.store.alias_listing():
+        mine = client_key(c.tenant, alias)
+        if mine is not None and mine.startswith(prefix):
+            entries.append((mine, client_key(c.tenant, target) or ""))
+    c._write(message(MessageType.ALIASES_REPLY, stream, encode_alias_listing(entries)))
+
+
 def stat(c: Connection, stream: int, payload: memoryview) -> None:
     decode_empty(payload, "stat")
     mine = c.tenant if c.cfg.tls_ca else None  # a tenant sees its own
@@ -72,4 +93,5 @@ def stat(c: Connection, stream: int, payload: memoryview) -> None:
 
 HANDLERS: dict[int, Callable[[Connection, int, memoryview], None]] = {
     MessageType.DELETE: delete, MessageType.HAS: has, MessageType.LINK: link,
-    MessageType.LOCATE: locate, MessageType.LIST: listing, MessageType.STAT: stat}
+    MessageType.LOCATE: locate, MessageType.LIST: listing, MessageType.ALIASES: aliases,
+    MessageType.STAT: stat}

@@ -44,7 +44,7 @@ from .messages import (
     remote_error,
     total_data_bytes,
 )
-from .private import decode_flags, decode_keys, decode_listing, encode_keys
+from .private import decode_alias_listing, decode_flags, decode_keys, decode_listing, encode_keys
 from .server import parse_address
 
 Progress = Callable[[int, int], None]
@@ -345,6 +345,14 @@ class KVClient:
         self._send(message(MessageType.LIST, stream, encode_text(prefix)))
         _, payload = self._expect(stream, MessageType.LIST_REPLY)
         return decode_listing(payload)
+
+    def aliases(self, prefix: str = "") -> list[tuple[str, str]]:
+        """``(alias, target)`` of every alias (starting with ``prefix``) this client may
+        see; delete one with ``delete(alias)``."""
+        stream = self._next_stream()
+        self._send(message(MessageType.ALIASES, stream, encode_text(prefix)))
+        _, payload = self._expect(stream, MessageType.ALIASES_REPLY)
+        return decode_alias_listing(payload)
 
     def stat(self) -> dict[str, Any]:
         """The server's counters: objects, bytes, budget, connections, uptime."""

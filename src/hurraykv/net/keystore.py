@@ -10,7 +10,6 @@ replaces a key never shows anyone a partial snapshot.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections import Counter, OrderedDict
@@ -28,6 +27,7 @@ from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .aliases import AliasTable, cost
 from .tenants import SEPARATOR
 
 log = logging.getLogger("hurraykv.server")
@@ -38,12 +38,14 @@ Items = list[tuple[TensorDescriptor, list[Any]]]
 class StoreFull(HurrayError):
     """A PUT the memory budget cannot hold; answered with ERROR STORE_FULL."""
 
-    def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int) -> None:
+    def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int, aliases: int = 0,
+                 field: str = "total_data_bytes") -> None:
+        held = f" and {aliases} hold aliases" if aliases else ""
         super().__init__(
             f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) but the memory budget is "
             f"{budget} bytes ({budget / (1 << 30):.3f} GiB), of which {in_flight} are "
-            f"reserved by PUTs in flight and {kept} hold the key's current value",
-            field="total_data_bytes", value=nbytes, rule="--memory-budget")
+            f"reserved by PUTs in flight and {kept} hold the key's current value{held}",
+            field=field, value=nbytes, rule="--memory-budget")
         self.nbytes, self.budget, self.in_flight, self.kept = nbytes, budget, in_flight, kept
 
 
@@ -115,18 +117,27 @@ class KeyStore:
         self.memory_bytes = 0
         self.reserved_bytes = 0
         self._reserved_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
-        self._aliases: dict[str, str] = {}
+        self.aliases = AliasTable()
         if self.persist:
             self.persist.mkdir(parents=True, exist_ok=True)
             self._scan()
-            self._load_aliases()
+            self.aliases = AliasTable(self.persist / ALIASES)
+            if memory_budget is not None and self.aliases.nbytes > memory_budget:
+                log.warning("the %d aliases in %s hold %s, over the memory budget of %s: "
+                            "new aliases are refused until some go", len(self.aliases),
+                            self.persist / ALIASES, units.size(self.aliases.nbytes),
+                            units.size(memory_budget))
 
     # -- the budget ----------------------------------------------------------------------
     def idle_room(self) -> int | None:
         """Bytes the receive pool may keep idle now (None: no budget)."""
         if self.memory_budget is None:
             return None
-        return max(0, self.memory_budget - self.memory_bytes - self.reserved_bytes)
+        return max(0, self.memory_budget - self._used())
+
+    def _used(self) -> int:
+        """Bytes held against the budget: objects in memory, reservations, aliases."""
+        return self.memory_bytes + self.reserved_bytes + self.aliases.nbytes
 
     def reserve(self, nbytes: int, *, keep: str | None = None, lossy: bool = True,
                 owner: str = "") -> None:
@@ -142,17 +153,28 @@ class KeyStore:
         if budget is None:
             self._add_reserved(nbytes, owner)
             return
+        self._make_room(nbytes, keep, lossy)
+        self._add_reserved(nbytes, owner)
+
+    def _make_room(self, nbytes: int, keep: str | None, lossy: bool,
+                   field: str = "total_data_bytes") -> None:
+        """Room for ``nbytes`` more under the budget: decided first (``StoreFull`` if even
+        evicting every object but ``keep`` cannot make it), then idle receive buffers are
+        dropped and least recently used objects evicted (``lossy=False``: only those kept
+        on disk or in the backing store)."""
+        budget = self.memory_budget
+        assert budget is not None
         kept = self._objects[keep].nbytes if keep in self._objects else 0
-        if self.reserved_bytes + kept + nbytes > budget:  # not even by evicting everything
-            raise StoreFull(nbytes, budget, self.reserved_bytes, kept)
+        aliases = self.aliases.nbytes
+        if self.reserved_bytes + kept + aliases + nbytes > budget:  # not even evicting all
+            raise StoreFull(nbytes, budget, self.reserved_bytes, kept, aliases, field)
         if self.pool is not None:
-            self.pool.trim(max(0, budget - self.memory_bytes - self.reserved_bytes - nbytes))
+            self.pool.trim(max(0, budget - self._used() - nbytes))
         for key in list(self._objects):
-            if self.memory_bytes + self.reserved_bytes + nbytes <= budget:
+            if self._used() + nbytes <= budget:
                 break
             if key != keep and (lossy or self._objects[key].durable):
                 self._evict_key(key)
-        self._add_reserved(nbytes, owner)
 
     def _add_reserved(self, nbytes: int, owner: str) -> None:
         self.reserved_bytes += nbytes
@@ -191,8 +213,8 @@ class KeyStore:
             self.backing is not None and key in self.backing)
 
     def get(self, key: str) -> StoredObject | None:
-        if key not in self and key in self._aliases:
-            key = self._aliases[key]
+        if key not in self:
+            key = self.aliases.target(key) or key
         obj = self._objects.get(key)
         if obj is not None:
             self._objects.move_to_end(key)
@@ -266,46 +288,40 @@ class KeyStore:
         self.memory_bytes -= old.nbytes
         log.info("evicted %r (%s)%s", key, units.size(old.nbytes),
                  "; still on disk" if key in self._files else "")
+        if not old.durable and key not in self._files:
+            self.aliases.drop_target(key)  # gone for good: so are its aliases
 
     def _evict(self, keep: str) -> None:
         """Objects loaded from the backing store may overshoot: evict down to the budget."""
         if self.memory_budget is None:
             return
         for key in list(self._objects):
-            if self.memory_bytes + self.reserved_bytes <= self.memory_budget:
+            if self._used() <= self.memory_budget:
                 return
             if key != keep:
                 self._evict_key(key)
 
     # -- aliases -------------------------------------------------------------------------
     def link(self, pairs: list[tuple[str, str]]) -> None:
-        """Each alias names its target's object from now on (appended to the persist
-        directory's ``aliases.jsonl``, so a restarted server keeps them)."""
-        for alias, target in pairs:
-            self._aliases[alias] = target
-        if self.persist is not None and pairs:
-            with open(self.persist / ALIASES, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps([a, t]) + "\n" for a, t in pairs))
+        """Each alias names its target's object from now on.  Aliases are held against the
+        memory budget (``StoreFull`` when it cannot hold them: decided before anything is
+        evicted) and appended to the persist directory's ``aliases.jsonl``, fsynced, so a
+        restarted server keeps them."""
+        added = self.aliases.added_bytes(pairs)
+        if self.memory_budget is not None and added > 0:
+            self._make_room(added, None, True, field="aliases")
+        self.aliases.link(pairs)
 
     def locate(self, key: str) -> str | None:
         """The stored object ``key`` names: itself, or its alias's target; None if gone."""
         if key in self:
             return key
-        target = self._aliases.get(key)
+        target = self.aliases.target(key)
         return target if target is not None and target in self else None
 
-    def _load_aliases(self) -> None:
-        assert self.persist is not None
-        path = self.persist / ALIASES
-        if not path.exists():
-            return
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                alias, target = json.loads(line)
-            except (ValueError, TypeError):
-                continue  # a line cut by a crash
-            if isinstance(alias, str) and isinstance(target, str):
-                self._aliases[alias] = target
+    def alias_listing(self) -> list[tuple[str, str]]:
+        """Every ``(alias, target)``."""
+        return self.aliases.items()
 
     def listing(self) -> list[tuple[str, int]]:
         """Every key held in memory or on disk, with its data bytes (a file's size for an
@@ -329,16 +345,21 @@ class KeyStore:
                     "memory_budget": self.memory_budget,
                     "idle_receive_bytes": self.pool.idle_bytes if self.pool is not None else 0,
                     "persist": str(self.persist) if self.persist else None,
-                    "backing_store": self.backing is not None}
+                    "backing_store": self.backing is not None,
+                    "aliases": len(self.aliases), "alias_bytes": self.aliases.nbytes}
         prefix = tenant + SEPARATOR
+        aliases = [cost(a, t) for a, t in self.aliases.items() if a.startswith(prefix)]
         mine = [o.nbytes for k, o in self._objects.items() if k.startswith(prefix)]
         return {"objects_in_memory": len(mine),
                 "persisted_objects": sum(1 for k in self._files if k.startswith(prefix)),
                 "memory_bytes": sum(mine), "reserved_bytes": self._reserved_by[tenant],
                 "memory_budget": self.memory_budget, "persist": self.persist is not None,
-                "backing_store": self.backing is not None}
+                "backing_store": self.backing is not None, "aliases": len(aliases),
+                "alias_bytes": sum(aliases)}
 
     def delete(self, key: str) -> bool:
+        """Delete the object ``key`` (its aliases go with it) and the alias ``key``;
+        False when there was neither."""
         found = key in self
         if self.backing is not None and key in self.backing:
             self.backing.delete(key)
@@ -346,7 +367,10 @@ class KeyStore:
         path = self._files.pop(key, None)
         if path is not None:
             path.unlink(missing_ok=True)
-        return found
+        alias = self.aliases.remove([key])
+        if found:
+            self.aliases.drop_target(key)
+        return found or bool(alias)
 
 
 def _name(desc: TensorDescriptor, i: int) -> str:

@@ -32,6 +32,8 @@ type  name                payload
 0xFA  LOCATE (private)    u32 count, then per key u32 n + utf8 key; answered by 0xFB
                           LOCATE_REPLY: u32 count, then per key the stored object it names
                           (itself, or an alias's target) as u32 n + utf8, empty if none
+0xFC  ALIASES (private)   u32 n + utf8 alias prefix; answered by 0xFD ALIASES_REPLY: u32
+                          count, then per alias u32 n + utf8 alias, u32 n + utf8 target
 ====  ==================  ====================================================================
 
 A layout entry is one byte, or for a private tag (0xF0-0xFE) the byte, ``u16 ext_len`` and
@@ -80,6 +82,8 @@ class MessageType(IntEnum):
     LINK_ACK = 0xF9
     LOCATE = 0xFA
     LOCATE_REPLY = 0xFB
+    ALIASES = 0xFC
+    ALIASES_REPLY = 0xFD
 
 
 class ErrorCode(IntEnum):

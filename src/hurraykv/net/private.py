@@ -1,5 +1,5 @@
-"""The private messages' lists (floor 4): HAS, LINK, LOCATE and their replies, LIST_REPLY
-(see the table in ``messages.py``)."""
+"""The private messages' lists (floor 4): HAS, LINK, LOCATE and their replies, LIST_REPLY,
+ALIASES_REPLY (see the table in ``messages.py``)."""
 
 from __future__ import annotations
 
@@ -56,5 +56,21 @@ def decode_listing(payload: bytes | memoryview) -> list[tuple[str, int]]:
         raise _bad(f"list_reply.count {n} cannot fit in {r.left} bytes", field_="count",
                    value=n)
     out = [(r.text("key"), r.unpack("Q", "bytes")) for _ in range(n)]
+    r.end()
+    return out
+
+
+def encode_alias_listing(entries: list[tuple[str, str]]) -> bytes:
+    return struct.pack("<I", len(entries)) + b"".join(
+        encode_text(a) + encode_text(t) for a, t in entries)
+
+
+def decode_alias_listing(payload: bytes | memoryview) -> list[tuple[str, str]]:
+    r = _Reader(payload, "aliases_reply")
+    n = r.unpack("I", "count")
+    if n * 8 > r.left:
+        raise _bad(f"aliases_reply.count {n} cannot fit in {r.left} bytes", field_="count",
+                   value=n)
+    out = [(r.text("alias"), r.text("target")) for _ in range(n)]
     r.end()
     return out
