@@ -1,9 +1,11 @@
 """The page store's manifest and prefix-index values (floor 4): bytes <-> fields.
 
-Manifest: ``"HKVM" | u32 version (1) | u64 n | n Hurray bytes | u64 n | page digests
-(16 bytes each, all zero for a page no sequence references) | u64 n | token ids`` (see
-``pages.py``).  A prefix-index value names the snapshot, sequence and token count where
-a chain of full token pages ends.
+Manifest: ``"HKVM" | u32 version (2) | 16-byte generation | u64 n | n Hurray bytes | u64 n |
+page digests (16 bytes each, all zero for a page no sequence references) | u64 n | token
+ids`` (see ``pages.py``).  The generation is random, one per stored manifest: it is the
+reference the manifest holds on each of its pages.  Version 1 (no generation, written
+before references were generations) is still read; ``fsck`` upgrades it.  A prefix-index
+value names the snapshot, sequence and token count where a chain of full token pages ends.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MAGIC = b"HKVM"
 
 
 def encode_manifest(snapshot: KVCacheSnapshot, members: list[Member],
-                    digests: list[list[bytes]], token_ids: Any) -> bytes:
+                    digests: list[list[bytes]], token_ids: Any, generation: bytes) -> bytes:
     """The manifest of a snapshot being stored (its pages' digests in table order)."""
     buf = io.BytesIO()
     write_tensor(buf, group_head(snapshot.member_count()), [])
@@ -46,9 +48,21 @@ def encode_manifest(snapshot: KVCacheSnapshot, members: list[Member],
         tokens = np.concatenate([np.asarray(t, dtype="<i8").reshape(-1)
                                  for t in split_tokens(snapshot, token_ids)]
                                 or [np.zeros(0, "<i8")]).tobytes()
-    return b"".join([MAGIC, struct.pack("<IQ", 1, len(hurray)), hurray,
-                     struct.pack("<Q", len(table)), table,
+    return b"".join([MAGIC, struct.pack("<I", 2), generation, struct.pack("<Q", len(hurray)),
+                     hurray, struct.pack("<Q", len(table)), table,
                      struct.pack("<Q", len(tokens)), tokens])
+
+
+def manifest_generation(raw: bytes) -> bytes | None:
+    """The generation of a version 2 manifest; None for version 1 (or no manifest)."""
+    if len(raw) >= 24 and raw[:4] == MAGIC and struct.unpack_from("<I", raw, 4)[0] == 2:
+        return bytes(raw[8:24])
+    return None
+
+
+def with_generation(raw: bytes, generation: bytes) -> bytes:
+    """A version 1 manifest rewritten as version 2 with ``generation`` (fsck)."""
+    return MAGIC + struct.pack("<I", 2) + generation + bytes(raw[8:])
 
 def split_tokens(snapshot: KVCacheSnapshot, token_ids: Any) -> list[np.ndarray]:
     lens = snapshot.seq_lens
@@ -95,10 +109,12 @@ def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], byt
     try:
         if bytes(mv[:4]) != MAGIC:
             raise ValueError("magic")
-        version, n = struct.unpack_from("<IQ", mv, 4)
-        if version != 1:
+        (version,) = struct.unpack_from("<I", mv, 4)
+        if version not in (1, 2):
             raise ValueError(f"version {version}")
-        pos = 16
+        pos = 8 if version == 1 else 24
+        (n,) = struct.unpack_from("<Q", mv, pos)
+        pos += 8
         hurray = mv[pos:pos + n]
         pos += n
         (tn,) = struct.unpack_from("<Q", mv, pos)

@@ -1,29 +1,62 @@
 """The page store's keys and Lua scripts (floor 4).
 
 Page bytes never go through Lua (it would copy them): pages are stored with plain
-(M)SETs, and the scripts only count references, each over keys in one slot, so they
-are atomic in a cluster too.
+(M)SETs.  A page's references are the generations in its owner set, one per stored
+manifest (8 bytes of milliseconds since the epoch, big-endian, then 8 random bytes), so
+adding or dropping one is idempotent: a step repeated after a crash, or by two clients
+at once, changes nothing the second time.  Every script touches keys of one hash slot
+only (a page and its owners share ``{H}``, a manifest and its pending releases share
+``{id}``), so each is atomic in a cluster too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
+import time
 from typing import Any
 
-# Lua: keys[1] page, keys[2] refcount; in one slot (same hash tag), so atomic in a cluster.
-# Page bytes never go through Lua (it would copy them): a plain (M)SET stores a page, then
-# INCREF counts the reference only if the page is still there (else the caller stores it
-# again: a concurrent delete may have removed it in between).
-_INCREF = """
+# keys[1] page, keys[2] owners; argv[1] generation.  The reference is added only if the
+# page is still there (else 0: the caller stores it again, a concurrent release having
+# removed it); returns the number of owners, 1 meaning the page is newly stored.
+_ADDREF = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-return redis.call('INCR', KEYS[2])
+redis.call('SADD', KEYS[2], ARGV[1])
+return redis.call('SCARD', KEYS[2])
 """
 # The same for many pages in one call (a single server: no slot rule to respect).
-_INCREF_MANY = """
+_ADDREF_MANY = """
 local out = {}
 for i = 1, #KEYS, 2 do
   if redis.call('EXISTS', KEYS[i]) == 0 then out[#out + 1] = 0
-  else out[#out + 1] = redis.call('INCR', KEYS[i + 1]) end
+  else
+    redis.call('SADD', KEYS[i + 1], ARGV[1])
+    out[#out + 1] = redis.call('SCARD', KEYS[i + 1])
+  end
+end
+return out
+"""
+# keys[1] page, keys[2] owners; argv[1] generation.  Drops the reference; the call that
+# drops the last one deletes page and owners and returns -1 - the page's size; any other
+# (the reference already gone included) returns the owners left.
+_DROPREF = """
+if redis.call('SREM', KEYS[2], ARGV[1]) == 1 and redis.call('SCARD', KEYS[2]) == 0 then
+  local size = redis.call('STRLEN', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return -1 - size
+end
+return redis.call('SCARD', KEYS[2])
+"""
+_DROPREF_MANY = """
+local out = {}
+for i = 1, #KEYS, 2 do
+  local n
+  if redis.call('SREM', KEYS[i + 1], ARGV[1]) == 1 and
+      redis.call('SCARD', KEYS[i + 1]) == 0 then
+    n = -1 - redis.call('STRLEN', KEYS[i])
+    redis.call('DEL', KEYS[i], KEYS[i + 1])
+  else n = redis.call('SCARD', KEYS[i + 1]) end
+  out[#out + 1] = n
 end
 return out
 """
@@ -33,19 +66,45 @@ for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end
 return out
 """
 MANY = 512  # pages per *_MANY call
-_DECREF = """
-local n = redis.call('DECR', KEYS[2])
-if n <= 0 then
-  local size = redis.call('STRLEN', KEYS[1])
-  redis.call('DEL', KEYS[1], KEYS[2])
-  return -1 - size
+# keys[1] manifest, keys[2] pending releases; argv[1] the new manifest.  The manifest it
+# replaces moves to the pending releases (under its generation, 'r' + its bytes) in the
+# same step, so exactly one caller ever owns its release; returns 1 when one was replaced.
+# A version 1 manifest (no generation) is left alone: HKVLEGACY (fsck upgrades it).
+_SWAP = """
+local old = redis.call('GET', KEYS[1])
+if old and string.sub(old, 5, 8) ~= '\2\0\0\0' then
+  return redis.error_reply('HKVLEGACY')
 end
-return n
+redis.call('SET', KEYS[1], ARGV[1])
+if old then
+  redis.call('HSET', KEYS[2], string.sub(old, 9, 24), 'r' .. old)
+  return 1
+end
+return 0
+"""
+# keys[1] manifest, keys[2] pending releases: the manifest moves to its releases ('d' +
+# its bytes: deleted, prefix entries to remove); 1 if there was one.
+_REMOVE = """
+local old = redis.call('GET', KEYS[1])
+if not old then return 0 end
+if string.sub(old, 5, 8) ~= '\2\0\0\0' then return redis.error_reply('HKVLEGACY') end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[2], string.sub(old, 9, 24), 'd' .. old)
+return 1
+"""
+# keys[1] page, keys[2] owners: the page goes if nobody owns it (fsck; a writer that stored
+# it an instant ago finds it gone when it adds its reference, and stores it again).
+_DEL_ORPHAN = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 _DEL_IF = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+STATS = "hkv:stats"
+PAGE_SIZES = "hkv:page_sizes"
 
 
 class Script:
@@ -72,11 +131,21 @@ class Script:
         return target.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
 
 
+SCRIPTS = {"addref": _ADDREF, "addref_many": _ADDREF_MANY, "dropref": _DROPREF,
+           "dropref_many": _DROPREF_MANY, "exists_many": _EXISTS_MANY, "swap": _SWAP,
+           "remove": _REMOVE, "del_if": _DEL_IF, "del_orphan": _DEL_ORPHAN}
+
+
 def page_key(digest: bytes) -> str:
     return f"hkv:p:{{{digest.hex()}}}"
 
 
-def ref_key(digest: bytes) -> str:
+def owners_key(digest: bytes) -> str:
+    return f"hkv:o:{{{digest.hex()}}}"
+
+
+def legacy_ref_key(digest: bytes) -> str:
+    """Where hurraykv before generations counted a page's references (fsck upgrades)."""
     return f"hkv:r:{{{digest.hex()}}}"
 
 
@@ -84,5 +153,26 @@ def manifest_key(snapshot_id: str) -> str:
     return f"hkv:m:{{{snapshot_id}}}"
 
 
+def pending_key(snapshot_id: str) -> str:
+    return f"hkv:d:{{{snapshot_id}}}"
+
+
 def prefix_key(chain: bytes) -> str:
     return f"hkv:x:{{{chain.hex()}}}"
+
+
+def id_of(key: bytes | str, kind: str) -> str:
+    """The snapshot id (``kind`` m or d) or page digest hex (p, o, r) inside a key."""
+    text = key.decode("utf-8") if isinstance(key, bytes) else key
+    return text[len(f"hkv:{kind}:{{"):-1]
+
+
+def new_generation() -> bytes:
+    """A manifest's generation: when it was drawn (ms, big-endian) and 8 random bytes."""
+    return int(time.time() * 1000).to_bytes(8, "big") + secrets.token_bytes(8)
+
+
+def generation_age(generation: bytes, now: float | None = None) -> float:
+    """Seconds since ``generation`` was drawn."""
+    drawn = int.from_bytes(generation[:8], "big") / 1000
+    return (time.time() if now is None else now) - drawn

@@ -1,0 +1,73 @@
+"""Page references of the page store (floor 4): pipelined script calls over many pages.
+
+A page's references are the generations in its owner set (``scripts.py``): ``add`` and
+``drop`` are idempotent per generation, so a put or a release that is repeated, after a
+crash or by two clients at once, never counts a manifest twice or drops another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .scripts import MANY, SCRIPTS, Script, owners_key, page_key
+
+BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
+
+
+class Refs:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.cluster = hasattr(client, "get_primaries")
+        self.scripts = {name: Script(client, lua) for name, lua in SCRIPTS.items()}
+
+    # -- pipelines ---------------------------------------------------------------------
+    def pipe(self) -> Any:
+        return self.client.pipeline(transaction=False)
+
+    def batched(self, keys: Sequence[Any], sizes: Sequence[int],
+                run: Callable[[Any, Any], Any]) -> list[Any]:
+        """Run ``run(pipe, key)`` for every key in pipelines of ~BATCH_BYTES each."""
+        out: list[Any] = []
+        pipe, pending = self.pipe(), 0
+        for key, size in zip(keys, sizes, strict=True):
+            run(pipe, key)
+            pending += size + 64
+            if pending >= BATCH_BYTES:
+                out += pipe.execute()
+                pipe, pending = self.pipe(), 0
+        out += pipe.execute()
+        return out
+
+    def _per_page(self, name: str, digests: list[bytes], args: list[Any]) -> list[int]:
+        """``name`` over every page: one script call per page on a cluster (its keys share
+        a slot), hundreds per call on a single server."""
+        if self.cluster:
+            one = self.scripts[name]
+            return [int(n) for n in self.batched(digests, [0] * len(digests), lambda p, d: one(
+                keys=[page_key(d), owners_key(d)], args=args, client=p))]
+        many = self.scripts[name + "_many"]
+        groups = [digests[a:a + MANY] for a in range(0, len(digests), MANY)]
+        out = self.batched(groups, [0] * len(groups), lambda p, g: many(
+            keys=[k for d in g for k in (page_key(d), owners_key(d))], args=args, client=p))
+        return [int(n) for group in out for n in group]
+
+    # -- references --------------------------------------------------------------------
+    def exists_all(self, digests: list[bytes]) -> list[int]:
+        if self.cluster:
+            return self.batched(digests, [0] * len(digests), lambda p, d: p.exists(page_key(d)))
+        groups = [digests[a:a + MANY] for a in range(0, len(digests), MANY)]
+        many = self.scripts["exists_many"]
+        out = self.batched(groups, [0] * len(groups), lambda p, g: many(
+            keys=[page_key(d) for d in g], client=p))
+        return [int(n) for group in out for n in group]
+
+    def add_all(self, digests: list[bytes], generation: bytes) -> list[int]:
+        """Add ``generation``'s reference to each page: the owners it then has (0: the
+        page is not stored, nothing was added)."""
+        return self._per_page("addref", digests, [generation])
+
+    def drop_all(self, digests: list[bytes], generation: bytes) -> list[int]:
+        """Drop ``generation``'s reference from each page: -1 - size for a page this call
+        freed (its last reference), else the owners left."""
+        return self._per_page("dropref", digests, [generation])
