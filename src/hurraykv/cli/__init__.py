@@ -6,6 +6,7 @@
     hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR] ...
     hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
     hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
+    hurraykv store fsck URL              repair a Redis page store after a crash
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
 on stderr); 2 usage, or a file, directory or server that cannot be read, written or
@@ -25,6 +26,7 @@ from ..errors import HurrayError, MissingDependencyError, TransportError
 from .inputs import CannotRead
 from .local import cmd_compact, cmd_inspect, cmd_validate
 from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
+from .store import cmd_store_fsck
 
 USAGE, INVALID = 2, 1
 
@@ -152,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(rm)
     rm.add_argument("keys", nargs="+", metavar="KEY")
     rm.set_defaults(func=cmd_rm)
+    store = sub.add_parser("store", help="maintain a Redis/Valkey page store")
+    ssub = store.add_subparsers(dest="store_command", required=True, metavar="COMMAND")
+    fs = ssub.add_parser("fsck", help="after a client or server crash: recompute page "
+                         "references from the manifests, free orphaned pages, fix the "
+                         "statistics, and say what changed (exit 1 if snapshots lost pages)")
+    fs.add_argument("url", help="redis://HOST:PORT or redis+cluster://HOST:PORT")
+    fs.add_argument("--grace", type=_seconds, default=3600.0, metavar="SECONDS",
+                    help="references drawn this recently may belong to a put still "
+                    "running and are kept; default 3600")
+    fs.add_argument("--json", action="store_true", help="the report as one JSON object")
+    fs.set_defaults(func=cmd_store_fsck)
     return p
 
 

@@ -31,7 +31,7 @@ pending releases in that same script, so among any number of concurrent puts and
 of one id each old manifest is released exactly once, and releasing is idempotent.  So in
 any interleaving, from any number of processes, each page's owners are the manifests
 naming it once every call has returned; a client or server killed midway leaves at worst
-references nobody holds (pages kept too long).
+references nobody holds (pages kept too long), which ``fsck`` removes.
 
 Unused page slots are zeroed before pages are hashed and stored (better sharing, and
 nothing stale leaves the process); pages no sequence references are not stored and come
@@ -42,7 +42,7 @@ Pages travel on the raw path of ``resp.py`` (MSETs gathered from the pool's memo
 replies received into the rows being rebuilt) where the connection allows, else in
 redis-py pipelines.  ``members.py`` digests pages, ``manifest.py`` encodes manifests and
 prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the reference calls,
-``reads.py`` and ``writes.py`` the two paths.
+``reads.py`` and ``writes.py`` the two paths, ``fsck.py`` the repair after crashes.
 """
 
 from __future__ import annotations
@@ -140,7 +140,11 @@ class PageStore:
                 new_bytes += nbytes
             manifest = encode_manifest(snapshot, members, digests, token_ids, generation)
             swapping = True  # from here a failure may or may not have swapped: fsck decides
-            replaced = self._script("swap", snapshot_id, [manifest])
+            try:
+                replaced = self._script("swap", snapshot_id, [manifest])
+            except StoreError:  # refused before it changed anything (a version 1 manifest)
+                swapping = False
+                raise
         except BaseException:
             if not swapping:
                 self._abandon(generation, list(seen))
@@ -235,6 +239,12 @@ class PageStore:
         if not moved and b"d" not in kinds:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
+
+    def fsck(self, *, grace: float = 3600.0) -> dict[str, Any]:
+        """Repair the store after a client or server crash: see ``fsck.py``."""
+        from .fsck import fsck
+
+        return fsck(self, grace=grace)
 
     def stats(self) -> dict[str, int]:
         raw = self.client.hgetall(STATS)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .scripts import MANY, SCRIPTS, Script, owners_key, page_key
+from ..errors import StoreError, require
+from .scripts import MANY, SCRIPTS, Script, legacy_ref_key, owners_key, page_key
 
 BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
 
@@ -39,17 +40,18 @@ class Refs:
         out += pipe.execute()
         return out
 
-    def _per_page(self, name: str, digests: list[bytes], args: list[Any]) -> list[int]:
+    def _per_page(self, name: str, digests: list[bytes], args: list[Any],
+                  keys: Callable[[bytes], list[str]]) -> list[int]:
         """``name`` over every page: one script call per page on a cluster (its keys share
         a slot), hundreds per call on a single server."""
         if self.cluster:
             one = self.scripts[name]
             return [int(n) for n in self.batched(digests, [0] * len(digests), lambda p, d: one(
-                keys=[page_key(d), owners_key(d)], args=args, client=p))]
+                keys=keys(d), args=args, client=p))]
         many = self.scripts[name + "_many"]
         groups = [digests[a:a + MANY] for a in range(0, len(digests), MANY)]
         out = self.batched(groups, [0] * len(groups), lambda p, g: many(
-            keys=[k for d in g for k in (page_key(d), owners_key(d))], args=args, client=p))
+            keys=[k for d in g for k in keys(d)], args=args, client=p))
         return [int(n) for group in out for n in group]
 
     # -- references --------------------------------------------------------------------
@@ -65,9 +67,20 @@ class Refs:
     def add_all(self, digests: list[bytes], generation: bytes) -> list[int]:
         """Add ``generation``'s reference to each page: the owners it then has (0: the
         page is not stored, nothing was added)."""
-        return self._per_page("addref", digests, [generation])
+        redis = require("redis", "redis", "the Redis page store")
+        try:
+            return self._per_page("addref", digests, [generation], lambda d: [
+                page_key(d), owners_key(d), legacy_ref_key(d)])
+        except redis.ResponseError as e:
+            if "HKVLEGACY" not in str(e):
+                raise
+        raise StoreError("a page of this snapshot is also in a snapshot stored by a hurraykv "
+                         "that counted references without generations: run `hurraykv store "
+                         "fsck URL` once to upgrade the store", field="page",
+                         rule="references are generations (manifest version 2)")
 
     def drop_all(self, digests: list[bytes], generation: bytes) -> list[int]:
         """Drop ``generation``'s reference from each page: -1 - size for a page this call
         freed (its last reference), else the owners left."""
-        return self._per_page("dropref", digests, [generation])
+        return self._per_page("dropref", digests, [generation],
+                              lambda d: [page_key(d), owners_key(d)])

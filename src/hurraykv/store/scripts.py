@@ -16,18 +16,24 @@ import secrets
 import time
 from typing import Any
 
-# keys[1] page, keys[2] owners; argv[1] generation.  The reference is added only if the
-# page is still there (else 0: the caller stores it again, a concurrent release having
-# removed it); returns the number of owners, 1 meaning the page is newly stored.
+# keys[1] page, keys[2] owners, keys[3] the page's counter of before generations;
+# argv[1] generation.  The reference is added only if the page is still there (else 0: the
+# caller stores it again, a concurrent release having removed it); returns the number of
+# owners, 1 meaning the page is newly stored.  A page still counted the old way (a store
+# fsck has not upgraded) is refused: HKVLEGACY, nothing changed.
 _ADDREF = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return redis.error_reply('HKVLEGACY') end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return redis.call('SCARD', KEYS[2])
 """
 # The same for many pages in one call (a single server: no slot rule to respect).
 _ADDREF_MANY = """
+for i = 3, #KEYS, 3 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return redis.error_reply('HKVLEGACY') end
+end
 local out = {}
-for i = 1, #KEYS, 2 do
+for i = 1, #KEYS, 3 do
   if redis.call('EXISTS', KEYS[i]) == 0 then out[#out + 1] = 0
   else
     redis.call('SADD', KEYS[i + 1], ARGV[1])

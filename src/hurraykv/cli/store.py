@@ -1,0 +1,42 @@
+"""``hurraykv store fsck URL``: a Redis page store made consistent with its manifests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .. import units
+
+ROWS = [("releases_completed", "pending releases completed (puts or deletes cut short)"),
+        ("manifests", "manifests read"),
+        ("manifests_upgraded", "manifests upgraded to version 2 (generations)"),
+        ("references_dropped", "references no manifest holds, dropped"),
+        ("references_added", "references a manifest lacked, added"),
+        ("pages_freed", "pages freed with their last reference"),
+        ("orphan_pages_freed", "pages nobody referenced, freed"),
+        ("legacy_counters_removed", "reference counters of before generations, removed")]
+
+
+def cmd_store_fsck(args: argparse.Namespace) -> int:
+    from ..store import PageStore
+
+    args.subject = args.url
+    store = PageStore.from_url(args.url)
+    try:
+        report = store.fsck(grace=args.grace)
+    finally:
+        store.client.close()
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        for key, what in ROWS:
+            print(f"{units.count(report[key]):>12}  {what}")
+        before, after = report["stats_before"], report["stats_after"]
+        for key in ("snapshots", "pages", "stored_bytes", "logical_bytes"):
+            b, a = before.get(key, 0), after.get(key, 0)
+            change = "unchanged" if a == b else f"was {b}"
+            print(f"{'stats ' + key:>24}: {a} ({change})")
+        for sid, n in sorted(report["missing_pages"].items()):
+            print(f"damaged: snapshot {sid!r} names {n} page(s) the store has lost "
+                  "(delete it and store it again)")
+    return 1 if report["missing_pages"] else 0

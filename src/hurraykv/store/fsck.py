@@ -1,0 +1,173 @@
+"""``PageStore.fsck()`` / ``hurraykv store fsck URL``: the page store made consistent
+with its manifests after a client or server crash (floor 4).
+
+1. Releases left pending (a put or delete killed after its manifest moved) are completed.
+2. Every manifest is read; version 1 manifests (references counted before generations)
+   get a generation and are rewritten as version 2, and the counters of those references
+   (``hkv:r:``) are removed (upgrade a store while no client writes to it).
+3. Each page's owners become exactly the generations of the manifests naming it: a
+   generation no manifest holds (a put killed before its manifest went in) is dropped -
+   unless it was drawn less than ``grace`` seconds ago, being then possibly a put still
+   running - and a page a manifest names but does not own is given that reference (after
+   checking the manifest still holds it).  A page whose last reference goes is freed.
+4. Pages nobody owns (bytes a killed put stored before referencing them) are freed.
+5. ``hkv:stats`` is recomputed from what is left.
+
+Nothing a manifest names is ever freed, so fsck is safe while clients run; what they
+change meanwhile may leave the recomputed statistics off by their work (run it again
+when they are idle).  Pages a manifest names that are not in the store cannot be made
+again: they are reported per snapshot (``get`` of those snapshots fails naming them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .manifest import manifest_generation, parse_manifest, with_generation
+from .members import ZERO
+from .scripts import (
+    STATS,
+    generation_age,
+    id_of,
+    legacy_ref_key,
+    manifest_key,
+    new_generation,
+    owners_key,
+    page_key,
+)
+from .writes import drain, logical_bytes
+
+BATCH = 512  # keys per pipeline round trip
+
+
+def _scan(client: Any, kind: str) -> Iterator[str]:
+    """The snapshot ids (m, d) or page digests in hex (p, o, r) of the keys of ``kind``."""
+    seen: set[str] = set()
+    for key in client.scan_iter(match=f"hkv:{kind}:*", count=1000):
+        name = id_of(key, kind)
+        if name not in seen:  # SCAN may return a key twice
+            seen.add(name)
+            yield name
+
+
+def _chunks(items: list[Any]) -> Iterator[list[Any]]:
+    for a in range(0, len(items), BATCH):
+        yield items[a:a + BATCH]
+
+
+def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
+    """Repair ``store``; returns what was found and changed."""
+    refs, client = store._refs, store.client
+    report: dict[str, Any] = {
+        "releases_completed": 0, "manifests": 0, "manifests_upgraded": 0,
+        "references_dropped": 0, "references_added": 0, "pages_freed": 0,
+        "orphan_pages_freed": 0, "legacy_counters_removed": 0, "missing_pages": {},
+        "stats_before": store.stats()}
+    # 1. pending releases
+    for sid in list(_scan(client, "d")):
+        report["releases_completed"] += len(drain(refs, sid))
+    # 2. manifests: who should own what
+    named: dict[bytes, set[bytes]] = {}
+    snapshot_of: dict[bytes, str] = {}
+    logical = 0
+    for ids in _chunks(list(_scan(client, "m"))):
+        pipe = refs.pipe()
+        for sid in ids:
+            pipe.get(manifest_key(sid))
+        for sid, raw in zip(ids, pipe.execute(), strict=True):
+            if raw is None:
+                continue  # deleted meanwhile
+            generation = manifest_generation(raw)
+            if generation is None:
+                generation = new_generation()
+                client.set(manifest_key(sid), with_generation(raw, generation))
+                report["manifests_upgraded"] += 1
+            items, table, _ = parse_manifest(sid, raw)
+            logical += logical_bytes(items, table)
+            snapshot_of[generation] = sid
+            for d in set(table) - {ZERO}:
+                named.setdefault(d, set()).add(generation)
+            report["manifests"] += 1
+    # 3. owners: drop what no manifest holds, add what one lacks (the counters of before
+    # generations go first: every manifest now has a generation its pages will own)
+    for hexes in _chunks(list(_scan(client, "r"))):
+        pipe = refs.pipe()
+        for h in hexes:
+            pipe.delete(legacy_ref_key(bytes.fromhex(h)))
+        report["legacy_counters_removed"] += sum(int(n) for n in pipe.execute())
+    now = time.time()
+    stored = [bytes.fromhex(h) for h in _scan(client, "o")]
+    add: list[tuple[bytes, bytes]] = []
+    drops: list[tuple[bytes, bytes]] = []
+    for digests in _chunks(stored):
+        pipe = refs.pipe()
+        for d in digests:
+            pipe.smembers(owners_key(d))
+        for d, owners in zip(digests, pipe.execute(), strict=True):
+            want = named.get(d, set())
+            drops += [(d, g) for g in owners - want if generation_age(g, now) > grace]
+            add += [(d, g) for g in want - owners]
+    have = set(stored)
+    add += [(d, g) for d, gens in named.items() if d not in have for g in gens]
+    _add(refs, add, snapshot_of, report)  # first: a drop must not free a named page
+    for batch in _chunks(drops):
+        _drop(refs, batch, report)
+    # 4. pages nobody owns
+    pages = [bytes.fromhex(h) for h in _scan(client, "p")]
+    kept, stored_bytes = 0, 0
+    for digests in _chunks(pages):
+        pipe = refs.pipe()
+        orphan = refs.scripts["del_orphan"]
+        for d in digests:
+            orphan(keys=[page_key(d), owners_key(d)], client=pipe)
+        freed = pipe.execute()
+        report["orphan_pages_freed"] += sum(int(n) for n in freed)
+        left = [d for d, n in zip(digests, freed, strict=True) if not int(n)]
+        pipe = refs.pipe()
+        for d in left:
+            pipe.strlen(page_key(d))
+        sizes = [int(n) for n in pipe.execute()]
+        kept += sum(1 for n in sizes if n)
+        stored_bytes += sum(sizes)
+    # 5. statistics
+    after = {"logical_bytes": logical, "stored_bytes": stored_bytes, "pages": kept,
+             "snapshots": report["manifests"]}
+    client.hset(STATS, mapping=after)
+    report["stats_after"] = store.stats()
+    return report
+
+
+def _drop(refs: Any, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -> None:
+    if not drops:
+        return
+    one = refs.scripts["dropref"]
+    pipe = refs.pipe()
+    for d, g in drops:
+        one(keys=[page_key(d), owners_key(d)], args=[g], client=pipe)
+    results = [int(r) for r in pipe.execute()]
+    report["references_dropped"] += len(drops)
+    report["pages_freed"] += sum(1 for r in results if r < 0)
+
+
+def _add(refs: Any, add: list[tuple[bytes, bytes]], snapshot_of: dict[bytes, str],
+         report: dict[str, Any]) -> None:
+    """Give pages the references their manifests lack, if those manifests still hold
+    them (a delete completed meanwhile must not be undone)."""
+    for batch in _chunks(add):
+        pipe = refs.pipe()
+        for _, g in batch:
+            pipe.getrange(manifest_key(snapshot_of[g]), 8, 23)
+        current = pipe.execute()
+        live = [(d, g) for (d, g), now in zip(batch, current, strict=True) if now == g]
+        pipe = refs.pipe()
+        one = refs.scripts["addref"]
+        for d, g in live:
+            one(keys=[page_key(d), owners_key(d), legacy_ref_key(d)], args=[g], client=pipe)
+        for (_, g), n in zip(live, pipe.execute(), strict=True):
+            if int(n):
+                report["references_added"] += 1
+            else:  # named, but its bytes are gone: the snapshot is damaged
+                sid = snapshot_of[g]
+                report["missing_pages"][sid] = report["missing_pages"].get(sid, 0) + 1
