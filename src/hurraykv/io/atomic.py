@@ -10,9 +10,11 @@ pictures) is written to a temporary file beside it, then renamed over it.
   on it.  A writer killed by SIGKILL cannot remove its temporary file, but the kernel
   drops its lock: a later write of the same target removes that target's temporary files
   that nobody holds locked and that have not been written to for ``STALE_SECONDS``
-  (``remove_stale``), so a crash leaves at most one leftover per target, and only until
-  the next write.  A live writer's file is locked, and one created an instant ago (not
-  yet locked) is too young to be taken.
+  (``remove_stale``), so a crash leaves its leftover only until the next write of that
+  target.  A live writer's file is locked, and one created an instant ago (not yet
+  locked) is too young to be taken.  A directory is listed for this at most once per
+  ``STALE_SECONDS`` per process, so a directory of many files (a chunk store) costs one
+  listing per interval, not one per write.
 """
 
 from __future__ import annotations
@@ -71,22 +73,44 @@ def create_temp(path: str | os.PathLike) -> tuple[int, str]:
                          value=str(path))
 
 
+_LISTED: dict[str, tuple[float, list[str]]] = {}  # directory -> (when, temporary names)
+
+
+def _temporaries(directory: Path, fresh: bool) -> list[str]:
+    """The temporary-looking names in ``directory``.  A directory is listed at most once
+    per STALE_SECONDS (unless ``fresh``): a name created since is too young to be taken
+    anyway, so a directory of many files costs one listing per interval, not per write."""
+    key = str(directory)
+    now = time.monotonic()
+    cached = _LISTED.get(key)
+    if cached is not None and not fresh and now - cached[0] < STALE_SECONDS:
+        return cached[1]
+    try:
+        names = list(filter(temp_pattern().match, os.listdir(directory)))  # C-level filter
+    except OSError:
+        names = []
+    _LISTED[key] = (now, names)
+    return names
+
+
 def remove_stale(directory: str | os.PathLike, name: str | None = None,
                  min_age: float = STALE_SECONDS) -> list[str]:
     """Remove the temporary files of target ``name`` (of every target when None) in
     ``directory`` that no writer holds locked and that were last written at least
     ``min_age`` seconds ago; returns the names removed."""
     directory = Path(directory)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    match = temp_pattern(name).match
+    candidates = _temporaries(directory, fresh=min_age < STALE_SECONDS)
+    if name is not None:
+        candidates = list(filter(temp_pattern(name).match, candidates))
     removed = []
-    now = time.time()
-    for entry in filter(match, names):  # C-level filter: one regex test per name
-        if _remove_if_stale(directory / entry, now - min_age):
+    before = time.time() - min_age
+    for entry in candidates:
+        if _remove_if_stale(directory / entry, before):
             removed.append(entry)
+    if removed:
+        cached = _LISTED.get(str(directory))
+        if cached is not None:
+            _LISTED[str(directory)] = (cached[0], [n for n in cached[1] if n not in removed])
     return removed
 
 
