@@ -145,3 +145,91 @@ def test_server_aliases_survive_a_restart_and_stay_in_their_tenant(tmp_path):
 def test_store_urls_are_checked(url, why):
     with pytest.raises(hk.HurrayError, match=why):
         open_store(url)
+
+
+def test_a_fresh_process_finds_every_ranks_aliases(tmp_path):
+    # a restarted TP=2 engine: each rank's store reads the log others wrote (".tpR" keys)
+    url = (tmp_path / "kv").as_uri()
+    keys = ChunkKeys(identity_digest("tp"), CHUNK).upto(list(range(8)), 2)
+    for rank in (0, 1):
+        open_store(url, suffix=f".tp{rank}").put(keys, 0, segment(2, seed=rank), {})
+    for rank in (0, 1):
+        fresh = open_store(url, suffix=f".tp{rank}")
+        (name,) = set(fresh.locate(keys))
+        assert fresh.get(name).equal(segment(2, seed=rank))
+
+
+def test_an_operators_clean_up_is_seen_without_a_restart(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    keys = ChunkKeys(identity_digest("ops"), CHUNK).upto(list(range(8)), 2)
+    writer, reader = open_store(url), open_store(url)
+    writer.put(keys, 0, segment(2), {})
+    assert None not in reader.locate(keys)
+    (tmp_path / "kv" / "aliases.log").write_bytes(b"")  # emptied in place
+    assert reader.locate(keys) == [None, None]
+    writer.put(keys, 0, segment(2), {})
+    assert None not in reader.locate(keys)  # appended to the emptied log: found again
+    log = tmp_path / "kv" / "aliases.log"
+    log.rename(tmp_path / "old.log")
+    log.write_bytes(b"")  # replaced by another file (bigger than nothing read yet: 0)
+    assert reader.locate(keys) == [None, None]
+    for p in (tmp_path / "kv").iterdir():
+        p.unlink()
+    (tmp_path / "kv").rmdir()  # the whole directory removed
+    assert reader.locate(keys) == [None, None]
+    writer.put(keys, 0, segment(2), {})  # recreated by the next store
+    assert None not in reader.locate(keys)
+
+
+@pytest.mark.parametrize("name", ["../x-0", "/etc/passwd-0", "a" * 300 + "-0", "ab\0cd-0",
+                                  "ab" * 16, "ab" * 16 + "-x", "ab" * 16 + ".tp1/../y-3"])
+def test_names_outside_the_grammar_are_misses(tmp_path, name):
+    store = open_store((tmp_path / "kv").as_uri())
+    key = "cd" * 16
+    with open(tmp_path / "kv" / "aliases.log", "ab") as f:
+        f.write(f"{key} {name}\n".encode("utf-8", "surrogateescape"))
+    assert store.locate([key]) == [None]
+    with pytest.raises(hk.HurrayError, match=r"segment name .* is not KEY-FIRST"):
+        store.get(name)
+    with pytest.raises(hk.HurrayError, match="segment name"):
+        segment_first(name)
+
+
+def test_linked_segments_and_logs_are_not_followed(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    keys = ChunkKeys(identity_digest("links"), CHUNK).upto(list(range(8)), 2)
+    store = open_store(url)
+    store.put(keys, 0, segment(2), {})
+    (file,) = (tmp_path / "kv").glob("*.hrry")
+    target = tmp_path / "elsewhere.hrry"
+    file.rename(target)
+    file.symlink_to(target)  # a planted link where a segment was
+    assert open_store(url).locate(keys) == [None, None]
+    with pytest.raises(hk.HurrayError):
+        open_store(url).get(file.stem)
+    log = tmp_path / "kv" / "aliases.log"
+    log.rename(tmp_path / "real.log")
+    log.symlink_to(tmp_path / "real.log")
+    with pytest.raises(hk.HurrayError, match="aliases"):
+        store.put(keys, 0, segment(2), {})  # never appends through a link
+    assert (tmp_path / "real.log").read_text().count("\n") == 2
+
+
+def test_a_segment_that_shrinks_while_read_is_an_error_not_a_signal(tmp_path, monkeypatch):
+    import os
+
+    from hurraykv.integrations import chunks
+
+    url = (tmp_path / "kv").as_uri()
+    keys = ChunkKeys(identity_digest("cut"), CHUNK).upto(list(range(8)), 2)
+    open_store(url).put(keys, 0, segment(2), {})
+    (file,) = (tmp_path / "kv").glob("*.hrry")
+    real = os.preadv
+
+    def cut_first(fd, buffers, offset):  # the file is truncated between stat and read
+        os.truncate(file, 100)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(chunks.os, "preadv", cut_first)
+    with pytest.raises(hk.HurrayError, match=r"shrank from .* to 100 bytes"):
+        open_store(url).get(file.stem)

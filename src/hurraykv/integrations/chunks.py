@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
 import os
+import re
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from .. import alloc
 from ..errors import HurrayError, TransportError
 from ..io.hrry import HrryFile, write_pieces
 from ..io.snapshots import save_snapshot, snapshot_from_file
@@ -46,6 +48,21 @@ from ..wire.layouts import BlockPaged
 
 SEED = b"hurraykv-chunks-v1"
 DIGEST = 16
+# A chunk key: the hex digest, with ``.tpRANK`` for one tensor-parallel rank's objects; a
+# segment name: its last chunk's key and its first chunk's index.
+KEY = rb"[0-9a-f]{32}(?:\.tp[0-9]{1,4})?"
+SEGMENT_NAME = re.compile(KEY.decode() + r"-[0-9]{1,9}")
+ALIAS_LINE = re.compile(rb"(" + KEY + rb") (" + KEY + rb"-[0-9]{1,9})")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a segment name (so a path built from it stays in the store's
+    directory), else a HurrayError naming the rule."""
+    if not isinstance(name, str) or SEGMENT_NAME.fullmatch(name) is None:
+        raise HurrayError(f"segment name {name!r} is not KEY-FIRST (32 hex digits, an "
+                          "optional .tpRANK, '-', the first chunk's index)", field="segment",
+                          value=name, rule="the segment-name grammar")
+    return name
 
 
 def identity_digest(identity: str) -> bytes:
@@ -86,8 +103,8 @@ def segment_name(keys: Sequence[str], first: int) -> str:
 
 
 def segment_first(name: str) -> int:
-    """The index of a segment's first chunk, from its name."""
-    return int(name.rsplit("-", 1)[1])
+    """The index of a segment's first chunk, from its name (checked)."""
+    return int(check_name(name).rsplit("-", 1)[1])
 
 
 class ChunkStore(ABC):
@@ -176,6 +193,7 @@ class FileChunks(ChunkStore):
         self.url = self.dir.resolve().as_uri()
         self._aliases: dict[str, str] = {}
         self._read_upto = 0
+        self._log_id: tuple[int, int] | None = None
         self._by_structure: dict[bytes, _FileLayout] = {}
         self._by_size: dict[int, list[_FileLayout]] = {}
 
@@ -183,23 +201,30 @@ class FileChunks(ChunkStore):
         return self.dir / f"{name}.hrry"
 
     def _refresh(self) -> None:
-        """Take in the alias lines other processes appended since the last look."""
+        """Take in the alias lines other processes appended since the last look.  A log
+        that shrank or was replaced (an operator's clean-up) is read again from its start,
+        forgetting what the old one said."""
         try:
-            fd = os.open(self.dir / self.LOG, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = os.open(self.dir / self.LOG, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # missing (nothing recorded yet, or removed), or a planted link
+            self._aliases.clear()
+            self._read_upto, self._log_id = 0, None
             return
         try:
-            size = os.fstat(fd).st_size
-            if size <= self._read_upto:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._log_id or st.st_size < self._read_upto:
+                self._aliases.clear()
+                self._read_upto, self._log_id = 0, (st.st_dev, st.st_ino)
+            if st.st_size <= self._read_upto:
                 return
-            data = os.pread(fd, size - self._read_upto, self._read_upto)
+            data = os.pread(fd, st.st_size - self._read_upto, self._read_upto)
         finally:
             os.close(fd)
         whole = data.rfind(b"\n") + 1  # a line still being written waits for next time
         for line in data[:whole].split(b"\n"):
-            key, _, name = line.decode("ascii", "replace").partition(" ")
-            if len(key) == 2 * DIGEST and name:
-                self._aliases[key] = name
+            m = ALIAS_LINE.fullmatch(line)
+            if m is not None:  # anything else (a cut line, a stray name) is a miss
+                self._aliases[m[1].decode("ascii")] = m[2].decode("ascii")
         self._read_upto += whole
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
@@ -209,7 +234,7 @@ class FileChunks(ChunkStore):
         for key in keys:
             name = self._aliases.get(key)
             if name is not None and name not in alive:
-                alive[name] = self.path(name).is_file()
+                alive[name] = _regular(self.path(name))
             out.append(name if name is not None and alive[name] else None)
         return out
 
@@ -224,19 +249,21 @@ class FileChunks(ChunkStore):
             metadata: dict[str, Any]) -> None:
         # No fsync: a segment lost in a crash is a future cache miss, and the atomic
         # rename still means a reader sees a whole file or none.
-        name = segment_name(keys, first)
+        name = check_name(segment_name(keys, first))
+        self.dir.mkdir(parents=True, exist_ok=True)  # an operator may have removed it
         structure = snapshot.structure() + repr(sorted(metadata.items())).encode()
         layout = self._by_structure.get(structure)
         if layout is None:
             save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
-            data = _map(self.path(name))
+            data = _read(self.path(name))
             f = HrryFile.from_bytes(data, str(self.path(name)))
             self._remember(structure, _FileLayout.learn(data, snapshot_from_file(f), f))
         else:
             write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
         lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
         try:
-            fd = os.open(self.dir / self.LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            fd = os.open(self.dir / self.LOG,
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
             try:
                 os.write(fd, lines)  # one append: concurrent writers never interleave it
             finally:
@@ -247,9 +274,10 @@ class FileChunks(ChunkStore):
         self._aliases.update((key, name) for key in keys)
 
     def get(self, name: str) -> KVCacheSnapshot:
+        check_name(name)
         path = self.path(name)
         try:
-            data = _map(path)
+            data = _read(path)
         except FileNotFoundError:
             raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
                               value=name, rule="a stored segment") from None
@@ -267,16 +295,34 @@ class FileChunks(ChunkStore):
         return snap
 
 
-def _map(path: Path) -> memoryview:
-    """A file's bytes, mapped read-only and faulted in at once (``MAP_POPULATE``): the
-    page cache itself, no copy.  Segments are only ever replaced by rename, so a mapping
-    keeps the bytes it was made over."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if not size:
-            return memoryview(b"")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
+def _regular(path: Path) -> bool:
+    """A regular file itself, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _read(path: Path) -> memoryview:
+    """A file's bytes, read (``preadv``) into memory of our own.  Not mapped: a mapped
+    file truncated underneath kills the reader with SIGBUS, where a read just comes up
+    short, which is an error (and a recompute).  Opened without following a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        buf = alloc.empty((size,), np.uint8) if size else np.zeros(0, np.uint8)
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [memoryview(buf)[got:]], got)
+            if n <= 0:
+                break
+            got += n
+    finally:
+        os.close(fd)
+    if got != size:
+        raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
+                          field="segment", value=path.name, rule="a file that stays whole")
+    return memoryview(buf)
 
 
 class ServerChunks(ChunkStore):
@@ -322,11 +368,12 @@ class ServerChunks(ChunkStore):
 
 
 class RedisChunks(ChunkStore):
-    def __init__(self, url: str, prefix: str = "hurraykv-chunks/") -> None:
+    def __init__(self, url: str, prefix: str = "hurraykv-chunks/",
+                 timeout: float | None = None) -> None:
         from ..store import PageStore
 
         self.url, self.prefix = url, prefix
-        self.store = PageStore.from_url(url)
+        self.store = PageStore.from_url(_with_timeout(url, timeout))
 
     def _alias(self, key: str) -> str:
         return f"hkv:a:{{{self.prefix}{key}}}"
@@ -357,6 +404,14 @@ class RedisChunks(ChunkStore):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.store.client.close()
+
+
+def _with_timeout(url: str, timeout: float | None) -> str:
+    """``url`` with redis-py's socket timeouts (seconds) unless it sets its own."""
+    if timeout is None or "socket_timeout" in url:
+        return url
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}socket_timeout={timeout:g}&socket_connect_timeout={timeout:g}"
 
 
 class Suffixed(ChunkStore):
@@ -396,7 +451,8 @@ def open_store(url: str, *, suffix: str = "", **options: Any) -> ChunkStore:
     return Suffixed(store, suffix) if suffix else store
 
 
-def _open(url: str, **options: Any) -> ChunkStore:
+def _open(url: str, *, timeout: float | None = None, **options: Any) -> ChunkStore:
+    """``timeout``: seconds a network store waits on a socket before failing a call."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
@@ -404,12 +460,14 @@ def _open(url: str, **options: Any) -> ChunkStore:
                               "file:///DIR", field="url", value=url, rule="file:///DIR")
         return FileChunks(unquote(parsed.path))
     if parsed.scheme == "hurray":
+        if timeout is not None:
+            options["timeout"] = timeout
         return ServerChunks(parsed.netloc or unquote(parsed.path), **options)
     if parsed.scheme in ("redis", "rediss", "redis+cluster"):
         if options:
             raise HurrayError(f"url {url!r}: {sorted(options)} apply to hurray:// servers",
                               field="url", value=url, rule="TLS options for hurray://")
-        return RedisChunks(url)
+        return RedisChunks(url, timeout=timeout)
     raise HurrayError(f"url {url!r}: unknown scheme {parsed.scheme!r}; the chunk store is "
                       "file:///DIR, hurray://HOST:PORT, redis://HOST:PORT or "
                       "redis+cluster://HOST:PORT", field="url",

@@ -8,7 +8,8 @@ benchmark; ``tiny_llama`` makes the random model they share (nothing is download
 Spec keys: ``model`` (directory), ``dtype``, ``kv_cache_dtype``, ``prompts`` (lists of
 token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
 "name", "module"}``), ``block_size``, ``rounds`` (generate the prompts this many
-times, one request at a time, timing each), ``env``, ``time_connector`` (also time the
+times, one request at a time, timing each), ``env``, ``tensor_parallel_size`` and
+``distributed_executor_backend``, ``time_connector`` (also time the
 connector's own calls in each request: ``connector_times``)."""
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
     stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     result = json.loads(lines[-1][len("RESULT "):]) if lines else {}
-    return result | {"log": stderr, "code": code if lines else code or 1}
+    # vLLM's log handler writes to stdout: the log is both streams but the result
+    log = "".join(x + "\n" for x in stdout.splitlines() if not x.startswith("RESULT ")) + stderr
+    return result | {"log": log, "code": code if lines else code or 1}
 
 
 @functools.cache
@@ -108,6 +111,9 @@ def engine_kwargs(spec: dict) -> dict:
               num_gpu_blocks_override=spec.get("num_blocks", 256),
               enable_prefix_caching=spec.get("prefix_caching", False),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+    for key in ("tensor_parallel_size", "distributed_executor_backend"):
+        if key in spec:
+            kw[key] = spec[key]
     conn = spec.get("connector")
     if conn:
         kw["kv_transfer_config"] = {

@@ -9,13 +9,10 @@ Selected with::
                           "kv_connector_extra_config": {"url": "file:///var/cache/kv"}}
 
 ``url``: ``file:///DIR``, ``hurray://HOST:PORT`` or ``redis[+cluster]://HOST:PORT`` (see
-``chunks.py``).  Other extra-config keys: ``chunk_size`` (tokens per stored chunk, a
-multiple of the block size; default the block size, so prefixes are reused block by
-block), ``save_decode`` (also store chunks of generated tokens; default true),
-``model_id`` (the model name in the cache identity; default vLLM's ``model``),
-``async_save`` (write segments from a background thread; default true),
-``tls_cert``/``tls_key``/``tls_ca``/``server_hostname`` (a ``hurray://`` server with
-mutual TLS).
+``chunks.py``); every other key, its type and default: ``vllm_config.ConnectorConfig``
+(unknown keys are refused).  Every store call runs behind a deadline and a circuit
+breaker (``guard.py``), and every exception is caught at this class's boundary: a store
+that is down, hung or full is a miss or a recompute, never an engine that dies or waits.
 
 Scheduler side: ``get_num_new_matched_tokens`` finds the longest run of stored chunks
 at the start of the prompt (one existence query), ``build_connector_meta`` tells the
@@ -34,7 +31,7 @@ models are passed through without storing or loading.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,11 +45,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from ..adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
-from ..errors import HurrayError
+from ..errors import HurrayError, TransportError
 from ..snapshot import KVCacheSnapshot
 from .chunks import ChunkKeys, identity_digest, open_store, segment_first
+from .guard import Guarded
+from .vllm_config import ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +62,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("hurraykv.vllm")
+FP8_NAMES = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3", "fp8_e5m2": "float8_e5m2"}
+# Under vLLM's "vllm" logger, so its handler and format apply (level, time, process,
+# file:line): our lines line up with the engine's, and its VLLM_LOGGING_LEVEL governs them.
+log = init_logger("vllm.hurraykv")
 
 
 @dataclass
@@ -106,19 +109,14 @@ class HurrayConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
-        extra = cfg.kv_connector_extra_config or {}
-        url = extra.get("url")
-        if not url:
-            raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
-                              "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
-                              field="url", rule="kv_connector_extra_config.url")
+        self.config = conf = ConnectorConfig.from_extra(cfg.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_size = int(extra.get("chunk_size", self.block_size))
-        if self.chunk_size <= 0 or self.chunk_size % self.block_size:
+        self.chunk_size = conf.chunk_size or self.block_size
+        if self.chunk_size % self.block_size:
             raise HurrayError(f"chunk_size {self.chunk_size} is not a positive multiple of "
                               f"the block size {self.block_size}", field="chunk_size",
                               value=self.chunk_size)
-        self.save_decode = bool(extra.get("save_decode", True))
+        self.save_decode = conf.save_decode
         self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
         self.can_save = cfg.is_kv_producer
@@ -127,19 +125,33 @@ class HurrayConnector(KVConnectorBase_V1):
         # Each tensor-parallel rank holds its own heads: it stores and loads its own
         # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        tls = {k: extra[k] for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname")
-               if k in extra}
-        self._open_store = lambda: open_store(url, suffix=f".tp{rank}" if tp > 1 else "",
-                                              **tls)
-        self.store = self._open_store()
-        self.async_save = bool(extra.get("async_save", True))
+        tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
+                                             "server_hostname") if getattr(conf, k)}
+        self.url = conf.url
+        self._open_store = lambda: open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
+                                              timeout=conf.load_timeout_ms / 1000 + 5, **tls)
+        # Stores open lazily, each behind its own deadline and breaker (guard.py): an
+        # unreachable store at start is a miss, not an engine that fails to start.
+        guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
+                 "max_backoff": conf.max_backoff_s}
+        self.lookups = Guarded(self._open_store, what="lookup",
+                               timeout=conf.lookup_timeout_ms / 1000, **guard)
+        self.loads = Guarded(self._open_store, what="load",
+                             timeout=conf.load_timeout_ms / 1000, **guard)
+        self.saves = Guarded(self._open_store, what="save",
+                             timeout=conf.save_timeout_ms / 1000, **guard)
+        self.async_save = conf.async_save
         self._writer: ThreadPoolExecutor | None = None
-        self._writer_store: Any = None  # its own connection: stores are not thread-safe
         self._pending: list[Future] = []
+        self._dropped_since = 0  # segments the writer had no room for since it last stored
         self._stats_lock = threading.Lock()
-        self.identity = self._identity(vllm_config, kv_cache_config, extra)
+        self.identity = self._identity(vllm_config, kv_cache_config, conf)
         self.seed = identity_digest(self.identity)
         self.disabled = self._why_disabled(kv_cache_config)
+        log.info("HurrayConnector (%s side, %s) with chunks of %d tokens in %s; identity %s; "
+                 "deadlines: lookup %g ms, load %g ms, save %g ms", role.name.lower(),
+                 cfg.kv_role, self.chunk_size, conf.url, self.identity,
+                 conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
         if self.disabled:
             log.warning("HurrayConnector passes requests through: %s", self.disabled)
         if role == KVConnectorRole.SCHEDULER and cfg.kv_load_failure_policy != "recompute":
@@ -157,17 +169,18 @@ class HurrayConnector(KVConnectorBase_V1):
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
+                      "lookups_missed": 0, "saves_dropped": 0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
                       "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
                       "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
 
     # ------------------------------------------------------------------ identity
-    def _identity(self, vllm_config: Any, kv_cache_config: Any, extra: dict) -> str:
+    def _identity(self, vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig) -> str:
         spec = self._spec(kv_cache_config)
         parallel = vllm_config.parallel_config
         cache_dtype = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else str(
             self.model_dtype).removeprefix("torch.")
-        parts = {"model": extra.get("model_id", vllm_config.model_config.model),
+        parts = {"model": conf.model_id or vllm_config.model_config.model,
                  "cache_dtype": cache_dtype, "chunk_size": self.chunk_size,
                  "tp_size": parallel.tensor_parallel_size}
         if spec is not None:
@@ -207,10 +220,9 @@ class HurrayConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // self.chunk_size  # the last token is always computed
         keys = st.keys.upto(prompt, chunks)
-        try:
-            located = self.store.locate(keys)
-        except HurrayError as e:
-            log.warning("chunk lookup in %s failed, computing instead: %s", self.store.url, e)
+        located = self.lookups.call("locate", lambda store: store.locate(keys), None)
+        if located is None:  # store down, late or failing: a miss (guard.py logs it)
+            self.stats["lookups_missed"] += 1
             return 0, False
         found = next((i for i, name in enumerate(located) if name is None), len(located))
         st.located = [str(name) for name in located[:found]]
@@ -283,11 +295,9 @@ class HurrayConnector(KVConnectorBase_V1):
             return []
         keys = st.keys.upto(request.all_token_ids, chunks)
         todo = list(range(st.stored, chunks))
-        try:
-            present = [False] * len(todo) if st.rewrite else self.store.has(
-                [keys[c] for c in todo])
-        except HurrayError as e:
-            log.warning("chunk lookup in %s failed, not storing: %s", self.store.url, e)
+        present = [False] * len(todo) if st.rewrite else self.lookups.call(
+            "has", lambda store: store.has([keys[c] for c in todo]), None)
+        if present is None:  # the store cannot say: not storing now (guard.py logs it)
             return []
         st.stored, st.rewrite = chunks, False
         per = self.chunk_size // self.block_size
@@ -345,13 +355,21 @@ class HurrayConnector(KVConnectorBase_V1):
                                      float(getattr(layer, "_v_scale_float", 1.0))))
         self.backend = backend
         log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s",
-                 len(self._layers), backend, kind, self.chunk_size, self.store.url)
+                 len(self._layers), backend, kind, self.chunk_size, self.url)
 
     def _check_segment(self, snap: KVCacheSnapshot) -> None:
         view = self._layers[0][1]
         want = (len(self._layers), self.block_size, view.heads, *view.dims)
         have = (snap.num_layers, snap.page_size, snap.num_kv_heads,
                 *(t.head_dim for t in snap.layer(0)))
+        dtype = FP8_NAMES.get(self.kv_cache_dtype) or str(self.model_dtype).removeprefix(
+            "torch.")
+        if snap.model != self.identity or snap.dtype != dtype:
+            # same geometry is not the same cache: another model's KV would load silently
+            raise HurrayError(f"a stored segment of identity {snap.model!r} and dtype "
+                              f"{snap.dtype} is not this engine's ({self.identity!r}, "
+                              f"{dtype})", field="segment.model", value=snap.model,
+                              rule="the cache identity")
         if want != have or snap.num_seqs != 1 or snap.total_tokens % self.chunk_size:
             raise HurrayError(f"a stored segment holds (layers, page_size, heads, dims) "
                               f"{list(have)} and {snap.total_tokens} tokens in "
@@ -361,39 +379,65 @@ class HurrayConnector(KVConnectorBase_V1):
         snap.tensors()  # builds every member: index buffers and token counts checked
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._fetched, self._written = [], set()
+        if not self.has_connector_metadata():
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
-        self._fetched, self._written = [], set()
         started = time.perf_counter()
         segments: dict[str, KVCacheSnapshot] = {}
         for load in meta.loads:
-            for i, name in enumerate(load.names):
-                try:
-                    if name not in segments:
-                        segments[name] = self.store.get(name)
-                        self._check_segment(segments[name])
-                        self.stats["segments_loaded"] += 1
-                    snap = segments[name]
-                    first = load.pages[i]
-                    if first + len(load.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
-                        raise HurrayError(f"segment {name} holds fewer pages than chunk "
-                                          f"{i} needs", field="segment", value=name)
-                except HurrayError as e:
-                    segments.pop(name, None)
-                    failed = [b for blocks in load.blocks[i:] for b in blocks]
-                    self._failed.update(failed)
-                    self.stats["chunks_failed"] += 1
-                    log.warning("request %s: segment %s could not be loaded (%s); %d blocks "
-                                "will be recomputed", load.req_id, name, e, len(failed))
-                    break
-                last = self._fetched[-1] if self._fetched else None
-                if last is not None and last[1] is snap and last[2] + len(last[0]) == first:
-                    last[0].extend(load.blocks[i])  # one write per run of a segment's pages
-                else:
-                    self._fetched.append((list(load.blocks[i]), snap, first))
-                self.stats["chunks_loaded"] += 1
+            try:
+                self._fetch(load, segments)
+            except Exception as e:  # a bug of ours is a recompute too, never a dead engine
+                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
+                           f"{type(e).__name__}: {e}")
         self.stats["fetch_seconds"] += time.perf_counter() - started
         self.stats["load_seconds"] += time.perf_counter() - started
+
+    def _fetch(self, load: Transfer, segments: dict[str, KVCacheSnapshot]) -> None:
+        """Fetch and check a load's segments; from the first chunk that cannot be
+        loaded on, its blocks are recomputed."""
+        for i, name in enumerate(load.names):
+            snap = segments.get(name)
+            if snap is None:
+                got = self.loads.call("get", lambda store, n=name: self._get_checked(store, n),
+                                      None)
+                if not isinstance(got, KVCacheSnapshot):
+                    why = str(got) if got is not None else "the store did not answer in time"
+                    self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
+                               f"segment {name} could not be loaded ({why})")
+                    return
+                snap = segments[name] = got
+                self.stats["segments_loaded"] += 1
+            first = load.pages[i]
+            if first + len(load.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
+                self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
+                           f"segment {name} holds fewer pages than chunk {i} needs")
+                return
+            last = self._fetched[-1] if self._fetched else None
+            if last is not None and last[1] is snap and last[2] + len(last[0]) == first:
+                last[0].extend(load.blocks[i])  # one write per run of a segment's pages
+            else:
+                self._fetched.append((list(load.blocks[i]), snap, first))
+            self.stats["chunks_loaded"] += 1
+
+    def _get_checked(self, store: Any, name: str) -> KVCacheSnapshot | HurrayError:
+        """A segment that fits this engine, or the error that says why the object is bad
+        (the store answered: not a store failure)."""
+        try:
+            snap = store.get(name)
+            self._check_segment(snap)
+            return snap
+        except TransportError:
+            raise
+        except HurrayError as e:
+            return e
+
+    def _fail(self, blocks: list[int], req_id: str, why: str) -> None:
+        self._failed.update(blocks)
+        self.stats["chunks_failed"] += 1
+        log.warning("request %s: %s; %d blocks will be recomputed", req_id, why, len(blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._fetched or layer_name in self._written or layer_name not in self._index:
@@ -401,10 +445,17 @@ class HurrayConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         layer = self._index[layer_name]
         view = self._layers[layer][1]
-        for blocks, snap, first in self._fetched:
-            pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
-            view.write(blocks, pages)
-            self.stats["bytes_loaded"] += sum(p.nbytes for p in pages)
+        try:
+            for blocks, snap, first in self._fetched:
+                pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
+                view.write(blocks, pages)
+                self.stats["bytes_loaded"] += sum(p.nbytes for p in pages)
+        except Exception as e:  # e.g. a file changed underneath: every loaded block again
+            blocks = [b for fetched in self._fetched for b in fetched[0]]
+            self._fetched = []
+            self._fail(blocks, "(this step)", f"writing layer {layer_name} failed "
+                       f"({type(e).__name__}: {e})")
+            return
         self._written.add(layer_name)
         self.stats["layers_written"] += 1
         self.stats["load_seconds"] += time.perf_counter() - started
@@ -420,11 +471,17 @@ class HurrayConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         layer = self._index[layer_name]
         view = self._layers[layer][1]
-        for i, save in enumerate(meta.saves):
-            blocks = [b for chunk in save.blocks for b in chunk]
-            staged = self._staged.setdefault(i, [[] for _ in self._layers])
-            staged[layer] = pages_to_numpy(view.read(blocks))
-            self.stats["bytes_saved"] += sum(p.nbytes for p in staged[layer])
+        try:
+            for i, save in enumerate(meta.saves):
+                blocks = [b for chunk in save.blocks for b in chunk]
+                staged = self._staged.setdefault(i, [[] for _ in self._layers])
+                staged[layer] = pages_to_numpy(view.read(blocks))
+                self.stats["bytes_saved"] += sum(p.nbytes for p in staged[layer])
+        except Exception as e:  # nothing stored this step; the engine goes on
+            self._staged.clear()
+            self.stats["saves_dropped"] += len(meta.saves)
+            log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
+                        "stored", layer_name, type(e).__name__, e)
         self.stats["save_seconds"] += time.perf_counter() - started
 
     def wait_for_save(self) -> None:
@@ -437,37 +494,59 @@ class HurrayConnector(KVConnectorBase_V1):
             staged = self._staged.pop(i, None)
             if staged is None or any(not parts for parts in staged):
                 continue
-            segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            try:
+                segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            except Exception as e:
+                self.stats["saves_dropped"] += 1
+                log.warning("request %s: building a segment failed (%s: %s); not stored",
+                            save.req_id, type(e).__name__, e)
+                continue
             if not self.async_save:
-                self._put(self.store, save, segment)
+                self._put(save, segment)
                 continue
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
-                self._writer_store = self._open_store()
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._writer.submit(self._put, self._writer_store, save,
-                                                     segment))
+            if len(self._pending) >= self.config.max_pending_saves:
+                self._drop_save(save)  # a slow store never grows the queue without bound
+                continue
+            self._pending.append(self._writer.submit(self._put, save, segment))
         self._staged.clear()
         self.stats["save_seconds"] += time.perf_counter() - started
 
-    def _put(self, store: Any, save: Transfer, segment: KVCacheSnapshot) -> None:
-        started = time.perf_counter()
-        try:
-            store.put(save.keys, save.first_chunk, segment, {"vllm.identity": self.identity})
-        except HurrayError as e:
-            log.warning("request %s: %d chunks were not stored: %s", save.req_id,
-                        len(save.keys), e)
-            return
+    def _drop_save(self, save: Transfer) -> None:
         with self._stats_lock:
+            self.stats["saves_dropped"] += 1
+            self._dropped_since += 1
+            if self._dropped_since > 1 or self.saves.down:
+                return  # logged once per episode (guard.py logs a store that is down)
+        log.warning("the writer to %s has %d segments waiting: new chunks are not stored "
+                    "until it catches up (request %s first)", self.url, len(self._pending),
+                    save.req_id)
+
+    def _put(self, save: Transfer, segment: KVCacheSnapshot) -> None:
+        started = time.perf_counter()
+        done = self.saves.call("put", lambda store: store.put(
+            save.keys, save.first_chunk, segment, {"vllm.identity": self.identity}) or True,
+            False)
+        with self._stats_lock:
+            if not done:
+                self.stats["saves_dropped"] += 1
+                return
             self.stats["chunks_saved"] += len(save.keys)
             self.stats["segments_saved"] += 1
             self.stats["write_seconds"] += time.perf_counter() - started
+            caught_up, self._dropped_since = self._dropped_since, 0
+        if caught_up:
+            log.warning("the writer to %s caught up; %d segments were not stored meanwhile",
+                        self.url, caught_up)
 
-    def drain(self) -> None:
-        """Wait until every segment handed to the writer is in the store."""
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every segment handed to the writer is stored or dropped."""
         pending, self._pending = self._pending, []
         for f in pending:
-            f.result()
+            with contextlib.suppress(Exception):
+                f.result(timeout=timeout)
 
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
         """A segment snapshot of these pages: built and validated once per length, then
@@ -495,11 +574,11 @@ class HurrayConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
-        self.drain()
+        self.drain(timeout=self.config.save_timeout_ms / 1000)
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer_store.close()
-        self.store.close()
+            self._writer.shutdown(wait=False, cancel_futures=True)
+        for guard in (self.lookups, self.loads, self.saves):
+            guard.close()
 
 
 def _tp_rank() -> int:

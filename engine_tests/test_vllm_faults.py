@@ -1,0 +1,288 @@
+"""The connector never takes vLLM down or stalls it: stores stopped, hung and full, files
+cut underneath a load, an operator's clean-up, tensor parallelism over ``file://``.
+
+Outages happen between the steps of one running engine (in this process, so the test
+stops and continues the store around it); every output is compared token by token with
+an engine without a connector, and the connector's log lines are counted per outage."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tests.redis_servers import free_port, redis_server_binary, start_redis
+
+from engine_tests.conftest import Engine, run_engine
+from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
+
+
+@pytest.fixture(scope="module")
+def want(tiny_llama, tmp_path_factory) -> list[list[int]]:
+    """Greedy tokens of both prompts from an engine without a connector."""
+    out = run_engine(spec(tiny_llama, None, list(prompts())), tmp_path_factory.mktemp("ref"),
+                     "reference")
+    return [o["tokens"] for o in out["outputs"]]
+
+
+class Lines(logging.Handler):
+    """The connector's log records (vLLM's "vllm" logger does not propagate to root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def count(self, text: str) -> int:
+        return sum(text in m for m in self.messages)
+
+
+@pytest.fixture
+def lines():
+    """Call it once the engine exists: vLLM's engine start applies its logging config,
+    which clears the handlers of every logger under "vllm"."""
+    attached: list[Lines] = []
+
+    def listen() -> Lines:
+        handler = Lines()
+        logging.getLogger("vllm.hurraykv").addHandler(handler)
+        attached.append(handler)
+        return handler
+
+    yield listen
+    for handler in attached:
+        logging.getLogger("vllm.hurraykv").removeHandler(handler)
+
+
+def generate(eng: Engine, prompts_: list[list[int]]) -> tuple[list[list[int]], list[int], float]:
+    """(tokens, num_cached_tokens, seconds) of one batch of requests, in prompt order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
+    started = time.monotonic()
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
+    for rid, p in zip(ids, prompts_, strict=True):
+        eng.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    done = {}
+    while eng.llm.llm_engine.has_unfinished_requests():
+        for out in eng.llm.llm_engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return ([list(done[r].outputs[0].token_ids) for r in ids],
+            [done[r].num_cached_tokens for r in ids], time.monotonic() - started)
+
+
+def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path, want, lines):
+    port = free_port()
+    redis = start_redis(redis_server_binary(), tmp_path, port)
+    url = f"redis://127.0.0.1:{port}"
+    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(
+        url, async_save="false", max_backoff_s=1.0))
+    lines = lines()
+    both = list(prompts())
+    try:
+        tokens, cached, healthy = generate(eng, both)
+        assert tokens == want and cached == [0, 0]
+        tokens, cached, _ = generate(eng, both)
+        assert tokens == want and cached == [192, 160]  # stored, then found
+        redis.send_signal(signal.SIGSTOP)  # hung: accepts nothing, answers nothing
+        for _ in range(3):
+            tokens, cached, seconds = generate(eng, both)
+            assert tokens == want and cached == [0, 0]
+            # a lookup waits its 50 ms deadline once; the rest are skipped at once
+            assert seconds < healthy + 2.0
+        redis.kill()  # stopped for good, mid-run (SIGKILL reaches a stopped process)
+        redis.wait(10)
+        for _ in range(3):
+            tokens, _, _ = generate(eng, both)
+            assert tokens == want
+        assert lines.count("is failing") == 1  # one line per outage, not per request
+        redis = start_redis(redis_server_binary(), tmp_path, port)  # back, empty
+        time.sleep(1.2)  # past the backoff: the next lookup probes it
+        tokens, _, _ = generate(eng, both)
+        tokens2, cached, _ = generate(eng, both)
+        assert tokens == want and tokens2 == want and cached == [192, 160]
+        assert lines.count("is back") == 1
+        assert eng.core.scheduler.connector.lookups.stats["outages"] == 1
+    finally:
+        with contextlib.suppress(Exception):
+            redis.send_signal(signal.SIGCONT)
+        redis.kill()
+        eng.close()
+
+
+def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, lines):
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    address = server.stdout.readline().split()[-1]
+    eng = Engine(tiny_llama, block_size=BLOCK,
+                 connector=conn(f"hurray://{address}", async_save=False))
+    lines = lines()
+    both = list(prompts())
+    try:
+        generate(eng, both)
+        tokens, cached, healthy = generate(eng, both)
+        assert tokens == want and cached == [192, 160]
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        for _ in range(4):
+            tokens, cached, seconds = generate(eng, both)
+            assert tokens == want and cached == [0, 0] and seconds < healthy + 2.0
+        assert time.monotonic() - started < 4 * (healthy + 2.0)
+        assert lines.count("is failing") == 1, lines.messages
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.terminate()
+        server.wait(10)
+        eng.close()
+
+
+def test_segments_cut_underneath_loads_are_recomputed_never_a_signal(tiny_llama, tmp_path,
+                                                                     want):
+    """Segments truncated in place while an engine keeps loading them: SIGBUS killed the
+    worker when segments were mapped; read, a short file is a recompute."""
+    store = tmp_path / "kv"
+    first, second = prompts()
+    run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path, "store")
+    segments = sorted(store.glob("*.hrry"))
+    whole = {p: p.read_bytes() for p in segments}
+    stop = threading.Event()
+
+    def cut_and_mend() -> None:
+        while not stop.is_set():
+            for p, data in whole.items():
+                with open(p, "r+b") as f:  # in place: readers keep the same inode
+                    f.truncate(len(data) // 3)
+                time.sleep(0.002)
+                with open(p, "r+b") as f:
+                    f.write(data)
+
+    cutter = threading.Thread(target=cut_and_mend)
+    cutter.start()
+    try:
+        out = run_engine(dict(spec(tiny_llama, conn(store.as_uri(), "kv_consumer"),
+                                   [first, second]), rounds=6), tmp_path, "loads")
+    finally:
+        stop.set()
+        cutter.join()
+    assert out["code"] == 0
+    assert [o["tokens"] for o in out["outputs"]] == want * 6
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                      capture_output=True).returncode:
+        pytest.fail("this test mounts a 256 KiB tmpfs (root on Linux, as CI runs)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_is_one_warning_and_no_error(tiny_llama, tmp_path, want, small_disk):
+    first, second = prompts()
+    out = run_engine(dict(spec(tiny_llama, conn(small_disk.as_uri()), [first, second]),
+                          rounds=5), tmp_path, "full")
+    assert out["code"] == 0 and [o["tokens"] for o in out["outputs"]] == want * 5
+    log = out["log"]
+    assert log.count("is failing") == 1  # once the writes failed 3 times in a row
+    # no stack of ours, at shutdown or ever (vLLM prints its own chat-template warning)
+    assert not [x for x in log.splitlines() if x.strip().startswith("File") and "hurraykv" in x]
+    assert out["stats"]["saves_dropped"] >= 1
+
+
+def test_an_operators_clean_up_is_seen_by_a_running_engine(tiny_llama, tmp_path, want):
+    """Segments deleted, the alias log emptied, then the whole directory removed, while one
+    engine runs: it stops finding what is gone and stores into a recreated directory."""
+    store = tmp_path / "kv"
+    eng = Engine(tiny_llama, block_size=BLOCK,
+                 connector=conn(store.as_uri(), async_save=False))
+    both = list(prompts())
+    try:
+        generate(eng, both)
+        assert generate(eng, both)[1] == [192, 160]
+        for p in store.glob("*.hrry"):
+            p.unlink()
+        (store / "aliases.log").write_bytes(b"")
+        tokens, cached, _ = generate(eng, both)
+        assert tokens == want and cached == [0, 0]
+        assert generate(eng, both)[1] == [192, 160]  # stored again, found again
+        for p in store.iterdir():
+            p.unlink()
+        store.rmdir()
+        tokens, cached, _ = generate(eng, both)
+        assert tokens == want and cached == [0, 0] and store.is_dir()
+        assert generate(eng, both)[1] == [192, 160]
+    finally:
+        eng.close()
+
+
+def test_tensor_parallel_ranks_store_and_reuse_over_file(tiny_llama, tmp_path):
+    """TP=2 on CPU (gloo), each rank its own segments: stored by one engine, reused by a
+    fresh one, outputs equal to a TP=2 engine's without a connector."""
+    store = tmp_path / "kv"
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    first, second = prompts()
+
+    def tp2(connector: dict | None, name: str) -> dict:
+        s = spec(tiny_llama, connector, [first, second]) | {
+            "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+        return run_engine(s, tmp_path, name)
+
+    stored = tp2(conn(store.as_uri()), "store")
+    names = sorted(p.name for p in store.glob("*.hrry"))
+    assert any(".tp0-" in n for n in names) and any(".tp1-" in n for n in names)
+    reused = tp2(conn(store.as_uri()), "reuse")
+    assert [o["num_cached_tokens"] for o in reused["outputs"]] == [192, 160]
+    plain = [o["tokens"] for o in tp2(None, "plain")["outputs"]]
+    assert [o["tokens"] for o in stored["outputs"]] == plain
+    assert [o["tokens"] for o in reused["outputs"]] == plain
+
+
+def test_the_connector_logs_through_vllms_format(tiny_llama, tmp_path):
+    out = run_engine(spec(tiny_llama, conn((tmp_path / "kv").as_uri()), [prompts()[0]]),
+                     tmp_path, "log")
+    start = [line for line in out["log"].splitlines() if "HurrayConnector (" in line]
+    assert len(start) == 2  # scheduler and worker side, once each
+    for line in start:  # vLLM's format: level, date and time, file:line
+        assert " INFO " in line and "[vllm.py:" in line and str(Path(tmp_path / "kv")) in line
+    assert os.environ.get("VLLM_LOGGING_LEVEL", "INFO") == "INFO"
+
+
+def test_a_segment_of_another_identity_is_never_loaded(tiny_llama, tmp_path, want):
+    """Same geometry, another model and dtype, under this engine's names: a recompute with
+    one line, not KV converted into the engine's blocks."""
+    import ml_dtypes
+    import numpy as np
+
+    import hurraykv as hk
+
+    store = tmp_path / "kv"
+    both = list(prompts())
+    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+    for path in store.glob("*.hrry"):
+        snap = hk.load_snapshot(path)
+        pools = [[snap.tensor(layer, role).page_pool.astype(ml_dtypes.bfloat16)
+                  for layer in range(snap.num_layers)] for role in ("key", "value")]
+        pages = len(pools[0][0])
+        forged = hk.KVCacheSnapshot.from_arrays(pools[0], pools[1], np.arange(pages),
+                                                [0, pages], [snap.total_tokens],
+                                                model="another/model")
+        hk.save_snapshot(forged, path)
+    out = run_engine(spec(tiny_llama, conn(store.as_uri(), "kv_consumer"), both), tmp_path,
+                     "load")
+    assert [o["tokens"] for o in out["outputs"]] == want
+    assert out["stats"]["chunks_failed"] >= 1 and out["stats"]["chunks_loaded"] == 0
+    assert out["log"].count("is not this engine's") == out["stats"]["chunks_failed"]

@@ -1,0 +1,160 @@
+"""A chunk store behind a deadline and a circuit breaker: the engine never waits on, nor
+dies of, its cache.
+
+vLLM calls the connector synchronously: the scheduler's ``get_num_new_matched_tokens``
+for every waiting request, the worker's ``start_load_kv`` before every forward pass.  A
+store that hangs there stalls every request, and one that raises kills the engine core.
+``Guarded`` runs each store call on its own thread and waits at most ``timeout`` for it:
+
+* an answer in time is the answer;
+* a call that raises anything (a ``HurrayError``, redis-py's ``ConnectionError`` or
+  ``TimeoutError``, an ``OSError``, a bug of ours) or outlasts its deadline gives the
+  caller's ``default`` (a miss, a failed load: the engine computes instead);
+* after ``failures`` such calls in a row the store counts as *down*: calls give the
+  default at once, without touching the store, for a backoff that doubles from
+  ``backoff`` up to ``max_backoff``; then one call probes it.  Its success brings it
+  back; its failure starts the next, longer backoff;
+* a call that must first open the store's connection (and import its client) may take
+  ``connect_timeout`` instead;
+* a call still running past its deadline (a hung store) makes the next calls give the
+  default at once, each counted as a failure, rather than queue behind it; its
+  connection is closed and reopened when it returns.
+
+State changes are logged once each (down, with the error; back, with how long it was
+down and how many calls were skipped), never once per call, and counted in ``stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+CONSEQUENCE = {"lookup": "requests compute instead of loading",
+               "load": "matched chunks are recomputed", "save": "new chunks are not stored"}
+
+
+class Guarded:
+    def __init__(self, open_store: Callable[[], Any], *, url: str, what: str,
+                 timeout: float, log: logging.Logger, failures: int = 3,
+                 connect_timeout: float = 2.0,
+                 backoff: float = 1.0, max_backoff: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._open, self.url, self.what, self.timeout = open_store, url, what, timeout
+        self.connect_timeout = connect_timeout
+        self._log, self._failures, self._clock = log, failures, clock
+        self._backoff0, self._max_backoff = backoff, max_backoff
+        self._store: Any = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"hurraykv-{what}")
+        self._running: Future | None = None
+        self._lock = threading.Lock()
+        self._stale = False  # the running call outlived its deadline: reconnect after it
+        self._in_a_row = 0
+        self._backoff = backoff
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._skipped = 0
+        self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "skipped": 0, "outages": 0}
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    def call(self, op: str, fn: Callable[[Any], T], default: T,
+             timeout: float | None = None) -> T:
+        """``fn(store)`` within the deadline, else ``default`` (see the module text)."""
+        now = self._clock()
+        with self._lock:
+            busy = self._running is not None and not self._running.done()
+            skip = busy or (self.down and now < self._retry_at)
+            if skip:
+                self._skipped += 1
+                self.stats["skipped"] += 1
+        if busy and not self.down:  # an earlier call is still past its deadline: no answer
+            self._failed(op, "an earlier call has not returned")
+        if skip:
+            return default
+        with self._lock:
+            self.stats["calls"] += 1
+            future = self._thread.submit(self._run, fn)
+            self._running = future
+            # a call that must first connect (and import the client) gets that time too
+            deadline = self.timeout if timeout is None else timeout
+            if self._store is None:
+                deadline = max(deadline, self.connect_timeout)
+        try:
+            result = future.result(timeout=deadline)
+        except FutureTimeout:
+            with self._lock:
+                self._stale = True
+            self.stats["timeouts"] += 1
+            self._failed(op, f"no answer within {deadline * 1000:.0f} ms")
+            return default
+        except Exception as exc:  # every error a store can raise is a miss
+            self._failed(op, f"{type(exc).__name__}: {exc}")
+            return default
+        self._succeeded()
+        return result
+
+    def _run(self, fn: Callable[[Any], T]) -> T:
+        try:
+            if self._store is None:
+                self._store = self._open()
+            return fn(self._store)
+        except BaseException:
+            self._reset()  # a connection that failed mid-call is not trusted again
+            raise
+        finally:
+            with self._lock:
+                stale, self._stale = self._stale, False
+            if stale:
+                self._reset()
+
+    def _reset(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection may fail
+                store.close()
+
+    def _failed(self, op: str, why: str) -> None:
+        self.stats["failures"] += 1
+        self._in_a_row += 1
+        now = self._clock()
+        if self.down:  # a probe failed: back off longer
+            self._backoff = min(self._backoff * 2, self._max_backoff)
+            self._retry_at = now + self._backoff
+            return
+        if self._in_a_row >= self._failures:
+            self._down_since, self._backoff = now, self._backoff0
+            self._retry_at = now + self._backoff
+            self._skipped = 0
+            self.stats["outages"] += 1
+            self._log.warning("chunk store %s is failing (%s; %d failed %s calls in a row, "
+                              "last: %s): %s; retrying in %.0f s, backing off up to %.0f s",
+                              self.url, why, self._in_a_row, self.what, op,
+                              CONSEQUENCE.get(self.what, "calls are skipped"), self._backoff,
+                              self._max_backoff)
+
+    def _succeeded(self) -> None:
+        if self.down:
+            self._log.warning("chunk store %s is back after %.1f s; %d %s calls were skipped "
+                              "meanwhile", self.url, self._clock() - self._down_since,
+                              self._skipped, self.what)
+        self._in_a_row, self._down_since, self._backoff = 0, None, self._backoff0
+
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the thread (waiting up to ``wait`` seconds for a running call) and close
+        the store."""
+        running = self._running
+        if running is not None and not running.done():
+            with contextlib.suppress(Exception):  # its outcome no longer matters
+                running.result(timeout=wait)
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        if running is None or running.done():
+            self._reset()

@@ -1,0 +1,100 @@
+"""``kv_connector_extra_config`` parsed once into a typed, frozen object.
+
+Every key is declared here with its type, default and meaning (``docs/vllm.md``'s table is
+tested against ``KEYS``).  An unknown key is refused with the list of known ones, a
+boolean is ``true``/``false`` (JSON or the strings) and nothing else, numbers must be
+positive: a typo never silently becomes a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import HurrayError
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    url: str
+    """``file:///DIR``, ``hurray://HOST:PORT``, ``redis://HOST:PORT`` or
+    ``redis+cluster://HOST:PORT``: where chunks are stored."""
+    chunk_size: int | None = None
+    """Tokens per stored chunk, a multiple of the block size (default: the block size)."""
+    save_decode: bool = True
+    """Also store chunks of generated tokens."""
+    model_id: str | None = None
+    """The model name in the cache identity (default: vLLM's ``model``)."""
+    async_save: bool = True
+    """Write segments from a background thread."""
+    tls_cert: str | None = None
+    """Client certificate for a ``hurray://`` server with mutual TLS."""
+    tls_key: str | None = None
+    """Its private key."""
+    tls_ca: str | None = None
+    """The CA that signed the server's certificate."""
+    server_hostname: str | None = None
+    """The name the server's certificate must carry."""
+    lookup_timeout_ms: float = 50.0
+    """Deadline of a scheduler-side lookup (vLLM waits for it): a slower one is a miss."""
+    load_timeout_ms: float = 2000.0
+    """Deadline of fetching one segment before a forward pass: a slower one is recomputed."""
+    save_timeout_ms: float = 10000.0
+    """Deadline of storing one segment (off the forward pass): a slower one is dropped."""
+    failures_before_down: int = 3
+    """Failed or late calls in a row after which the store counts as down (no calls
+    until a backoff passes)."""
+    max_backoff_s: float = 30.0
+    """Longest wait between probes of a store that is down (from 1 s, doubling)."""
+    max_pending_saves: int = 16
+    """Segments waiting for the writer; more are dropped (counted) instead of queued."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}; "
+                              f"known: {', '.join(known)}", field="kv_connector_extra_config",
+                              value=unknown, rule="a key the connector reads")
+        if not extra.get("url"):
+            raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
+                              "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
+                              field="url", rule="kv_connector_extra_config.url")
+        return cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
+
+
+def _parse(key: str, kind: Any, value: Any) -> Any:
+    kind = str(kind)
+    if value is None and "None" in kind:
+        return None
+    if kind.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; a boolean is "
+                          "true or false", field=key, value=value, rule="true or false")
+    if kind.startswith(("int", "float")):
+        number = int if kind.startswith("int") else float
+        try:
+            if isinstance(value, bool) or (number is int and isinstance(value, float)):
+                raise ValueError
+            out = number(value)
+        except (TypeError, ValueError):
+            out = None
+        if out is None or not out > 0:
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
+                              f"positive {number.__name__}", field=key, value=value,
+                              rule=f"a positive {number.__name__}")
+        return out
+    if not isinstance(value, str):
+        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a string",
+                          field=key, value=value, rule="a string")
+    return value
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig))
