@@ -53,6 +53,7 @@ class Guarded:
         self._store: Any = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"hurraykv-{what}")
         self._running: Future | None = None
+        self._warming: Future | None = None
         self._lock = threading.Lock()
         self._stale = False  # the running call outlived its deadline: reconnect after it
         self._in_a_row = 0
@@ -62,6 +63,19 @@ class Guarded:
         self._skipped = 0
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "skipped": 0, "outages": 0}
 
+    def warm(self) -> None:
+        """Open the store now, on the guard's thread (importing its client and connecting
+        take longer than a lookup's deadline); a first call waits for this, bounded by
+        ``connect_timeout``, instead of counting it against the store."""
+        with self._lock:
+            if self._running is None:
+                self._running = self._warming = self._thread.submit(self._open_once)
+
+    def _open_once(self) -> None:
+        with contextlib.suppress(Exception):  # a store down at start: the calls will say
+            if self._store is None:
+                self._store = self._open()
+
     @property
     def down(self) -> bool:
         return self._down_since is not None
@@ -69,6 +83,11 @@ class Guarded:
     def call(self, op: str, fn: Callable[[Any], T], default: T,
              timeout: float | None = None) -> T:
         """``fn(store)`` within the deadline, else ``default`` (see the module text)."""
+        warming = self._warming
+        if warming is not None:
+            self._warming = None
+            with contextlib.suppress(Exception):
+                warming.result(timeout=self.connect_timeout)
         now = self._clock()
         with self._lock:
             busy = self._running is not None and not self._running.done()

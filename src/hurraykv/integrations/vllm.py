@@ -140,6 +140,12 @@ class HurrayConnector(KVConnectorBase_V1):
                              timeout=conf.load_timeout_ms / 1000, **guard)
         self.saves = Guarded(self._open_store, what="save",
                              timeout=conf.save_timeout_ms / 1000, **guard)
+        if role == KVConnectorRole.SCHEDULER:
+            self.lookups.warm()
+        else:
+            for needed, guarded in ((self.can_load, self.loads), (self.can_save, self.saves)):
+                if needed:
+                    guarded.warm()
         self.async_save = conf.async_save
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
