@@ -223,7 +223,7 @@ def connector(work: Path, long_tokens: int) -> list[tuple[str, str, str, str]]:
         ("allocating copy of the loaded bytes", f"{copy_rate / gib:.2f} GiB/s", "1.00x", ""),
         (f"connector load into the engine ({loaded >> 20} MiB)",
          f"{throughput / gib:.2f} GiB/s ({stats['fetch_seconds'] / stats['load_seconds']:.0%}"
-         " of it mapping segments)",
+         " of it reading segments)",
          f"{throughput / copy_rate:.2f}x",
          ">= 0.8x " + ("met" if throughput >= 0.8 * copy_rate else "MISSED")),
         (f"TTFT, {long_tokens}-token prompt, cold prefill", f"{ttft_cold * 1e3:.1f} ms", "1.00x",

@@ -22,6 +22,7 @@ from tests.redis_servers import free_port, redis_server_binary, start_redis
 
 from engine_tests.conftest import Engine, run_engine
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
+from hurraykv import errors as hk_errors
 
 
 @pytest.fixture(scope="module")
@@ -229,26 +230,71 @@ def test_an_operators_clean_up_is_seen_by_a_running_engine(tiny_llama, tmp_path,
         eng.close()
 
 
-def test_tensor_parallel_ranks_store_and_reuse_over_file(tiny_llama, tmp_path):
-    """TP=2 on CPU (gloo), each rank its own segments: stored by one engine, reused by a
-    fresh one, outputs equal to a TP=2 engine's without a connector."""
-    store = tmp_path / "kv"
+@pytest.fixture(scope="module")
+def tp2_plain(tiny_llama, tmp_path_factory) -> list[list[int]]:
+    """Greedy tokens of a TP=2 engine without a connector."""
+    return [o["tokens"] for o in tp2(tiny_llama, None, tmp_path_factory.mktemp("tp2"),
+                                      "plain")["outputs"]]
+
+
+def tp2(model: Path, connector: dict | None, work: Path, name: str) -> dict:
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    first, second = prompts()
+    s = spec(model, connector, list(prompts())) | {
+        "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    return run_engine(s, work, name)
 
-    def tp2(connector: dict | None, name: str) -> dict:
-        s = spec(tiny_llama, connector, [first, second]) | {
-            "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-        return run_engine(s, tmp_path, name)
 
-    stored = tp2(conn(store.as_uri()), "store")
-    names = sorted(p.name for p in store.glob("*.hrry"))
-    assert any(".tp0-" in n for n in names) and any(".tp1-" in n for n in names)
-    reused = tp2(conn(store.as_uri()), "reuse")
+@pytest.mark.parametrize("kind", ["file", "hurray", "redis"])
+def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_plain,
+                                               redis_url):
+    """TP=2 on CPU (gloo), each rank its own objects (``KEY.tpR``): stored by one engine,
+    reused by a fresh one (a restart), outputs equal to a TP=2 engine's without one."""
+    with contextlib.ExitStack() as stack:
+        if kind == "file":
+            url = (tmp_path / "kv").as_uri()
+        elif kind == "redis":
+            url = redis_url
+        else:
+            server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve",
+                                       "--listen", "127.0.0.1:0", "--log-level", "warning"],
+                                      stdout=subprocess.PIPE, text=True)
+            stack.callback(lambda: (server.terminate(), server.wait(10)))
+            url = f"hurray://{server.stdout.readline().split()[-1]}"
+        stored = tp2(tiny_llama, conn(url), tmp_path, "store")
+        reused = tp2(tiny_llama, conn(url), tmp_path, "reuse")
+    if kind == "file":
+        names = sorted(p.name for p in (tmp_path / "kv").glob("*.hrry"))
+        assert any(".tp0-" in n for n in names) and any(".tp1-" in n for n in names)
+    assert [o["tokens"] for o in stored["outputs"]] == tp2_plain
     assert [o["num_cached_tokens"] for o in reused["outputs"]] == [192, 160]
-    plain = [o["tokens"] for o in tp2(None, "plain")["outputs"]]
-    assert [o["tokens"] for o in stored["outputs"]] == plain
-    assert [o["tokens"] for o in reused["outputs"]] == plain
+    assert [o["tokens"] for o in reused["outputs"]] == tp2_plain
+
+
+def test_a_worker_that_cannot_read_its_cache_recomputes_what_the_scheduler_matched(
+        tiny_llama, tmp_path, want, monkeypatch):
+    """A layout the worker refuses at registration: the engine still starts and serves,
+    every chunk the scheduler matches is recomputed (never left unwritten)."""
+    from hurraykv.adapters import vllm as hv
+
+    store = tmp_path / "kv"
+    both = list(prompts())
+    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+
+    def refuse(*args, **kwargs):
+        raise hk_errors.UnsupportedError("a layout this test pretends not to read")
+
+    monkeypatch.setattr(hv.LayerView, "__init__", refuse)
+    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(store.as_uri()))
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        tokens, _, _ = generate(eng, both)
+        assert tokens == want
+        worker = get_kv_transfer_group()
+        assert "cannot be read" in worker.disabled  # the scheduler matched, the worker refused
+        assert worker.stats["chunks_failed"] == 2 and worker.stats["chunks_loaded"] == 0
+    finally:
+        eng.close()
 
 
 def test_the_connector_logs_through_vllms_format(tiny_llama, tmp_path):

@@ -18,3 +18,17 @@ def redis_url(tmp_path_factory):
 def redis_cluster_url(tmp_path_factory):
     with cluster(tmp_path_factory.mktemp("cluster")) as url:
         yield url
+
+
+def emptied_url(request) -> str:
+    """The single server's or the cluster's URL (``request.param``: "single" or "cluster"),
+    every key removed first."""
+    from hurraykv.store import PageStore
+
+    url = request.getfixturevalue("redis_url" if request.param == "single"
+                                  else "redis_cluster_url")
+    s = PageStore.from_url(url)
+    s.client.flushall() if request.param == "single" else s.client.flushall(
+        target_nodes=s.client.PRIMARIES)
+    s.client.close()
+    return url

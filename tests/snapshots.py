@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 
@@ -69,3 +72,17 @@ def zeroed(s: KVCacheSnapshot) -> KVCacheSnapshot:
     for t in tensors:
         t.zero_unused_slots()
     return KVCacheSnapshot.from_tensors(tensors, s.seq_lens, s.kv_scales)
+
+
+def saving_forever(target, pages: int, pools: int = 2) -> subprocess.Popen:
+    """A process that saves one snapshot (``pools`` pools of ``pages`` float16 pages of
+    16 x 8 x 128) to ``target`` over and over; it has printed "ready" when this returns."""
+    code = ("import numpy as np, hurraykv as hk, sys\n"
+            f"pools=[np.ones(({pages},16,8,128),np.float16) for _ in range({pools})]\n"
+            f"s=hk.KVCacheSnapshot.from_arrays(pools,pools,np.arange({pages}),[0,{pages}],"
+            f"[{pages * 16}])\n"
+            "print('ready', flush=True)\n"
+            f"while True: hk.save_snapshot(s, {str(target)!r})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    proc.stdout.readline()
+    return proc

@@ -33,7 +33,7 @@ from hurraykv.snapshot import group_head, seq_lens_member
 from hurraykv.wire.buffers import BufferHandle
 from hurraykv.wire.layouts import BlockPaged
 from tests.certs import PKI, name
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, saving_forever
 from tests.test_net import Raw, zeroed
 
 
@@ -377,13 +377,7 @@ def test_sigkill_during_save_keeps_the_old_file_and_a_restart_cleans_up(tmp_path
     target = persist / "s.hrry"
     hk.save_snapshot(make_snapshot("float16"), target)
     before = target.read_bytes()
-    code = ("import numpy as np, hurraykv as hk, sys\n"
-            "pools=[np.ones((4096,16,8,128),np.float16) for _ in range(4)]\n"
-            "s=hk.KVCacheSnapshot.from_arrays(pools,pools,np.arange(4096),[0,4096],[65536])\n"
-            "print('ready', flush=True)\n"
-            f"while True: hk.save_snapshot(s, {str(target)!r})\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    p.stdout.readline()
+    p = saving_forever(target, 4096, pools=4)
     deadline = time.monotonic() + 30
     while not _temps(persist) and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -18,7 +18,7 @@ from hurraykv.io.atomic import temp_pattern
 from hurraykv.io.hrry import HrryFile
 from hurraykv.wire.buffers import BufferHandle
 from hurraykv.wire.layouts import BlockPaged
-from tests.snapshots import make_snapshot
+from tests.snapshots import make_snapshot, saving_forever
 
 
 # ------------------------------------------------------------------- 12 output shapes
@@ -60,13 +60,7 @@ def _age(path, seconds: float = 3600) -> None:
 
 def test_a_later_save_removes_the_temporary_a_killed_save_left(tmp_path):
     target = tmp_path / "s.hrry"
-    code = ("import numpy as np, hurraykv as hk, sys\n"
-            "pools=[np.ones((1024,16,8,128),np.float16) for _ in range(2)]\n"
-            "s=hk.KVCacheSnapshot.from_arrays(pools,pools,np.arange(1024),[0,1024],[16384])\n"
-            "print('ready', flush=True)\n"
-            f"while True: hk.save_snapshot(s, {str(target)!r})\n")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    p.stdout.readline()
+    p = saving_forever(target, 1024)
     deadline = time.monotonic() + 30
     while not _temps_of(tmp_path, "s.hrry") and time.monotonic() < deadline:
         time.sleep(0.002)

@@ -28,6 +28,7 @@ from hurraykv.store.manifest import manifest_generation, parse_manifest
 from hurraykv.store.members import ZERO
 from hurraykv.store.pages import StoreError
 from hurraykv.store.reads import page_width
+from tests.redis_fixtures import emptied_url
 from tests.redis_servers import free_port, redis_server_binary, start_redis
 
 SHARED = np.random.default_rng(0).standard_normal((32, 4, 2, 8)).astype(np.float16)
@@ -99,13 +100,7 @@ def check_consistent(store: PageStore) -> int:
 
 @pytest.fixture(params=["single", "cluster"])
 def url(request):
-    url = request.getfixturevalue("redis_url" if request.param == "single"
-                                  else "redis_cluster_url")
-    s = PageStore.from_url(url)
-    s.client.flushall() if request.param == "single" else s.client.flushall(
-        target_nodes=s.client.PRIMARIES)
-    s.client.close()
-    return url
+    return emptied_url(request)
 
 
 # ------------------------------------------------------------------- 2 concurrency

@@ -10,16 +10,13 @@ from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.store import PageStore
 from hurraykv.store.pages import StoreError, page_key
+from tests.redis_fixtures import emptied_url
 from tests.snapshots import make_snapshot, zeroed
 
 
 @pytest.fixture(params=["single", "cluster"])
 def store(request):
-    url = request.getfixturevalue("redis_url" if request.param == "single"
-                                  else "redis_cluster_url")
-    s = PageStore.from_url(url)
-    s.client.flushall() if request.param == "single" else s.client.flushall(
-        target_nodes=s.client.PRIMARIES)
+    s = PageStore.from_url(emptied_url(request))
     yield s
     s.client.close()
 

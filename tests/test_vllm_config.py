@@ -30,6 +30,11 @@ def test_defaults_and_typed_values():
     ({"url": "file:///kv", "chunk_size": 1.5}, r"positive int"),
     ({"url": "file:///kv", "lookup_timeout_ms": "soon"}, r"positive float"),
     ({"url": "file:///kv", "tls_ca": 3}, r"'tls_ca'\] is 3; it is a string"),
+    ({"url": "file:///kv", "lookup_timeout_ms": "inf"}, r"positive float up to 1e\+09"),
+    ({"url": "fle:///kv"}, r"scheme 'fle' is not one of file, hurray"),
+    ({"url": "file://tmp/kv"}, r"names a local directory"),
+    ({"url": "redis://h:1", "tls_cert": "c.pem"}, r"\['tls_cert'\] apply to hurray://"),
+    ({"url": "hurray://"}, r"names HOST:PORT"),
 ])
 def test_mistakes_are_refused_by_name(extra, why):
     with pytest.raises(hk.HurrayError, match=why):

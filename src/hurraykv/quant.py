@@ -84,7 +84,8 @@ def _check_scales(scale: np.ndarray, lo: np.ndarray, hi: np.ndarray, scale_type:
         bad = ~(scale <= limit) | ~np.isfinite(scale * np.float32(span))
     if bad.any():
         i = int(np.flatnonzero(bad.reshape(-1))[0])
-        lo_i, hi_i = float(lo.reshape(-1)[i]), float(hi.reshape(-1)[i])
+        # + 0.0: -0.0 and 0.0 read the same on both paths (the kernel has no signed zeros)
+        lo_i, hi_i = float(lo.reshape(-1)[i]) + 0.0, float(hi.reshape(-1)[i]) + 0.0
         raise QuantizationError.at(
             where, first + i, f"values in [{lo_i:g}, {hi_i:g}]",
             f"the scale this range needs ({float(scale.reshape(-1)[i]):g}) must be at most "

@@ -30,6 +30,7 @@ import hashlib
 import os
 import re
 import stat
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from ..errors import HurrayError, TransportError
 from ..io.hrry import HrryFile, write_pieces
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
+from ..threads import run_bands
 from ..wire.layouts import BlockPaged
 
 SEED = b"hurraykv-chunks-v1"
@@ -98,6 +100,11 @@ class ChunkKeys:
         return [d.hex() for d in self._digests[:count]]
 
 
+def _valid(name: str | None) -> str | None:
+    """A name a store returned, or None (a miss) when it is not a segment name."""
+    return name if name is not None and SEGMENT_NAME.fullmatch(name) else None
+
+
 def segment_name(keys: Sequence[str], first: int) -> str:
     return f"{keys[-1]}-{first}"
 
@@ -127,6 +134,10 @@ class ChunkStore(ABC):
 
     def has(self, keys: Sequence[str]) -> list[bool]:
         return [name is not None for name in self.locate(keys)]
+
+    def connect(self) -> None:
+        """Open the connection now (and import what it needs), not on the first call."""
+        return None
 
     def close(self) -> None:
         return None
@@ -194,6 +205,7 @@ class FileChunks(ChunkStore):
         self._aliases: dict[str, str] = {}
         self._read_upto = 0
         self._log_id: tuple[int, int] | None = None
+        self._buffers = _Buffers()
         self._by_structure: dict[bytes, _FileLayout] = {}
         self._by_size: dict[int, list[_FileLayout]] = {}
 
@@ -277,7 +289,7 @@ class FileChunks(ChunkStore):
         check_name(name)
         path = self.path(name)
         try:
-            data = _read(path)
+            data = _read(path, self._buffers)
         except FileNotFoundError:
             raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
                               value=name, rule="a stored segment") from None
@@ -303,26 +315,59 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def _read(path: Path) -> memoryview:
-    """A file's bytes, read (``preadv``) into memory of our own.  Not mapped: a mapped
-    file truncated underneath kills the reader with SIGBUS, where a read just comes up
-    short, which is an error (and a recompute).  Opened without following a link."""
+class _Buffers:
+    """Read buffers recycled between loads: a buffer is reused once nothing but this pool
+    refers to it (the snapshots over it are gone), so a steady stream of loads reads
+    into memory already faulted in instead of faulting fresh pages every time."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+
+    def take(self, size: int) -> np.ndarray:
+        for buf in self._free:
+            # 3: the list, the loop variable and getrefcount's argument
+            if len(buf) >= size and sys.getrefcount(buf) <= 3:
+                return buf[:size]
+        buf = alloc.empty((size,), np.uint8)
+        if len(self._free) >= self.KEEP:
+            self._free.pop(0)
+        self._free.append(buf)
+        return buf[:size]
+
+
+def _read(path: Path, buffers: _Buffers | None = None) -> memoryview:
+    """A file's bytes, read (``preadv``, in bands on every core) into memory of our own.
+    Not mapped: a mapped file truncated underneath kills the reader with SIGBUS, where a
+    read just comes up short, which is an error (and a recompute).  Opened without
+    following a link."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
-        buf = alloc.empty((size,), np.uint8) if size else np.zeros(0, np.uint8)
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [memoryview(buf)[got:]], got)
-            if n <= 0:
-                break
-            got += n
+        if not size:
+            return memoryview(b"")
+        buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
+        view = memoryview(buf)
+        short: list[int] = []
+
+        def band(a: int, b: int) -> None:
+            got = a
+            while got < b:
+                n = os.preadv(fd, [view[got:b]], got)
+                if n <= 0:
+                    short.append(got)
+                    return
+                got += n
+
+        run_bands(band, size, size)
     finally:
         os.close(fd)
-    if got != size:
-        raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
-                          field="segment", value=path.name, rule="a file that stays whole")
-    return memoryview(buf)
+    if short:
+        raise HurrayError(f"{path.name} shrank from {size} to {min(short)} bytes while it "
+                          "was read", field="segment", value=path.name,
+                          rule="a file that stays whole")
+    return view
 
 
 class ServerChunks(ChunkStore):
@@ -345,11 +390,14 @@ class ServerChunks(ChunkStore):
                     raise
         raise AssertionError
 
+    def connect(self) -> None:
+        self._call(lambda c: c.ping() if hasattr(c, "ping") else None)
+
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         if not keys:
             return []
         names = self._call(lambda c: c.locate([self.prefix + k for k in keys]))
-        return [None if n is None else n.removeprefix(self.prefix) for n in names]
+        return [_valid(None if n is None else n.removeprefix(self.prefix)) for n in names]
 
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
@@ -375,6 +423,9 @@ class RedisChunks(ChunkStore):
         self.url, self.prefix = url, prefix
         self.store = PageStore.from_url(_with_timeout(url, timeout))
 
+    def connect(self) -> None:
+        self.store.client.ping()
+
     def _alias(self, key: str) -> str:
         return f"hkv:a:{{{self.prefix}{key}}}"
 
@@ -384,7 +435,8 @@ class RedisChunks(ChunkStore):
         pipe = self.store.client.pipeline(transaction=False)
         for key in keys:
             pipe.get(self._alias(key))
-        names = [None if n is None else n.decode("utf-8") for n in pipe.execute()]
+        names = [_valid(None if n is None else n.decode("utf-8", "replace"))
+                 for n in pipe.execute()]
         alive = self.store.contains_many([self.prefix + n for n in names if n is not None])
         it = iter(alive)
         return [n if n is not None and next(it) else None for n in names]
@@ -431,6 +483,9 @@ class Suffixed(ChunkStore):
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self.inner.get(self._named(name))
+
+    def connect(self) -> None:
+        self.inner.connect()
 
     def _named(self, name: str) -> str:
         key, _, first = name.rpartition("-")

@@ -14,8 +14,10 @@ store that hangs there stalls every request, and one that raises kills the engin
   default at once, without touching the store, for a backoff that doubles from
   ``backoff`` up to ``max_backoff``; then one call probes it.  Its success brings it
   back; its failure starts the next, longer backoff;
-* a call that must first open the store's connection (and import its client) may take
-  ``connect_timeout`` instead;
+* connections are (re)opened on the guard's thread, after the call that lost one has
+  given its caller the default: a caller never waits past its deadline, except the very
+  first call, which waits up to ``connect_timeout`` for the connection ``warm()`` opens
+  at start;
 * a call still running past its deadline (a hung store) makes the next calls give the
   default at once, each counted as a failure, rather than queue behind it; its
   connection is closed and reopened when it returns.
@@ -74,7 +76,9 @@ class Guarded:
     def _open_once(self) -> None:
         with contextlib.suppress(Exception):  # a store down at start: the calls will say
             if self._store is None:
-                self._store = self._open()
+                store = self._open()
+                getattr(store, "connect", lambda: None)()
+                self._store = store
 
     @property
     def down(self) -> bool:
@@ -103,10 +107,7 @@ class Guarded:
             self.stats["calls"] += 1
             future = self._thread.submit(self._run, fn)
             self._running = future
-            # a call that must first connect (and import the client) gets that time too
             deadline = self.timeout if timeout is None else timeout
-            if self._store is None:
-                deadline = max(deadline, self.connect_timeout)
         try:
             result = future.result(timeout=deadline)
         except FutureTimeout:
@@ -134,6 +135,8 @@ class Guarded:
                 stale, self._stale = self._stale, False
             if stale:
                 self._reset()
+            if self._store is None:  # reconnect here, off the caller's deadline
+                self._open_once()
 
     def _reset(self) -> None:
         store, self._store = self._store, None

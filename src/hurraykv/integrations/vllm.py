@@ -88,6 +88,7 @@ class Transfer:
 class HurrayConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # blocks to report as load errors
 
 
 @dataclass
@@ -175,7 +176,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
-                      "lookups_missed": 0, "saves_dropped": 0,
+                      "lookups_missed": 0, "saves_dropped": 0, "hook_errors": 0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
                       "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
                       "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
@@ -217,8 +218,48 @@ class HurrayConnector(KVConnectorBase_V1):
             self._requests[request.request_id] = st
         return st
 
+    # vLLM calls these on its scheduler thread: whatever goes wrong in them (a bug of ours,
+    # a store answering nonsense) is a miss or a request not stored, never an exception.
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        return self._safely("get_num_new_matched_tokens", (0, False),
+                            self._matched, request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._safely("update_state_after_alloc", None, self._after_alloc, request,
+                     num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = self._safely("build_connector_meta", None, self._build_meta, scheduler_output)
+        if meta is None:  # nothing stored this step, and what vLLM expects us to load is
+            meta = HurrayConnectorMetadata()  # reported failed by the worker: recomputed
+            for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
+                st = self._requests.get(new.req_id)
+                if st is not None and st.load > 0 and new.block_ids:
+                    meta.failed += list(new.block_ids[0])[st.local // self.block_size:]
+                    st.load = 0
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._safely("update_connector_output", None, self._output, connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(getattr(request, "request_id", None), None)
+        return False, None
+
+    def _safely(self, hook: str, default: Any, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.stats["hook_errors"] += 1
+            if self.stats["hook_errors"] == 1 or self.stats["hook_errors"] % 1000 == 0:
+                log.warning("%s failed (%s: %s; %d so far): computing instead", hook,
+                            type(e).__name__, e, self.stats["hook_errors"])
+            return default
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         st.local = num_computed_tokens
         if not self.can_load or self.disabled or request.mm_features:
@@ -230,18 +271,19 @@ class HurrayConnector(KVConnectorBase_V1):
         if located is None:  # store down, late or failing: a miss (guard.py logs it)
             self.stats["lookups_missed"] += 1
             return 0, False
-        found = next((i for i, name in enumerate(located) if name is None), len(located))
+        # a chunk counts only behind a well-formed name whose first chunk is not after it
+        found = next((i for i, name in enumerate(located) if not _holds(name, i)),
+                     len(located))
         st.located = [str(name) for name in located[:found]]
         st.matched = found * self.chunk_size
         st.stored = max(st.stored, found)
         return max(0, st.matched - num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def _after_alloc(self, request: Request, num_external_tokens: int) -> None:
         st = self._state(request)
         st.load = num_external_tokens
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HurrayConnectorMetadata()
         scheduled: list[_Request] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -296,7 +338,8 @@ class HurrayConnector(KVConnectorBase_V1):
         upto = st.computed + scheduled
         if not self.save_decode:
             upto = min(upto, len(request.prompt_token_ids or []))
-        chunks = min(upto, len(st.blocks) * self.block_size) // self.chunk_size
+        known = len(request.all_token_ids)  # async scheduling runs ahead of the tokens
+        chunks = min(upto, len(st.blocks) * self.block_size, known) // self.chunk_size
         if chunks <= st.stored:
             return []
         keys = st.keys.upto(request.all_token_ids, chunks)
@@ -317,7 +360,7 @@ class HurrayConnector(KVConnectorBase_V1):
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
         return out
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def _output(self, connector_output: Any) -> None:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
@@ -330,15 +373,19 @@ class HurrayConnector(KVConnectorBase_V1):
                 st.stored = min(st.stored, hits[0] // per)
                 st.rewrite = True
 
-    def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None
-
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.disabled:
             return
+        try:
+            self._register(kv_caches)
+        except Exception as e:  # a layout we cannot read: the engine runs without us
+            self._layers, self._index = [], {}
+            self.disabled = f"the KV cache cannot be read ({type(e).__name__}: {e})"
+            log.warning("HurrayConnector passes requests through on this worker: %s; "
+                        "every matched chunk is recomputed", self.disabled)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = ordered_layers(kv_caches)
         context = self._vllm_config.compilation_config.static_forward_context
         first = context.get(layers[0][0])
@@ -390,9 +437,14 @@ class HurrayConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
+        self._failed.update(meta.failed)
         started = time.perf_counter()
         segments: dict[str, KVCacheSnapshot] = {}
         for load in meta.loads:
+            if self.disabled:  # the scheduler matched, but this worker cannot write blocks
+                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
+                           f"not loaded: {self.disabled}")
+                continue
             try:
                 self._fetch(load, segments)
             except Exception as e:  # a bug of ours is a recompute too, never a dead engine
@@ -585,6 +637,15 @@ class HurrayConnector(KVConnectorBase_V1):
             self._writer.shutdown(wait=False, cancel_futures=True)
         for guard in (self.lookups, self.loads, self.saves):
             guard.close()
+
+
+def _holds(name: Any, chunk: int) -> bool:
+    """``name`` can hold chunk ``chunk``: a segment name whose first chunk is not after it
+    (a store that answers anything else is not believed)."""
+    try:
+        return name is not None and 0 <= segment_first(name) <= chunk
+    except HurrayError:
+        return False
 
 
 def _tp_rank() -> int:

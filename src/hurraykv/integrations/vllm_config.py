@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 from ..errors import HurrayError
 
@@ -64,7 +65,28 @@ class ConnectorConfig:
             raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
                               "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
                               field="url", rule="kv_connector_extra_config.url")
-        return cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
+        config = cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
+        config._check_url()
+        return config
+
+    def _check_url(self) -> None:
+        """The URL's scheme and form now, not when the store first opens (after three
+        failed requests)."""
+        parsed = urlparse(self.url)
+        tls = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname")
+               if getattr(self, k)]
+        if parsed.scheme not in SCHEMES:
+            why = f"scheme {parsed.scheme!r} is not one of {', '.join(SCHEMES)}"
+        elif parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            why = f"a file URL names a local directory, file:///DIR (not host {parsed.netloc!r})"
+        elif parsed.scheme != "file" and not parsed.netloc:
+            why = "a network store names HOST:PORT"
+        elif tls and parsed.scheme != "hurray":
+            why = f"{tls} apply to hurray:// servers"
+        else:
+            return
+        raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
+                          field="url", value=self.url, rule="a chunk store URL")
 
 
 def _parse(key: str, kind: Any, value: Any) -> Any:
@@ -86,15 +108,18 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
             out = number(value)
         except (TypeError, ValueError):
             out = None
-        if out is None or not out > 0:
+        if out is None or not 0 < out <= LIMIT:
             raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
-                              f"positive {number.__name__}", field=key, value=value,
-                              rule=f"a positive {number.__name__}")
+                              f"positive {number.__name__} up to {LIMIT:g}", field=key,
+                              value=value, rule=f"a positive {number.__name__}")
         return out
     if not isinstance(value, str):
         raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a string",
                           field=key, value=value, rule="a string")
     return value
 
+
+SCHEMES = ("file", "hurray", "redis", "rediss", "redis+cluster")
+LIMIT = 1e9  # finite, and no deadline or count this large is meant
 
 KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig))

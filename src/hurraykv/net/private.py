@@ -49,15 +49,22 @@ def encode_listing(entries: list[tuple[str, int]]) -> bytes:
         encode_text(k) + struct.pack("<Q", n) for k, n in entries)
 
 
-def decode_listing(payload: bytes | memoryview) -> list[tuple[str, int]]:
-    r = _Reader(payload, "list_reply")
+def _decode_pairs(payload: bytes | memoryview, message: str, least: int, pair) -> list:
+    """``u32 count`` then ``count`` entries of at least ``least`` bytes, each read by
+    ``pair(reader)``; a count the payload cannot hold is refused before any is read."""
+    r = _Reader(payload, message)
     n = r.unpack("I", "count")
-    if n * 12 > r.left:
-        raise _bad(f"list_reply.count {n} cannot fit in {r.left} bytes", field_="count",
+    if n * least > r.left:
+        raise _bad(f"{message}.count {n} cannot fit in {r.left} bytes", field_="count",
                    value=n)
-    out = [(r.text("key"), r.unpack("Q", "bytes")) for _ in range(n)]
+    out = [pair(r) for _ in range(n)]
     r.end()
     return out
+
+
+def decode_listing(payload: bytes | memoryview) -> list[tuple[str, int]]:
+    return _decode_pairs(payload, "list_reply", 12,
+                         lambda r: (r.text("key"), r.unpack("Q", "bytes")))
 
 
 def encode_alias_listing(entries: list[tuple[str, str]]) -> bytes:
@@ -66,11 +73,5 @@ def encode_alias_listing(entries: list[tuple[str, str]]) -> bytes:
 
 
 def decode_alias_listing(payload: bytes | memoryview) -> list[tuple[str, str]]:
-    r = _Reader(payload, "aliases_reply")
-    n = r.unpack("I", "count")
-    if n * 8 > r.left:
-        raise _bad(f"aliases_reply.count {n} cannot fit in {r.left} bytes", field_="count",
-                   value=n)
-    out = [(r.text("alias"), r.text("target")) for _ in range(n)]
-    r.end()
-    return out
+    return _decode_pairs(payload, "aliases_reply", 8,
+                         lambda r: (r.text("alias"), r.text("target")))
