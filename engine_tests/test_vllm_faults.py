@@ -64,16 +64,21 @@ def lines():
         logging.getLogger("vllm.hurraykv").removeHandler(handler)
 
 
-def generate(eng: Engine, prompts_: list[list[int]]) -> tuple[list[list[int]], list[int], float]:
-    """(tokens, num_cached_tokens, seconds) of one batch of requests, in prompt order."""
+def generate(eng: Engine, prompts_: list[list[int]], salts: list[str | None] | None = None
+             ) -> tuple[list[list[int]], list[int], float]:
+    """(tokens, num_cached_tokens, seconds) of one batch of requests, in prompt order
+    (``salts``: each request's ``cache_salt``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
     started = time.monotonic()
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
-    for rid, p in zip(ids, prompts_, strict=True):
-        eng.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    for rid, p, salt in zip(ids, prompts_, salts or [None] * len(ids), strict=True):
+        prompt = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        eng.llm.llm_engine.add_request(rid, prompt, params)
     done = {}
     while eng.llm.llm_engine.has_unfinished_requests():
         for out in eng.llm.llm_engine.step():
@@ -332,3 +337,62 @@ def test_a_segment_of_another_identity_is_never_loaded(tiny_llama, tmp_path, wan
     assert [o["tokens"] for o in out["outputs"]] == want
     assert out["stats"]["chunks_failed"] >= 1 and out["stats"]["chunks_loaded"] == 0
     assert out["log"].count("is not this engine's") == out["stats"]["chunks_failed"]
+
+
+def test_tenants_with_another_cache_salt_never_share(tiny_llama, tmp_path, want):
+    first = prompts()[0]
+    eng = Engine(tiny_llama, block_size=BLOCK,
+                 connector=conn((tmp_path / "kv").as_uri(), async_save=False))
+    try:
+        tokens, cached, _ = generate(eng, [first], ["tenant-a"])
+        assert tokens == want[:1] and cached == [0]
+        assert generate(eng, [first], ["tenant-a"])[1] == [192]  # the same salt shares
+        for salt in ("tenant-b", None):  # another tenant, and no tenant, do not
+            tokens, cached, _ = generate(eng, [first], [salt])
+            assert tokens == want[:1] and cached == [0], salt
+    finally:
+        eng.close()
+
+
+def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_path):
+    """Requests as vLLM's scheduler builds them (``vllm.v1.request.Request``, with a
+    ``LoRARequest`` as ``vllm/lora/request.py`` defines it), asked of the running
+    scheduler's connector after a plain request stored the prompt."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    first = prompts()[0]
+    adapters = {}
+    for name, byte in (("a", b"\x01"), ("b", b"\x02")):
+        adapters[name] = tmp_path / f"adapter-{name}"
+        adapters[name].mkdir()
+        (adapters[name] / "adapter_model.safetensors").write_bytes(byte * 64)
+    eng = Engine(tiny_llama, block_size=BLOCK,
+                 connector=conn((tmp_path / "kv").as_uri(), async_save=False))
+    try:
+        generate(eng, [first])
+        sched = eng.core.scheduler.connector
+        counter = iter(range(100))
+
+        def matched(tokens=first, **kw) -> int:
+            request = Request(f"probe-{next(counter)}", tokens, SamplingParams(max_tokens=1),
+                              None, **kw)
+            try:
+                return sched.get_num_new_matched_tokens(request, 0)[0]
+            finally:
+                sched.request_finished(request, [])
+
+        assert matched() == 192
+        assert matched(lora_request=LoRARequest("a", 1, str(adapters["a"]))) == 0
+        a, b = (sched._state(Request(f"k{n}", first, SamplingParams(max_tokens=1), None,
+                                     lora_request=LoRARequest(n, i, str(adapters[n]))))
+                for i, n in ((1, "a"), (2, "b")))
+        assert set(a.keys.upto(first, 6)).isdisjoint(b.keys.upto(first, 6))
+        # prompt embeddings: token ids do not say what was computed; never keyed
+        embeds = Request("embeds", None, SamplingParams(max_tokens=1), None,
+                         prompt_embeds=torch.zeros(len(first), 128))
+        assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    finally:
+        eng.close()

@@ -52,6 +52,7 @@ from ..errors import HurrayError, TransportError
 from ..snapshot import KVCacheSnapshot
 from .chunks import ChunkKeys, identity_digest, open_store, segment_first
 from .guard import Guarded
+from .request_keys import passed_through, request_seed
 from .vllm_config import ConnectorConfig
 
 if TYPE_CHECKING:
@@ -214,7 +215,8 @@ class HurrayConnector(KVConnectorBase_V1):
     def _state(self, request: Request) -> _Request:
         st = self._requests.get(request.request_id)
         if st is None:
-            st = _Request(request, ChunkKeys(self.seed, self.chunk_size))
+            keys = ChunkKeys(request_seed(self.seed, request), self.chunk_size)
+            st = _Request(request, keys)
             self._requests[request.request_id] = st
         return st
 
@@ -262,7 +264,7 @@ class HurrayConnector(KVConnectorBase_V1):
     def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         st.local = num_computed_tokens
-        if not self.can_load or self.disabled or request.mm_features:
+        if not self.can_load or self.disabled or passed_through(request):
             return 0, False
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // self.chunk_size  # the last token is always computed
@@ -333,7 +335,7 @@ class HurrayConnector(KVConnectorBase_V1):
         """Segments of the chunks this step completes that the store lacks (one per run
         of consecutive chunks)."""
         request = st.request
-        if request.mm_features:
+        if passed_through(request):
             return []
         upto = st.computed + scheduled
         if not self.save_decode:
