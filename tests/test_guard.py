@@ -1,0 +1,88 @@
+"""``integrations/guard.py``: deadlines, the circuit breaker and its log lines, over a
+real ``file://`` chunk store whose calls the test slows down or breaks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from hurraykv.integrations.chunks import open_store
+from hurraykv.integrations.guard import Guarded
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def guarded(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="test.guard")
+    clock = Clock()
+    opened = []
+
+    def open_():
+        opened.append(open_store((tmp_path / "kv").as_uri()))
+        return opened[-1]
+
+    g = Guarded(open_, url="file:///kv", what="lookup", timeout=0.05, failures=3,
+                backoff=1.0, max_backoff=4.0, log=logging.getLogger("test.guard"),
+                clock=clock)
+    yield g, clock, opened, caplog
+    g.close(wait=0.1)
+
+
+def lines(caplog, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_answers_in_time_and_misses_on_any_error(guarded):
+    g, _, opened, caplog = guarded
+    assert g.call("locate", lambda s: s.locate(["ab" * 16]), "miss") == [None]
+
+    def broken(store):
+        raise ConnectionError("reset by peer")  # not a HurrayError: still a miss
+
+    assert g.call("locate", broken, "miss") == "miss"
+    assert g.stats["failures"] == 1 and not g.down and lines(caplog, "is failing") == 0
+    assert g.call("locate", lambda s: 7, "miss") == 7  # a success ends the run of failures
+    assert len(opened) == 2  # the broken call's connection was not trusted again
+
+
+def test_down_after_failures_skipped_during_backoff_then_probed(guarded):
+    g, clock, _, caplog = guarded
+    calls = []
+
+    def failing(store):
+        calls.append(1)
+        raise OSError("unreachable")
+
+    for _ in range(5):
+        assert g.call("locate", failing, None) is None
+    assert len(calls) == 3 and g.down and g.stats["skipped"] == 2
+    assert lines(caplog, "is failing") == 1
+    clock.now += 1.0  # the backoff passed: one probe, failing: the next wait doubles
+    assert g.call("locate", failing, None) is None and len(calls) == 4
+    clock.now += 1.5
+    assert g.call("locate", failing, None) is None and len(calls) == 4  # 2 s now
+    clock.now += 0.6
+    assert g.call("locate", lambda s: "ok", None) == "ok"
+    assert not g.down and lines(caplog, "is back") == 1 and lines(caplog, "is failing") == 1
+
+
+def test_a_hung_call_never_holds_the_caller_past_its_deadline(guarded):
+    g, _, _, caplog = guarded
+    release = threading.Event()
+    started = time.monotonic()
+    assert g.call("locate", lambda s: release.wait(5), "late") == "late"
+    for _ in range(4):  # still running: no queueing behind it, each counted
+        assert g.call("locate", lambda s: "never", "late") == "late"
+    assert time.monotonic() - started < 1.0
+    assert g.down and g.stats["timeouts"] == 1 and lines(caplog, "is failing") == 1
+    release.set()
