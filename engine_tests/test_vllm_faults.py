@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from tests.redis_servers import free_port, redis_server_binary, start_redis
 
-from engine_tests.conftest import Engine, run_engine
+from engine_tests.conftest import Engine, run_engine, skip_unless_cpu_takes
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
 from hurraykv import errors as hk_errors
 
@@ -396,3 +396,82 @@ def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_pat
         assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
     finally:
         eng.close()
+
+
+def _damaged(snap, where: str):
+    """A copy of a stored segment, damaged (``pool``: one bit of every value of page 3 of
+    layer 1's values, enough to change the tokens when loaded; ``table``: two block-table
+    entries swapped, still a valid table; ``scale``: layer 0's key scale), keeping the
+    checksums written with the original."""
+    import ml_dtypes
+    import numpy as np
+
+    import hurraykv as hk
+
+    keys = [snap.tensor(layer, "key").page_pool.copy() for layer in range(snap.num_layers)]
+    values = [snap.tensor(layer, "value").page_pool.copy() for layer in range(snap.num_layers)]
+    table = snap.tensor(0, "key").block_table.astype(np.int64).copy()
+    scales = None if snap.kv_scales is None else np.array(snap.kv_scales, np.float32)
+    if where == "pool":
+        values[1].view(np.uint8).reshape(len(values[1]), -1)[3, 3::4] ^= 0x20  # every value
+    elif where == "table":
+        table[[1, 2]] = table[[2, 1]]
+    else:
+        scales[0, 0] = np.float32(scales[0, 0]) * np.float32(1.0009765625)
+    pages = len(keys[0])
+    out = hk.KVCacheSnapshot.from_arrays(
+        keys, values, table, [0, pages], snap.seq_lens, kv_scales=scales, model=snap.model,
+        element_type="float8_e4m3" if keys[0].dtype == ml_dtypes.float8_e4m3fn else None)
+    return out.with_info(metadata=dict(snap.metadata))
+
+
+@pytest.mark.parametrize(("kind", "where"), [("file", "pool"), ("hurray", "pool"),
+                                             ("redis", "pool"), ("file", "table"),
+                                             ("file", "scale")])
+def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path, kind,
+                                                            where, redis_url, lines):
+    """Damage in a stored page pool, block table or scale, on every backend: the loading
+    engine verifies the checksums written with the segment, recomputes, reports it once,
+    takes the object out of the store and stores it again."""
+    from hurraykv.integrations.chunks import ChunkKeys, open_store
+
+    dtype, kv_cache_dtype = ("bfloat16", "fp8") if where == "scale" else ("float32", "auto")
+    if where == "scale":
+        skip_unless_cpu_takes(dtype, kv_cache_dtype)
+    first, second = prompts()
+    reference = [o["tokens"] for o in run_engine(
+        spec(tiny_llama, None, [first, second], dtype=dtype, kv_cache_dtype=kv_cache_dtype),
+        tmp_path, "reference")["outputs"]]
+    with contextlib.ExitStack() as stack:
+        if kind == "file":
+            url = (tmp_path / "kv").as_uri()
+        elif kind == "redis":
+            url = redis_url
+        else:
+            server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve",
+                                       "--listen", "127.0.0.1:0", "--log-level", "warning"],
+                                      stdout=subprocess.PIPE, text=True)
+            stack.callback(lambda: (server.terminate(), server.wait(10)))
+            url = f"hurray://{server.stdout.readline().split()[-1]}"
+        eng = Engine(tiny_llama, block_size=BLOCK, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                     connector=conn(url, async_save=False))
+        stack.callback(eng.close)
+        log = lines()
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        tokens, cached, _ = generate(eng, [first, second])
+        assert tokens == reference and cached == [0, 0]
+        keys = ChunkKeys(eng.core.scheduler.connector.seed, BLOCK).upto(first, 6)
+        store = open_store(url)
+        stack.callback(store.close)
+        name = store.locate(keys)[-1]  # the segment of the first prompt's own chunks
+        first_chunk = int(name.rsplit("-", 1)[1])
+        store.put(keys[first_chunk:], first_chunk, _damaged(store.get(name), where), {})
+        tokens, _, _ = generate(eng, [first, second])
+        assert tokens == reference  # not one token from the damaged bytes
+        worker = get_kv_transfer_group()
+        assert worker.stats["chunks_corrupt"] == 1
+        assert log.count("does not match its checksum") == 1
+        tokens, cached, _ = generate(eng, [first, second])  # stored again, whole
+        assert tokens == reference and cached == [192, 160]
+        assert worker.stats["chunks_corrupt"] == 1

@@ -11,7 +11,9 @@ import numpy as np
 
 from .. import units
 from ..errors import StreamError
+from ..io import checksums
 from ..io.atomic import write_bytes
+from ..io.checksums import ChecksumError
 from ..io.snapshots import save_snapshot
 from ..snapshot import KVCacheSnapshot
 from ..wire.annotate import format_rows, layout_fields, to_json
@@ -156,13 +158,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     if contents.snapshot is not None:
         _build_all(contents.snapshot, args.quiet)
-        print(f"{inp.name}: valid {contents.kind}, {contents.snapshot!r}")
+        bad = _damaged(contents.snapshot)
+        if bad:
+            raise ChecksumError(f"{inp.name}: stored values do not match their checksums: "
+                                f"{bad}", field=checksums.KEY, value=bad,
+                                rule="stored bytes equal those checksummed when written")
+        summed = " (every stored value matches its checksum)" if checksums.has_checksums(
+            contents.snapshot) else " (no checksums: values not verified)"
+        print(f"{inp.name}: valid {contents.kind}, {contents.snapshot!r}{summed}")
         return 0
     built = check_tensors(contents)
     paged = sum(t is not None for t in built)
     print(f"{inp.name}: valid {contents.kind}, {len(built)} tensors ({paged} block-paged), "
           "no KV snapshot")
     return 0
+
+
+def _damaged(snap: Any) -> str:
+    """Which pages of which members fail their checksums, in a line ("" when none)."""
+    if not checksums.has_checksums(snap):
+        return ""
+    by_member: dict[str, list[str]] = {}
+    for member, buf, page in checksums.mismatches(snap):
+        by_member.setdefault(member, []).append(f"page {page}" if page is not None
+                                                else f"buffer {buf}")
+    return "; ".join(f"{m}: {', '.join(where)}" for m, where in by_member.items())
 
 
 def cmd_compact(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import alloc
 from ..errors import HurrayError, TransportError
+from ..io import checksums
 from ..io.hrry import HrryFile, write_pieces
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
@@ -139,6 +140,11 @@ class ChunkStore(ABC):
         """Open the connection now (and import what it needs), not on the first call."""
         return None
 
+    def discard(self, name: str) -> None:
+        """Take a damaged segment out of the store, so it is not read again (its chunks
+        are stored again once recomputed)."""
+        return None
+
     def close(self) -> None:
         return None
 
@@ -146,29 +152,34 @@ class ChunkStore(ABC):
 @dataclass
 class _FileLayout:
     """Where everything of one snapshot structure sits in its .hrry file: ``static`` are
-    the bytes outside the page pools (header, descriptors, index buffers, KV metadata,
-    index, trailer), ``pools`` the ``(offset, nbytes, member)`` of each pool, in file order;
+    the bytes that are the same in every file of the structure (header, descriptors,
+    index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
+    source)`` of what differs, in file order: each page pool (source: its member key) and
+    the text of the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
     ``snapshot`` is that file's validated snapshot."""
 
     size: int
     static: list[tuple[int, bytes]]
-    pools: list[tuple[int, int, tuple[int, str]]]
+    regions: list[tuple[int, int, Any]]
     snapshot: KVCacheSnapshot
 
     @classmethod
     def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile) -> _FileLayout:
-        pools = []
+        regions = []
         for e in f.entries:
             layout = f.descriptor(e.name).layout
             if isinstance(layout, BlockPaged):
-                pools.append((e.data_offset, f.descriptor(e.name).buffers[0].byte_size,
-                              (layout.layer_index, layout.kv_role_name)))
-        static, pos = [], 0
-        for off, n, _ in sorted(pools):
-            static.append((pos, bytes(data[pos:off])))
-            pos = off + n
-        static.append((pos, bytes(data[pos:])))
-        return cls(len(data), static, sorted(pools), snapshot.skeleton())
+                regions.append((e.data_offset, f.descriptor(e.name).buffers[0].byte_size,
+                                (layout.layer_index, layout.kv_role_name)))
+        text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
+        if text:  # every place the entry's text sits outside the pools
+            for off, piece in _complement(data, regions):
+                at = piece.find(text)
+                while at >= 0:
+                    regions.append((off + at, len(text), CHECKSUMS))
+                    at = piece.find(text, at + len(text))
+        regions.sort(key=lambda r: r[0])
+        return cls(len(data), _complement(data, regions), regions, snapshot.skeleton())
 
     def matches(self, data: memoryview) -> bool:
         # tobytes(): a memoryview compared with == unpacks element by element
@@ -178,9 +189,47 @@ class _FileLayout:
     def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
         """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
         out = [memoryview(self.static[0][1])]
-        for (_, _, key), (_, b) in zip(self.pools, self.static[1:], strict=True):
-            out += [memoryview(snapshot.tensor(*key).buffers()[0]), memoryview(b)]
+        for (_, _, source), (_, b) in zip(self.regions, self.static[1:], strict=True):
+            if source == CHECKSUMS:
+                out.append(memoryview(str(snapshot.metadata[checksums.KEY]).encode()))
+            else:
+                out.append(memoryview(snapshot.tensor(*source).buffers()[0]))
+            out.append(memoryview(b))
         return out
+
+    def read(self, data: memoryview) -> KVCacheSnapshot:
+        """The snapshot of a file that ``matches``: this structure over its own pools and
+        with its own checksums."""
+        snap = self.snapshot.with_pools({source: data[off:off + n]
+                                         for off, n, source in self.regions
+                                         if source != CHECKSUMS}, owner=data)
+        for off, n, source in self.regions:
+            if source == CHECKSUMS:
+                return snap.with_info(metadata={
+                    checksums.KEY: data[off:off + n].tobytes().decode("ascii", "replace")})
+        return snap
+
+
+CHECKSUMS = "checksums"
+
+
+def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
+                ) -> list[tuple[int, bytes]]:
+    """The bytes of ``data`` between ``regions`` (sorted by offset), with their offsets."""
+    out, pos = [], 0
+    for off, n, _ in sorted(regions, key=lambda r: r[0]):
+        out.append((pos, bytes(data[pos:off])))
+        pos = off + n
+    out.append((pos, bytes(data[pos:])))
+    return out
+
+
+def _structure_key(snapshot: KVCacheSnapshot) -> bytes:
+    """What two segments of one file layout share: their structure, checksum text blanked
+    (its width is the structure's; its digits are each file's own)."""
+    key = snapshot.structure()
+    text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
+    return key.replace(text, b"#" * len(text)) if text else key
 
 
 class FileChunks(ChunkStore):
@@ -263,7 +312,7 @@ class FileChunks(ChunkStore):
         # rename still means a reader sees a whole file or none.
         name = check_name(segment_name(keys, first))
         self.dir.mkdir(parents=True, exist_ok=True)  # an operator may have removed it
-        structure = snapshot.structure() + repr(sorted(metadata.items())).encode()
+        structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
         layout = self._by_structure.get(structure)
         if layout is None:
             save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
@@ -298,13 +347,19 @@ class FileChunks(ChunkStore):
                               value=name) from None
         for layout in self._by_size.get(len(data), ()):
             if layout.matches(data):
-                return layout.snapshot.with_pools(
-                    {key: data[off:off + n] for off, n, key in layout.pools}, owner=data)
+                return layout.read(data)
         f = HrryFile.from_bytes(data, str(path))
         snap = snapshot_from_file(f)
         snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(snap.structure(), _FileLayout.learn(data, snap, f))
+        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
         return snap
+
+    def discard(self, name: str) -> None:
+        """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""
+        check_name(name)
+        (self.dir / "quarantine").mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(self.path(name), self.dir / "quarantine" / f"{name}.hrry")
 
 
 def _regular(path: Path) -> bool:
@@ -408,6 +463,9 @@ class ServerChunks(ChunkStore):
     def get(self, name: str) -> KVCacheSnapshot:
         return self._call(lambda c: c.pull(self.prefix + name))
 
+    def discard(self, name: str) -> None:
+        self._call(lambda c: c.delete(self.prefix + check_name(name)))
+
     def close(self) -> None:
         if self._client is not None:
             with contextlib.suppress(Exception):
@@ -453,6 +511,9 @@ class RedisChunks(ChunkStore):
     def get(self, name: str) -> KVCacheSnapshot:
         return self.store.get(self.prefix + name)
 
+    def discard(self, name: str) -> None:
+        self.store.delete(self.prefix + check_name(name))
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.store.client.close()
@@ -486,6 +547,9 @@ class Suffixed(ChunkStore):
 
     def connect(self) -> None:
         self.inner.connect()
+
+    def discard(self, name: str) -> None:
+        self.inner.discard(self._named(name))
 
     def _named(self, name: str) -> str:
         key, _, first = name.rpartition("-")

@@ -49,6 +49,8 @@ from vllm.logger import init_logger
 
 from ..adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
 from ..errors import HurrayError, TransportError
+from ..io import checksums
+from ..io.checksums import ChecksumError
 from ..snapshot import KVCacheSnapshot
 from .chunks import ChunkKeys, identity_digest, open_store, segment_first
 from .guard import Guarded
@@ -178,6 +180,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
                       "lookups_missed": 0, "saves_dropped": 0, "hook_errors": 0,
+                      "chunks_corrupt": 0, "verify_seconds": 0.0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
                       "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
                       "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
@@ -488,9 +491,17 @@ class HurrayConnector(KVConnectorBase_V1):
         try:
             snap = store.get(name)
             self._check_segment(snap)
+            started = time.perf_counter()
+            checksums.verify(snap, f"segment {name}")
+            self.stats["verify_seconds"] += time.perf_counter() - started
             return snap
         except TransportError:
             raise
+        except ChecksumError as e:  # damaged: out of the store, stored again once computed
+            self.stats["chunks_corrupt"] += 1
+            with contextlib.suppress(Exception):
+                store.discard(name)
+            return e
         except HurrayError as e:
             return e
 
@@ -586,9 +597,10 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def _put(self, save: Transfer, segment: KVCacheSnapshot) -> None:
         started = time.perf_counter()
+        # checksummed here, on the writer's thread: off the forward pass
         done = self.saves.call("put", lambda store: store.put(
-            save.keys, save.first_chunk, segment, {"vllm.identity": self.identity}) or True,
-            False)
+            save.keys, save.first_chunk, checksums.with_checksums(segment),
+            {"vllm.identity": self.identity}) or True, False)
         with self._stats_lock:
             if not done:
                 self.stats["saves_dropped"] += 1
