@@ -11,7 +11,12 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-vllm test test-fast test-engine lint bench bench-vllm fuzz clean
+.PHONY: demo demo-vllm envs test test-fast test-engine lint bench bench-vllm fuzz clean
+
+# Both environments at once: their installs wait on the network and on unpacking, and
+# side by side they take about the time of the larger one.
+envs:
+	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +40,7 @@ demo-vllm: $(VLLM_STAMP)
 # Everything: lint, the main suite, the kernels again compiled for a CPU without AVX-512
 # (numba's generic x86-64 target, so this machine checks what such a machine would run),
 # and the real-engine suite.
-test: $(STAMP) $(VLLM_STAMP)
+test: envs
 	$(VENV)/bin/ruff check src tests benchmarks engine_tests
 	$(PY) -m pytest
 	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py

@@ -15,6 +15,7 @@ import pytest
 
 import hurraykv as hk
 from engine_tests.conftest import run_engine, skip_unless_cpu_takes
+from hurraykv.io import checksums
 from hurraykv.io.hrry import HrryFile
 
 BLOCK = 32
@@ -110,6 +111,9 @@ def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path,
     run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
     for path in _segments(store):
         _scribble_keys(path)
+        # checksummed anew, as anyone who can write the store can: a checksum detects
+        # damage, not tampering, and the point here is that loaded bytes are used
+        hk.save_snapshot(checksums.with_checksums(hk.load_snapshot(path)), path)
     out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "altered")
     assert out["outputs"][0]["num_cached_tokens"] == 192
     assert out["outputs"][0]["tokens"] != reference()[0]  # it loaded, it did not recompute

@@ -242,18 +242,23 @@ def tp2_plain(tiny_llama, tmp_path_factory) -> list[list[int]]:
                                       "plain")["outputs"]]
 
 
-def tp2(model: Path, connector: dict | None, work: Path, name: str) -> dict:
+def tp2(model: Path, connector: dict | None, work: Path, name: str, rounds: int = 1
+        ) -> dict:
+    """Both prompts through a TP=2 engine, one request at a time, ``rounds`` times."""
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     s = spec(model, connector, list(prompts())) | {
-        "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+        "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+        "rounds": rounds}
     return run_engine(s, work, name)
 
 
 @pytest.mark.parametrize("kind", ["file", "hurray", "redis"])
 def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_plain,
                                                redis_url):
-    """TP=2 on CPU (gloo), each rank its own objects (``KEY.tpR``): stored by one engine,
-    reused by a fresh one (a restart), outputs equal to a TP=2 engine's without one."""
+    """TP=2 on CPU (gloo), each rank its own objects (``KEY.tpR``), outputs equal to a TP=2
+    engine's without a connector.  ``file://``: stored by one engine, reused by a fresh one
+    (a restart reads the alias log, where ``.tpR`` keys were dropped); the network stores:
+    stored, then reused by the same engine, one request at a time."""
     with contextlib.ExitStack() as stack:
         if kind == "file":
             url = (tmp_path / "kv").as_uri()
@@ -265,14 +270,16 @@ def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_p
                                       stdout=subprocess.PIPE, text=True)
             stack.callback(lambda: (server.terminate(), server.wait(10)))
             url = f"hurray://{server.stdout.readline().split()[-1]}"
-        stored = tp2(tiny_llama, conn(url), tmp_path, "store")
-        reused = tp2(tiny_llama, conn(url), tmp_path, "reuse")
+        connector = conn(url, model_id=f"tp2-{kind}")  # the session's Redis is shared
+        stored = tp2(tiny_llama, connector, tmp_path, "store",
+                     rounds=1 if kind == "file" else 2)
+        reused = tp2(tiny_llama, connector, tmp_path, "reuse") if kind == "file" else None
+    outputs = stored["outputs"] + (reused["outputs"] if reused else [])
+    assert [o["tokens"] for o in outputs] == tp2_plain * 2
+    assert [o["num_cached_tokens"] for o in outputs[2:]] == [192, 160]
     if kind == "file":
         names = sorted(p.name for p in (tmp_path / "kv").glob("*.hrry"))
         assert any(".tp0-" in n for n in names) and any(".tp1-" in n for n in names)
-    assert [o["tokens"] for o in stored["outputs"]] == tp2_plain
-    assert [o["num_cached_tokens"] for o in reused["outputs"]] == [192, 160]
-    assert [o["tokens"] for o in reused["outputs"]] == tp2_plain
 
 
 def test_a_worker_that_cannot_read_its_cache_recomputes_what_the_scheduler_matched(
@@ -453,8 +460,9 @@ def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path
                                       stdout=subprocess.PIPE, text=True)
             stack.callback(lambda: (server.terminate(), server.wait(10)))
             url = f"hurray://{server.stdout.readline().split()[-1]}"
+        # a model_id of its own: other tests share the session's Redis
         eng = Engine(tiny_llama, block_size=BLOCK, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                     connector=conn(url, async_save=False))
+                     connector=conn(url, async_save=False, model_id=f"flip-{kind}-{where}"))
         stack.callback(eng.close)
         log = lines()
         from vllm.distributed.kv_transfer import get_kv_transfer_group
