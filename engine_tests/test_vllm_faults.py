@@ -235,6 +235,20 @@ def test_an_operators_clean_up_is_seen_by_a_running_engine(tiny_llama, tmp_path,
         eng.close()
 
 
+def store_url(kind: str, tmp_path: Path, redis_url: str, stack: contextlib.ExitStack) -> str:
+    """A store of ``kind`` for one test: a directory, the session's Redis, or a
+    ``hurraykv serve`` of its own (stopped by ``stack``)."""
+    if kind == "file":
+        return (tmp_path / "kv").as_uri()
+    if kind == "redis":
+        return redis_url
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, text=True)
+    stack.callback(lambda: (server.terminate(), server.wait(10)))
+    return f"hurray://{server.stdout.readline().split()[-1]}"
+
+
 @pytest.fixture(scope="module")
 def tp2_plain(tiny_llama, tmp_path_factory) -> list[list[int]]:
     """Greedy tokens of a TP=2 engine without a connector."""
@@ -260,16 +274,7 @@ def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_p
     (a restart reads the alias log, where ``.tpR`` keys were dropped); the network stores:
     stored, then reused by the same engine, one request at a time."""
     with contextlib.ExitStack() as stack:
-        if kind == "file":
-            url = (tmp_path / "kv").as_uri()
-        elif kind == "redis":
-            url = redis_url
-        else:
-            server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve",
-                                       "--listen", "127.0.0.1:0", "--log-level", "warning"],
-                                      stdout=subprocess.PIPE, text=True)
-            stack.callback(lambda: (server.terminate(), server.wait(10)))
-            url = f"hurray://{server.stdout.readline().split()[-1]}"
+        url = store_url(kind, tmp_path, redis_url, stack)
         connector = conn(url, model_id=f"tp2-{kind}")  # the session's Redis is shared
         stored = tp2(tiny_llama, connector, tmp_path, "store",
                      rounds=1 if kind == "file" else 2)
@@ -450,16 +455,7 @@ def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path
         spec(tiny_llama, None, [first, second], dtype=dtype, kv_cache_dtype=kv_cache_dtype),
         tmp_path, "reference")["outputs"]]
     with contextlib.ExitStack() as stack:
-        if kind == "file":
-            url = (tmp_path / "kv").as_uri()
-        elif kind == "redis":
-            url = redis_url
-        else:
-            server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve",
-                                       "--listen", "127.0.0.1:0", "--log-level", "warning"],
-                                      stdout=subprocess.PIPE, text=True)
-            stack.callback(lambda: (server.terminate(), server.wait(10)))
-            url = f"hurray://{server.stdout.readline().split()[-1]}"
+        url = store_url(kind, tmp_path, redis_url, stack)
         # a model_id of its own: other tests share the session's Redis
         eng = Engine(tiny_llama, block_size=BLOCK, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      connector=conn(url, async_save=False, model_id=f"flip-{kind}-{where}"))
