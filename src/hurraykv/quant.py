@@ -65,7 +65,7 @@ def _as_scale_dtype(scales: np.ndarray, scale_type: int) -> np.ndarray:
     below = low.astype(np.float32) < clipped
     bits = low.view(np.uint16)  # positive finite 16-bit floats: next value up is bits + 1
     bits[below] += 1
-    return low.astype(np.float32)  # a new array: _affine checks it again
+    return low.astype(np.float32)
 
 
 def scale_limit(scale_type: int) -> float:
@@ -73,15 +73,15 @@ def scale_limit(scale_type: int) -> float:
     return float(ml_dtypes.finfo(BY_NAME[SCALE_TYPES[scale_type]].numpy).max)
 
 
-def _check_scales(scale: np.ndarray, lo: np.ndarray, hi: np.ndarray, scale_type: int,
-                  span: int, first: int, where: str) -> None:
-    """Refuse a scale that overflowed float32, passes what ``scale_type`` stores, or
-    decodes its extreme code ``span * scale`` to Inf (decision H74): saturating it would
-    put the codes out of range, and their float -> int conversion is what differs
-    between instruction sets."""
+def _check_scales(scale: np.ndarray, stored: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                  scale_type: int, span: int, first: int, where: str) -> None:
+    """Refuse a computed ``scale`` that overflowed float32 or passes what ``scale_type``
+    stores, or a ``stored`` (rounded) scale whose extreme code ``span * stored`` decodes
+    to Inf (decision H74): saturating it would put the codes out of range, and their
+    float -> int conversion is what differs between instruction sets."""
     limit = scale_limit(scale_type)
     with np.errstate(over="ignore"):
-        bad = ~(scale <= limit) | ~np.isfinite(scale * np.float32(span))
+        bad = ~(scale <= limit) | ~np.isfinite(stored * np.float32(span))
     if bad.any():
         i = int(np.flatnonzero(bad.reshape(-1))[0])
         # + 0.0: -0.0 and 0.0 read the same on both paths (the kernel has no signed zeros)
@@ -102,17 +102,15 @@ def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: boo
     span = qmax if symmetric else qmax - qmin
     with np.errstate(over="ignore"):  # an overflowing range is refused just below
         if symmetric:
-            scale = np.maximum(np.abs(lo), np.abs(hi)) / np.float32(span)
+            computed = np.maximum(np.abs(lo), np.abs(hi)) / np.float32(span)
         else:
             lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
-            scale = (hi - lo) / np.float32(span)
-    _check_scales(scale, lo, hi, scale_type, span, first, where)
+            computed = (hi - lo) / np.float32(span)
     # at least float32's smallest normal, so 1 / scale is finite and the codes in range
-    scale = np.where(scale > 0, np.maximum(scale, TINY), np.float32(1.0)).astype(np.float32)
-    rounded = _as_scale_dtype(scale, scale_type)
-    if rounded is not scale:  # rounding up may pass the float32 decoding bound
-        _check_scales(rounded, lo, hi, scale_type, span, first, where)
-    scale = rounded
+    scale = np.where(computed > 0, np.maximum(computed, TINY),
+                     np.float32(1.0)).astype(np.float32)
+    scale = _as_scale_dtype(scale, scale_type)
+    _check_scales(computed, scale, lo, hi, scale_type, span, first, where)
     if symmetric:
         return scale, np.zeros(scale.shape, np.int32)
     return scale, np.clip(np.rint(qmin - lo / scale), qmin, qmax).astype(np.int32)

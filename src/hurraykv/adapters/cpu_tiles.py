@@ -35,6 +35,14 @@ _SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _CODES = {"fp8_e5m2": (ml_dtypes.float8_e5m2, 0x04), "e4m3": (ml_dtypes.float8_e4m3fn, 0x08)}
 
 
+def cpu_write_kernel() -> Any:
+    """vLLM's ``cpu_attn_reshape_and_cache`` when its extension is loaded, else None."""
+    try:
+        return torch.ops._C.cpu_attn_reshape_and_cache
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _codes(kv_cache_dtype: str) -> tuple[np.ndarray, int]:
     f8, first = _CODES["fp8_e5m2" if kv_cache_dtype == "fp8_e5m2" else "e4m3"]
     return np.arange(first, first + BASE, dtype=np.uint8).view(f8).astype(np.float32), first
@@ -46,9 +54,7 @@ def positions(isa: str, dtype: torch.dtype, kv_cache_dtype: str, block_size: int
     """``(key, value)``: int64 tensors ``[block_size * head_size]`` giving, for element
     ``t * head_size + d`` of a page's K (and V), its offset within the (block, head)
     region of ``2 * block_size * head_size`` elements, as the installed kernel lays it."""
-    from .vllm import _cpu_write_kernel
-
-    kernel = _cpu_write_kernel()
+    kernel = cpu_write_kernel()
     refuse = f"CPU_ATTN with the {isa!r} kernels ({kv_cache_dtype}, {dtype})"
     if kernel is None:
         raise UnsupportedError.at("isa", None, isa, f"{refuse} tiles K and V; reading them "
@@ -100,9 +106,8 @@ class TiledPages:
     block_size, heads, dim]`` tensors out and in, one gather of whole (block, head)
     regions plus one index per element."""
 
-    def __init__(self, t: torch.Tensor, isa: str, kv_cache_dtype: str, dtype: torch.dtype
-                 ) -> None:
-        """``dtype``: the model's (what the kernel takes in), ``t``: the cache as held."""
+    def __init__(self, t: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``t``: the cache as held; ``key``, ``value``: ``positions`` of its kernel."""
         blocks, heads, size, content = (int(x) for x in t.shape)
         s0, s1, _, _ = t.stride()
         self.hs, self.size, self.heads, self.dtype = content // 2, size, heads, t.dtype
@@ -110,7 +115,7 @@ class TiledPages:
         self.bits = _SAME_WIDTH[t.element_size()]
         self.flat = torch.as_strided(t.view(self.bits), (blocks, heads, size * content),
                                      (s0, s1, 1), t.storage_offset())
-        self.key, self.value = positions(isa, dtype, kv_cache_dtype, size, self.hs)
+        self.key, self.value = key, value
 
     def _page(self, raw: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         n = raw.shape[0]
@@ -142,9 +147,7 @@ def tiles_for(t: torch.Tensor, isa: Any, kv_cache_dtype: str) -> TiledPages | No
     """The tile reader for a CPU_ATTN cache whose kernel ``isa`` does not keep the VEC
     layout, None where strided views read it (no ISA known, or no kernel to ask about
     VEC: its documented layout)."""
-    from .vllm import _cpu_write_kernel
-
-    if isa is None or (isa in VEC and _cpu_write_kernel() is None):
+    if isa is None or (isa in VEC and cpu_write_kernel() is None):
         return None  # no kernel to ask: VEC's documented layout
     dtype = t.dtype if kv_cache_dtype == "auto" else torch.bfloat16
     size, hs = int(t.shape[2]), int(t.shape[3]) // 2
@@ -154,4 +157,4 @@ def tiles_for(t: torch.Tensor, isa: Any, kv_cache_dtype: str) -> TiledPages | No
     key, value = positions(isa, dtype, kv_cache_dtype, size, hs)
     if strided(key, value, size, hs):
         return None
-    return TiledPages(t, isa, kv_cache_dtype, dtype)
+    return TiledPages(t, key, value)

@@ -48,7 +48,7 @@ from ..errors import LayoutError, UnsupportedError
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, as_cache_dtype, build, checked_int32, float_pools, scales_of
 from ._torch import FP8, from_numpy, place, to_numpy
-from .cpu_tiles import TiledPages, tiles_for
+from .cpu_tiles import TiledPages, cpu_write_kernel, tiles_for
 
 SPLIT = ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "FLASHINFER", "TRITON_ATTN", "TRITON_ATTN_DIFFKV",
          "FLEX_ATTENTION", "HPC_ATTN", "ROCM_AITER_UNIFIED_ATTN")
@@ -165,7 +165,7 @@ class LayerView:
         if isa is not None and kv_cache_dtype == "auto":
             # In the engine: its own write kernel (the one its attention layers and
             # CpuPlatform.pack_kv_cache call) transposes keys faster than a strided copy.
-            self._kernel = _cpu_write_kernel()
+            self._kernel = cpu_write_kernel()
             self._isa = isa
             self._halves = t.view(blocks, heads, 2 * size, hs).chunk(2, dim=2)
 
@@ -229,14 +229,6 @@ class LayerView:
             slots = (torch.as_tensor(ids)[:, None] * size + torch.arange(size)).reshape(-1)
             key, value = (x.reshape(-1, *x.shape[2:]) for x in staged)
             self._kernel(key, value, *self._halves, slots, self._isa, 1.0, 1.0, "auto")
-
-
-def _cpu_write_kernel() -> Any:
-    """vLLM's ``cpu_attn_reshape_and_cache`` when its extension is loaded, else None."""
-    try:
-        return torch.ops._C.cpu_attn_reshape_and_cache
-    except (AttributeError, RuntimeError):
-        return None
 
 
 MAX_RUNS = 64  # more runs of consecutive blocks than this: one gather/scatter instead
