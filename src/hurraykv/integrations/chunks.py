@@ -43,10 +43,9 @@ import numpy as np
 from .. import alloc
 from ..errors import HurrayError, TransportError
 from ..io import checksums
-from ..io.hrry import HrryFile, write_pieces
+from ..io.hrry import HrryFile, read_bands, write_pieces
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
-from ..threads import run_bands
 from ..wire.layouts import BlockPaged
 
 SEED = b"hurraykv-chunks-v1"
@@ -404,24 +403,12 @@ def _read(path: Path, buffers: _Buffers | None = None) -> memoryview:
             return memoryview(b"")
         buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
         view = memoryview(buf)
-        short: list[int] = []
-
-        def band(a: int, b: int) -> None:
-            got = a
-            while got < b:
-                n = os.preadv(fd, [view[got:b]], got)
-                if n <= 0:
-                    short.append(got)
-                    return
-                got += n
-
-        run_bands(band, size, size)
+        got = read_bands(fd, view)
     finally:
         os.close(fd)
-    if short:
-        raise HurrayError(f"{path.name} shrank from {size} to {min(short)} bytes while it "
-                          "was read", field="segment", value=path.name,
-                          rule="a file that stays whole")
+    if got != size:
+        raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
+                          field="segment", value=path.name, rule="a file that stays whole")
     return view
 
 

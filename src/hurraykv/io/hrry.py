@@ -292,6 +292,25 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int) -> P
 
 
 # --------------------------------------------------------------------------- reading
+def read_bands(fd: int, view: memoryview) -> int:
+    """Fill ``view`` from the start of file ``fd`` with ``preadv``, one band per core
+    (page-cache reads take no file lock, so bands copy at once); the bytes read, fewer
+    than ``len(view)`` when the file is shorter or shrinks meanwhile."""
+    got: list[int] = []
+
+    def band(a: int, b: int) -> None:
+        pos = a
+        while pos < b:
+            n = os.preadv(fd, [view[pos:b]], pos)
+            if n <= 0:
+                break
+            pos += n
+        got.append(pos - a)
+
+    run_bands(band, len(view), len(view))
+    return sum(got)
+
+
 class HrryFile:
     """A parsed, validated .hrry file; tensor buffers are zero-copy views of an mmap."""
 
@@ -330,24 +349,11 @@ class HrryFile:
         with open(path, "rb", buffering=0) as f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
-            data = np.empty(size, np.uint8)
-            view = memoryview(data)
-            got: list[int] = []
-
-            def band(a: int, b: int) -> None:
-                # page-cache reads take no file lock: bands copy on every core at once
-                pos = a
-                while pos < b:
-                    n = os.preadv(fd, [view[pos:b]], pos)
-                    if not n:
-                        break
-                    pos += n
-                got.append(pos - a)
-
-            run_bands(band, size, size)
-        if sum(got) != size:  # the file shrank while being read
-            raise _bad(f"{path}: read {sum(got)} of {size} bytes (the file changed while "
-                       "being read)", "file_size", value=got[0])
+            view = memoryview(np.empty(size, np.uint8))
+            got = read_bands(fd, view)
+        if got != size:  # the file shrank while being read
+            raise _bad(f"{path}: read {got} of {size} bytes (the file changed while "
+                       "being read)", "file_size", value=got)
         return cls.from_bytes(view, str(path))
 
     @classmethod
