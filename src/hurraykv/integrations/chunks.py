@@ -43,7 +43,8 @@ import numpy as np
 from .. import alloc
 from ..errors import HurrayError, TransportError
 from ..io import checksums
-from ..io.hrry import HrryFile, read_bands, write_pieces
+from ..io.atomic import write_pieces
+from ..io.hrry import HrryFile, read_bands
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
 from ..wire.layouts import BlockPaged

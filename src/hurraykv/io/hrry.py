@@ -259,38 +259,6 @@ def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescr
         raise
 
 
-def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int) -> Path:
-    """Write a file whose bytes are ``pieces`` back to back, atomically (temporary file,
-    rename; no fsync), in as few gathered writes as the system allows: a .hrry file whose
-    layout is already known (``integrations.chunks``)."""
-    path = Path(path)
-    fd, tmp = create_temp(path)
-    try:
-        views = [memoryview(p).cast("B") for p in pieces]
-        if sum(v.nbytes for v in views) != size:
-            raise ContainerError(f"{path}: pieces of {sum(v.nbytes for v in views)} bytes "
-                                 f"for a file of {size}", field="size", value=size)
-        limit = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-        while views:
-            n = os.writev(fd, views[:limit])
-            while n and views:
-                if n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0], n = views[0][n:], 0
-        os.replace(tmp, path)  # renamed while still locked, then closed
-        os.close(fd)
-        fd = -1
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 # --------------------------------------------------------------------------- reading
 def read_bands(fd: int, view: memoryview) -> int:
     """Fill ``view`` from the start of file ``fd`` with ``preadv``, one band per core
@@ -698,4 +666,4 @@ def read_hrry_sequential(f: BinaryIO) -> HrryFile:
 
 
 __all__ = ["HrryFile", "HrryWriter", "IndexEntry", "iter_hrry_sequential", "read_hrry_sequential",
-           "write_hrry", "write_pieces"]
+           "write_hrry"]
