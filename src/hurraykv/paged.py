@@ -257,7 +257,7 @@ class BlockPagedTensor:
                                       f"{desc.element_type_name}")
         total, heads, dim = desc.shape
         ps = layout.page_size
-        _check_row(ps, heads, dim, 1 if et.sub_byte else np.dtype(et.numpy).itemsize)
+        _check_row(ps, heads, dim, 1 if et.sub_byte else et.itemsize)
         if et.sub_byte:
             rows = np.frombuffer(views[0], np.uint8).reshape(
                 layout.num_pages, et.nbytes(ps * heads * dim))

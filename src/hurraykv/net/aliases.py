@@ -150,18 +150,20 @@ class AliasTable:
             f = open(self.path, "rb")  # noqa: SIM115 - read line by line below
         except FileNotFoundError:
             return
-        skipped = lines = 0
+        skipped = lines = read = 0
         with f:
             while True:
                 raw = f.readline(MAX_LINE + 1)
                 if not raw:
                     break
+                read += len(raw)
                 lines += 1
                 if not raw.endswith(b"\n"):
                     skipped += 1
                     if len(raw) > MAX_LINE:  # too long: skip to its end, in bounded reads
                         while raw and not raw.endswith(b"\n"):
                             raw = f.readline(MAX_LINE + 1)
+                            read += len(raw)
                     continue  # else the last line, cut short by a crash
                 parsed = _parse(raw)
                 if parsed is None:
@@ -173,10 +175,13 @@ class AliasTable:
                         self._unset(alias)
                 else:
                     self._set(alias, target)
-        if skipped:
+        self._file_bytes = read
+        if skipped:  # rewritten without them: a cut line never meets the next append
             log.warning("%s: skipped %d of %d lines that are not whole alias records",
                         self.path, skipped, lines)
-        self.compact()
+            self.compact()
+        else:
+            self._maybe_compact()
         log.info("aliases: %d in %s", len(self._target), self.path)
 
 

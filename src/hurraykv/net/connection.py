@@ -284,9 +284,7 @@ class Connection(asyncio.BufferedProtocol):
             self._expect("data_offset", memoryview(self._offset))
             return
         self._need = length
-        if not self._hold(min(length, FIRST_CHUNK), length):
-            return
-        self._payload = bytearray(min(length, FIRST_CHUNK))
+        self._payload = bytearray(min(length, FIRST_CHUNK))  # the connection's own bytes
         self._expect("payload", memoryview(self._payload))
 
     def _hold(self, nbytes: int, rest: int) -> bool:

@@ -367,10 +367,10 @@ class KeyStore:
         path = self._files.pop(key, None)
         if path is not None:
             path.unlink(missing_ok=True)
-        alias = self.aliases.remove([key])
-        if found:
-            self.aliases.drop_target(key)
-        return found or bool(alias)
+        # the key as an alias, and an object's own aliases, in one fsynced append
+        removed = self.aliases.remove([key, *sorted(self.aliases.aliases_of(key))]
+                                      if found else [key])
+        return found or key in removed
 
 
 def _name(desc: TensorDescriptor, i: int) -> str:

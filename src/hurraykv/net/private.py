@@ -68,8 +68,7 @@ def decode_listing(payload: bytes | memoryview) -> list[tuple[str, int]]:
 
 
 def encode_alias_listing(entries: list[tuple[str, str]]) -> bytes:
-    return struct.pack("<I", len(entries)) + b"".join(
-        encode_text(a) + encode_text(t) for a, t in entries)
+    return encode_keys([text for pair in entries for text in pair], per=2)
 
 
 def decode_alias_listing(payload: bytes | memoryview) -> list[tuple[str, str]]:
