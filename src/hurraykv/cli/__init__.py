@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
-                    or getattr(args, "address", ""))
+                    or getattr(args, "address", None) or getattr(args, "url", ""))
     try:
         return args.func(args)
     except CannotRead as e:

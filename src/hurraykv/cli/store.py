@@ -20,7 +20,6 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
 def cmd_store_fsck(args: argparse.Namespace) -> int:
     from ..store import PageStore
 
-    args.subject = args.url
     store = PageStore.from_url(args.url)
     try:
         report = store.fsck(grace=args.grace)

@@ -59,7 +59,7 @@ from ..threads import executor
 from .manifest import encode_manifest, parse_manifest, parse_prefix_value, token_chains
 from .members import ZERO, Member
 from .reads import assemble
-from .refs import Refs
+from .refs import Refs, refusing_legacy
 from .scripts import (
     PAGE_SIZES,
     STATS,
@@ -99,14 +99,9 @@ class PageStore:
 
     def _script(self, name: str, snapshot_id: str, args: list[Any] | None = None) -> int:
         """``swap`` or ``remove`` on the manifest of ``snapshot_id``."""
-        redis = require("redis", "redis", "the Redis page store")
-        try:
+        with refusing_legacy(lambda: _legacy(snapshot_id)):
             return int(self._refs.scripts[name](
                 keys=[manifest_key(snapshot_id), pending_key(snapshot_id)], args=args))
-        except redis.ResponseError as e:
-            if "HKVLEGACY" in str(e):
-                raise _legacy(snapshot_id) from None
-            raise
 
     # -- put ---------------------------------------------------------------------------
     def put(self, snapshot_id: str, snapshot: KVCacheSnapshot,

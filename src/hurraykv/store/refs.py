@@ -7,13 +7,27 @@ crash or by two clients at once, never counts a manifest twice or drops another'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StoreError, require
 from .scripts import MANY, SCRIPTS, Script, legacy_ref_key, owners_key, page_key
 
 BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
+
+
+@contextlib.contextmanager
+def refusing_legacy(error: Callable[[], StoreError]) -> Iterator[None]:
+    """A script's HKVLEGACY reply (it met a store of counted references) raised as
+    ``error()``; any other Redis error as it is."""
+    redis = require("redis", "redis", "the Redis page store")
+    try:
+        yield
+    except redis.ResponseError as e:
+        if "HKVLEGACY" not in str(e):
+            raise
+        raise error() from None
 
 
 class Refs:
@@ -67,17 +81,13 @@ class Refs:
     def add_all(self, digests: list[bytes], generation: bytes) -> list[int]:
         """Add ``generation``'s reference to each page: the owners it then has (0: the
         page is not stored, nothing was added)."""
-        redis = require("redis", "redis", "the Redis page store")
-        try:
+        with refusing_legacy(lambda: StoreError(
+                "a page of this snapshot is also in a snapshot stored by a hurraykv that "
+                "counted references without generations: run `hurraykv store fsck URL` once "
+                "to upgrade the store", field="page",
+                rule="references are generations (manifest version 2)")):
             return self._per_page("addref", digests, [generation], lambda d: [
                 page_key(d), owners_key(d), legacy_ref_key(d)])
-        except redis.ResponseError as e:
-            if "HKVLEGACY" not in str(e):
-                raise
-        raise StoreError("a page of this snapshot is also in a snapshot stored by a hurraykv "
-                         "that counted references without generations: run `hurraykv store "
-                         "fsck URL` once to upgrade the store", field="page",
-                         rule="references are generations (manifest version 2)")
 
     def drop_all(self, digests: list[bytes], generation: bytes) -> list[int]:
         """Drop ``generation``'s reference from each page: -1 - size for a page this call
