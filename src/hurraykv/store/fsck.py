@@ -156,11 +156,12 @@ def _add(refs: Any, add: list[tuple[bytes, bytes]], snapshot_of: dict[bytes, str
     """Give pages the references their manifests lack, if those manifests still hold
     them (a delete completed meanwhile must not be undone)."""
     for batch in _chunks(add):
+        generations = list(dict.fromkeys(g for _, g in batch))  # each manifest read once
         pipe = refs.pipe()
-        for _, g in batch:
+        for g in generations:
             pipe.getrange(manifest_key(snapshot_of[g]), 8, 23)
-        current = pipe.execute()
-        live = [(d, g) for (d, g), now in zip(batch, current, strict=True) if now == g]
+        held = {g for g, now in zip(generations, pipe.execute(), strict=True) if now == g}
+        live = [(d, g) for d, g in batch if g in held]
         pipe = refs.pipe()
         one = refs.scripts["addref"]
         for d, g in live:
