@@ -47,6 +47,7 @@ prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the refere
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,14 +162,8 @@ class PageStore:
     def _abandon(self, generation: bytes, digests: list[bytes]) -> None:
         """A put failed before its manifest was swapped in: drop what it referenced (best
         effort; what cannot be dropped now, ``fsck`` drops)."""
-        try:
-            freed = [-1 - r for r in self._refs.drop_all(digests, generation) if r < 0]
-            pipe = self._refs.pipe()
-            pipe.hincrby(STATS, "stored_bytes", -sum(freed))
-            pipe.hincrby(STATS, "pages", -len(freed))
-            pipe.execute()
-        except Exception:  # the connection that failed the put may be gone too
-            pass
+        with contextlib.suppress(Exception):  # the connection that failed the put may
+            self._refs.release(digests, generation).execute()  # be gone too
 
     # -- get ---------------------------------------------------------------------------
     def _load_manifest(self, snapshot_id: str) -> tuple[list, list[bytes], bytes]:

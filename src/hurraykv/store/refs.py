@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StoreError, require
-from .scripts import MANY, SCRIPTS, Script, legacy_ref_key, owners_key, page_key
+from .scripts import MANY, SCRIPTS, STATS, Script, legacy_ref_key, owners_key, page_key
 
 BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
 
@@ -94,3 +94,12 @@ class Refs:
         freed (its last reference), else the owners left."""
         return self._per_page("dropref", digests, [generation],
                               lambda d: [page_key(d), owners_key(d)])
+
+    def release(self, digests: list[bytes], generation: bytes) -> Any:
+        """``drop_all``, with what it freed taken off the statistics: a pipeline holding
+        those decrements, to run (with whatever the caller adds to it)."""
+        freed = [-1 - r for r in self.drop_all(digests, generation) if r < 0]
+        pipe = self.pipe()
+        pipe.hincrby(STATS, "stored_bytes", -sum(freed))
+        pipe.hincrby(STATS, "pages", -len(freed))
+        return pipe

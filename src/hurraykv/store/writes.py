@@ -100,12 +100,9 @@ def drain(refs: Refs, snapshot_id: str) -> list[bytes]:
         kind, raw = value[:1], value[1:]
         items, table, tokens = parse_manifest(snapshot_id, raw)
         distinct = list(dict.fromkeys(d for d in table if d != ZERO))
-        freed = [-1 - r for r in refs.drop_all(distinct, generation) if r < 0]
-        pipe = refs.pipe()
+        pipe = refs.release(distinct, generation)
         pipe.hdel(key, generation)
-        pipe.hincrby(STATS, "stored_bytes", -sum(freed))
-        pipe.hincrby(STATS, "pages", -len(freed))
-        if not pipe.execute()[0]:
+        if not pipe.execute()[-1]:
             continue  # another client completed this release first
         pipe = refs.pipe()
         pipe.hincrby(STATS, "logical_bytes", -logical_bytes(items, table))
