@@ -40,13 +40,17 @@ class StoreFull(HurrayError):
 
     def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int, aliases: int = 0,
                  field: str = "total_data_bytes") -> None:
-        held = f" and {aliases} hold aliases" if aliases else ""
-        super().__init__(
-            f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) but the memory budget is "
-            f"{budget} bytes ({budget / (1 << 30):.3f} GiB), of which {in_flight} are "
-            f"reserved by PUTs in flight and {kept} hold the key's current value{held}",
-            field=field, value=nbytes, rule="--memory-budget")
         self.nbytes, self.budget, self.in_flight, self.kept = nbytes, budget, in_flight, kept
+        self.aliases = aliases
+        super().__init__(self.needs(nbytes), field=field, value=nbytes, rule="--memory-budget")
+
+    def needs(self, nbytes: int) -> str:
+        """Why ``nbytes`` do not fit, in the budget's terms."""
+        held = f" and {self.aliases} hold aliases" if self.aliases else ""
+        return (f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) but the memory budget "
+                f"is {self.budget} bytes ({self.budget / (1 << 30):.3f} GiB), of which "
+                f"{self.in_flight} are reserved by other PUTs in flight and {self.kept} hold "
+                f"the key's current value{held}")
 
 
 @dataclass

@@ -87,7 +87,7 @@ def on_data_end(c: Connection, stream: int) -> None:
     if put.refused is not None:
         what = "snapshot" if put.expected > 1 else "tensor"
         c._send_error(stream, ErrorCode.STORE_FULL,
-                         f"{what} {put.shown!r} {_needs(put.nbytes, put.refused)}")
+                         f"{what} {put.shown!r} {put.refused.needs(put.nbytes)}")
         log.info("refused put key=%r: %s over the memory budget", put.shown,
                  units.size(put.nbytes))
         return
@@ -120,8 +120,3 @@ async def _commit(c: Connection, stream: int, put: Put) -> None:
     c._write(message(MessageType.TENSOR_PUT_ACK, stream))
 
 
-def _needs(nbytes: int, refused: StoreFull) -> str:
-    return (f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB); the memory budget is "
-            f"{refused.budget} bytes ({refused.budget / (1 << 30):.3f} GiB), of which "
-            f"{refused.in_flight} are reserved by other PUTs in flight and {refused.kept} hold the "
-            "key's current value")
