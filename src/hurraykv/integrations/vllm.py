@@ -123,6 +123,9 @@ class HurrayConnector(KVConnectorBase_V1):
         self.save_decode = conf.save_decode
         self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
         self.model_dtype = vllm_config.model_config.dtype
+        # the element type of the segments this engine writes, and the only one it loads
+        self._segment_dtype = FP8_NAMES.get(self.kv_cache_dtype) or str(
+            self.model_dtype).removeprefix("torch.")
         self.can_save = cfg.is_kv_producer
         self.can_load = cfg.is_kv_consumer
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -420,8 +423,7 @@ class HurrayConnector(KVConnectorBase_V1):
         want = (len(self._layers), self.block_size, view.heads, *view.dims)
         have = (snap.num_layers, snap.page_size, snap.num_kv_heads,
                 *(t.head_dim for t in snap.layer(0)))
-        dtype = FP8_NAMES.get(self.kv_cache_dtype) or str(self.model_dtype).removeprefix(
-            "torch.")
+        dtype = self._segment_dtype
         if snap.model != self.identity or snap.dtype != dtype:
             # same geometry is not the same cache: another model's KV would load silently
             raise HurrayError(f"a stored segment of identity {snap.model!r} and dtype "
