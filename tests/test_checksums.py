@@ -100,3 +100,139 @@ def test_validate_reports_which_pages_of_which_layers_are_damaged(tmp_path, caps
     (tmp_path / "s.hrry").write_bytes(bytes(data))
     assert main(["validate", str(tmp_path / "s.hrry")]) == 1
     assert "layers.2.key: page 4" in capsys.readouterr().err
+
+
+def stored_segments(tmp_path, count: int, pages: int) -> tuple[list[str], list]:
+    store = open_store((tmp_path / "kv").as_uri())
+    names, snaps = [], []
+    for seed in range(count):
+        keys = ChunkKeys(identity_digest(f"p{seed}"), 4).upto(list(range(8)), 2)
+        snaps.append(segment(pages, seed))
+        store.put(keys, 0, snaps[-1], {})
+        names.append(store.locate(keys)[0])
+    return names, snaps
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """Sub-ranges of 4 KiB and two bands from 64 KiB on: a small segment is read in many
+    sub-ranges on both of them, as a large one is."""
+    from hurraykv import threads
+
+    monkeypatch.setattr(checksums.ReadPlan, "STEP", 4096)
+    monkeypatch.setattr(threads, "PARALLEL_BYTES", 64 << 10)
+    monkeypatch.setenv("HURRAYKV_THREADS", "2")
+    monkeypatch.setattr(threads, "_pool", None)
+
+
+def test_a_known_structure_is_hashed_while_it_is_read(tmp_path, small_steps, monkeypatch):
+    names, snaps = stored_segments(tmp_path, 3, 40)  # 40 pages of 128 B a pool: ~25 KiB
+    reader = open_store((tmp_path / "kv").as_uri())
+    reader.get_verified(names[0])  # learns the structure (parsed, then hashed)
+    reads = []
+    real = checksums.ReadPlan.read
+
+    def spy(plan, fd, view):
+        got = real(plan, fd, view)
+        reads.append((plan, got))
+        return got
+
+    monkeypatch.setattr(checksums.ReadPlan, "read", spy)
+    for name, snap in zip(names, snaps, strict=True):
+        got = reader.get_verified(name)
+        assert got.equal(snap)
+        plan, (nbytes, found, _) = reads[-1]
+        assert nbytes == plan.size == (tmp_path / "kv" / f"{name}.hrry").stat().st_size
+        assert found.tolist() == [int(checksums.digests(snap)[k:k + 16], 16)
+                                  for k in range(0, len(checksums.digests(snap)), 16)]
+    assert len(reads) == 3
+    plan = reads[0][0]
+    assert len(plan.edges) > 4  # many sub-ranges, so the bands each read several
+    for s in range(len(plan.edges) - 1):  # no piece is cut by a sub-range's end
+        for j in range(plan.starts[s], plan.starts[s + 1]):
+            assert plan.edges[s] <= plan.offsets[j]
+            assert plan.offsets[j] + plan.lengths[j] <= plan.edges[s + 1]
+    assert reader.verify_seconds > 0
+
+
+@pytest.mark.parametrize(("what", "match"), [
+    ("pool", r"page 7 of buffer 0 of member layers\.1\.key"),
+    ("block_table", r"buffer 1 of member layers\.0\.key"),
+    ("digits", r": buffer 0 of member seq_lens does not match its checksum \(1 damaged"),
+])
+def test_a_flipped_byte_is_found_by_the_one_pass_read(tmp_path, small_steps, what, match):
+    names, snaps = stored_segments(tmp_path, 2, 40)
+    reader = open_store((tmp_path / "kv").as_uri())
+    reader.get_verified(names[0])
+    path = tmp_path / "kv" / f"{names[1]}.hrry"
+    data = bytearray(path.read_bytes())
+    if what == "pool":
+        at = bytes(data).find(snaps[1].tensor(1, "key").page_pool[7].tobytes()) + 2
+    elif what == "block_table":  # outside the pools: the structure no longer matches
+        table = snaps[1].tensor(0, "key").block_table.astype("<i4").tobytes()
+        at = bytes(data).find(table) + 4
+    else:  # a digit of the first stored digest (seq_lens'), not the values, is damaged
+        at = bytes(data).find(checksums.digests(snaps[1]).encode())
+    data[at] = (data[at] ^ 0x01) if what != "digits" else ord("01"[data[at] == ord("0")])
+    path.write_bytes(bytes(data))
+    with pytest.raises(checksums.ChecksumError, match=match):
+        reader.get_verified(names[1])
+
+
+def test_a_file_cut_short_under_the_one_pass_read_is_an_error(tmp_path, small_steps):
+    names, _ = stored_segments(tmp_path, 2, 40)
+    reader = open_store((tmp_path / "kv").as_uri())
+    reader.get_verified(names[0])
+    path = tmp_path / "kv" / f"{names[1]}.hrry"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(hk.HurrayError, match=r"shrank|size|truncat|end"):
+        reader.get_verified(names[1])
+
+
+def test_the_compiled_hasher_gives_xxhash_digests_for_every_length_class():
+    import xxhash
+
+    from hurraykv.io import page_hash
+
+    compiled = page_hash.hasher()
+    if compiled is None:
+        pytest.skip("numba is not installed: pieces are hashed by xxhash itself")
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    lengths = np.array([0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 1025, 4096,
+                        *rng.integers(0, 20000, 40)], np.uint64)
+    offsets = np.array([rng.integers(0, len(data) - n) for n in lengths], np.uint64)
+    out = np.zeros(len(lengths), np.uint64)
+    compiled(data.ctypes.data, offsets, lengths, out)
+    view = memoryview(data)
+    assert out.tolist() == [xxhash.xxh3_64_intdigest(view[int(o):int(o) + int(n)])
+                            for o, n in zip(offsets, lengths, strict=True)]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("what", ["pool", "none"])
+def test_the_first_file_of_a_structure_is_hashed_while_it_is_read(
+        tmp_path, small_steps, monkeypatch, compiled, what):
+    from hurraykv.io import page_hash
+
+    if not compiled:  # hashed piece by piece in Python, as without numba
+        monkeypatch.setattr(page_hash, "_built", (None, None))
+    names, snaps = stored_segments(tmp_path, 1, 40)
+    path = tmp_path / "kv" / f"{names[0]}.hrry"
+    if what == "pool":
+        data = bytearray(path.read_bytes())
+        data[bytes(data).find(snaps[0].tensor(0, "value").page_pool[39].tobytes())] ^= 0x80
+        path.write_bytes(bytes(data))
+    reads = []
+    real = checksums.ReadPlan.read
+    monkeypatch.setattr(checksums.ReadPlan, "read",
+                        lambda plan, fd, view: reads.append(1) or real(plan, fd, view))
+    reader = open_store((tmp_path / "kv").as_uri())  # knows no structure yet
+    if what == "pool":
+        with pytest.raises(checksums.ChecksumError,
+                           match=r"page 39 of buffer 0 of member layers\.0\.value"):
+            reader.get_verified(names[0])
+    else:
+        assert reader.get_verified(names[0]).equal(snaps[0])
+    assert reads == [1]  # one pass: the structure came from small reads before it

@@ -31,6 +31,7 @@ import os
 import re
 import stat
 import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,6 +134,17 @@ class ChunkStore(ABC):
     @abstractmethod
     def get(self, name: str) -> KVCacheSnapshot: ...
 
+    verify_seconds = 0.0  # spent checking checksums in get_verified, all calls together
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        """``get``, the stored values checked against the checksums written with them:
+        ``ChecksumError`` (a ``HurrayError``) when they do not match or there are none."""
+        snap = self.get(name)
+        started = time.perf_counter()
+        checksums.verify(snap, f"segment {name}")
+        self.verify_seconds += time.perf_counter() - started
+        return snap
+
     def has(self, keys: Sequence[str]) -> list[bool]:
         return [name is not None for name in self.locate(keys)]
 
@@ -156,21 +168,18 @@ class _FileLayout:
     index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
     source)`` of what differs, in file order: each page pool (source: its member key) and
     the text of the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
-    ``snapshot`` is that file's validated snapshot."""
+    ``snapshot`` is that file's validated snapshot; ``plan`` reads such a file and hashes
+    its checksum pieces in one pass (None: the structure has no checksums)."""
 
     size: int
     static: list[tuple[int, bytes]]
     regions: list[tuple[int, int, Any]]
     snapshot: KVCacheSnapshot
+    plan: checksums.ReadPlan | None
 
     @classmethod
     def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile) -> _FileLayout:
-        regions = []
-        for e in f.entries:
-            layout = f.descriptor(e.name).layout
-            if isinstance(layout, BlockPaged):
-                regions.append((e.data_offset, f.descriptor(e.name).buffers[0].byte_size,
-                                (layout.layer_index, layout.kv_role_name)))
+        regions = _pools(f)
         text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
         if text:  # every place the entry's text sits outside the pools
             for off, piece in _complement(data, regions):
@@ -179,7 +188,8 @@ class _FileLayout:
                     regions.append((off + at, len(text), CHECKSUMS))
                     at = piece.find(text, at + len(text))
         regions.sort(key=lambda r: r[0])
-        return cls(len(data), _complement(data, regions), regions, snapshot.skeleton())
+        plan = checksums.ReadPlan.of(snapshot, data) if text else None
+        return cls(len(data), _complement(data, regions), regions, snapshot.skeleton(), plan)
 
     def matches(self, data: memoryview) -> bool:
         # tobytes(): a memoryview compared with == unpacks element by element
@@ -211,6 +221,17 @@ class _FileLayout:
 
 
 CHECKSUMS = "checksums"
+
+
+def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
+    """``(offset, nbytes, (layer, role))`` of every page pool of a parsed file."""
+    regions = []
+    for e in f.entries:
+        desc = f.descriptor(e.name)
+        if isinstance(desc.layout, BlockPaged):
+            regions.append((e.data_offset, desc.buffers[0].byte_size,
+                            (desc.layout.layer_index, desc.layout.kv_role_name)))
+    return regions
 
 
 def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
@@ -335,16 +356,83 @@ class FileChunks(ChunkStore):
         self._aliases.update((key, name) for key in keys)
 
     def get(self, name: str) -> KVCacheSnapshot:
+        return self._get(name, verify=False)
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        # A file of a structure read before is hashed while it is read (ReadPlan).
+        return self._get(name, verify=True)
+
+    def _get(self, name: str, verify: bool) -> KVCacheSnapshot:
         check_name(name)
         path = self.path(name)
         try:
-            data = _read(path, self._buffers)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                size = os.fstat(fd).st_size
+                known = next((layout for layout in self._by_size.get(size, ())
+                              if layout.plan is not None), None) if verify else None
+                if verify and known is None:
+                    cold = self._first_of_structure(fd, size, path)
+                    if cold is not None:
+                        return cold
+                if known is None or known.plan is None:
+                    data = _read_fd(fd, path, self._buffers)
+                else:
+                    data = memoryview(self._buffers.take(size))
+                    got, computed, hashing = known.plan.read(fd, data)
+                    _whole(path, size, got)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
                               value=name, rule="a stored segment") from None
         except OSError as e:
             raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
                               value=name) from None
+        what = f"segment {name}"
+        if known is not None and known.matches(data):
+            snap = known.read(data)
+            started = time.perf_counter()
+            checksums.verify(snap, what, known.plan.complete(snap, computed))
+            self.verify_seconds += hashing + time.perf_counter() - started
+            return snap
+        snap = self._parse(data, path)
+        if verify:
+            started = time.perf_counter()
+            checksums.verify(snap, what)
+            self.verify_seconds += time.perf_counter() - started
+        return snap
+
+    def _first_of_structure(self, fd: int, size: int, path: Path) -> KVCacheSnapshot | None:
+        """A verified read of a file of a structure not seen yet, as fast as a known one:
+        its structure parsed from small reads first (header, descriptors, index buffers,
+        index), so that its pages are hashed while the bulk is read; None when the file
+        does not parse (the caller reads it whole and says why)."""
+        data = memoryview(self._buffers.take(size))
+        try:
+            f = HrryFile.over(fd, data, str(path))
+            pools = _pools(f)
+            for off, piece in _complement(data, pools):  # data is not the file yet: offsets
+                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
+            structure = _complement(data, pools)
+            snap = snapshot_from_file(f)
+            plan = checksums.ReadPlan.of(snap, data)
+        except HurrayError:
+            return None
+        if plan is None:
+            return None
+        got, computed, hashing = plan.read(fd, data)
+        _whole(path, size, got)
+        if _complement(data, pools) != structure:  # replaced between the two reads
+            return None
+        snap.tensors()  # every member built: index buffers and token counts checked
+        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
+        started = time.perf_counter()
+        checksums.verify(snap, f"segment {path.stem}", plan.complete(snap, computed))
+        self.verify_seconds += hashing + time.perf_counter() - started
+        return snap
+
+    def _parse(self, data: memoryview, path: Path) -> KVCacheSnapshot:
         for layout in self._by_size.get(len(data), ()):
             if layout.matches(data):
                 return layout.read(data)
@@ -392,25 +480,32 @@ class _Buffers:
         return buf[:size]
 
 
-def _read(path: Path, buffers: _Buffers | None = None) -> memoryview:
-    """A file's bytes, read (``preadv``, in bands on every core) into memory of our own.
-    Not mapped: a mapped file truncated underneath kills the reader with SIGBUS, where a
-    read just comes up short, which is an error (and a recompute).  Opened without
-    following a link."""
+def _read(path: Path) -> memoryview:
+    """A file's bytes, read into memory of our own; opened without following a link."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return memoryview(b"")
-        buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
-        view = memoryview(buf)
-        got = read_bands(fd, view)
+        return _read_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def _read_fd(fd: int, path: Path, buffers: _Buffers | None = None) -> memoryview:
+    """File ``fd``'s bytes, read (``preadv``, in bands on every core) into memory of our
+    own.  Not mapped: a mapped file truncated underneath kills the reader with SIGBUS,
+    where a read just comes up short, which is an error (and a recompute)."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return memoryview(b"")
+    buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
+    view = memoryview(buf)
+    _whole(path, size, read_bands(fd, view))
+    return view
+
+
+def _whole(path: Path, size: int, got: int) -> None:
     if got != size:
         raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
                           field="segment", value=path.name, rule="a file that stays whole")
-    return view
 
 
 class ServerChunks(ChunkStore):
@@ -532,6 +627,13 @@ class Suffixed(ChunkStore):
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self.inner.get(self._named(name))
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        before = self.inner.verify_seconds
+        try:
+            return self.inner.get_verified(self._named(name))
+        finally:
+            self.verify_seconds += self.inner.verify_seconds - before
 
     def connect(self) -> None:
         self.inner.connect()

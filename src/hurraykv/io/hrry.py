@@ -260,8 +260,8 @@ def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescr
 
 
 # --------------------------------------------------------------------------- reading
-def read_bands(fd: int, view: memoryview) -> int:
-    """Fill ``view`` from the start of file ``fd`` with ``preadv``, one band per core
+def read_bands(fd: int, view: memoryview, at: int = 0) -> int:
+    """Fill ``view`` from byte ``at`` of file ``fd`` with ``preadv``, one band per core
     (page-cache reads take no file lock, so bands copy at once); the bytes read, fewer
     than ``len(view)`` when the file is shorter or shrinks meanwhile."""
     got: list[int] = []
@@ -269,7 +269,7 @@ def read_bands(fd: int, view: memoryview) -> int:
     def band(a: int, b: int) -> None:
         pos = a
         while pos < b:
-            n = os.preadv(fd, [view[pos:b]], pos)
+            n = os.preadv(fd, [view[pos:b]], at + pos)
             if n <= 0:
                 break
             pos += n
@@ -305,6 +305,19 @@ class HrryFile:
             self.source, self.size, self._read, self._data = str(path), size, pread, None
             self._parse()
             self._data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+        self._read = lambda off, n: bytes(self._view[off:off + n])
+        return self
+
+    @classmethod
+    def over(cls, fd: int, data: memoryview, source: str) -> HrryFile:
+        """File ``fd`` parsed with small reads of its header, index and descriptors only;
+        its tensors' buffers are views of ``data`` (the file's size), which the caller
+        fills before using them (a reader that reads the bulk its own way)."""
+        self = cls.__new__(cls)
+        self.source, self.size, self._data = source, len(data), None
+        self._read = lambda off, n: os.pread(fd, n, off)
+        self._parse()
+        self._data = data
         self._read = lambda off, n: bytes(self._view[off:off + n])
         return self
 
