@@ -49,6 +49,7 @@ from ..io.hrry import HrryFile, read_bands
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
 from ..wire.layouts import BlockPaged
+from .file_capacity import Capacity, Entry
 
 SEED = b"hurraykv-chunks-v1"
 DIGEST = 16
@@ -135,6 +136,7 @@ class ChunkStore(ABC):
     def get(self, name: str) -> KVCacheSnapshot: ...
 
     verify_seconds = 0.0  # spent checking checksums in get_verified, all calls together
+    evictions = 0  # segments this object evicted to stay in its capacity
 
     def get_verified(self, name: str) -> KVCacheSnapshot:
         """``get``, the stored values checked against the checksums written with them:
@@ -267,12 +269,17 @@ class FileChunks(ChunkStore):
 
     LOG = "aliases.log"
     LAYOUTS = 32  # structures remembered
+    COMPACT_SLACK = 4096  # alias lines beyond twice the live ones before the log is rewritten
+    QUARANTINED = 16  # damaged segments kept for inspection, newest
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.url = self.dir.resolve().as_uri()
+        self.capacity = Capacity(self.dir, max_bytes)
+        self.capacity.repair()
         self._aliases: dict[str, str] = {}
+        self._lines = 0  # alias lines read from the current log
         self._read_upto = 0
         self._log_id: tuple[int, int] | None = None
         self._buffers = _Buffers()
@@ -282,6 +289,10 @@ class FileChunks(ChunkStore):
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.hrry"
 
+    @property
+    def evictions(self) -> int:  # type: ignore[override]
+        return self.capacity.evictions
+
     def _refresh(self) -> None:
         """Take in the alias lines other processes appended since the last look.  A log
         that shrank or was replaced (an operator's clean-up) is read again from its start,
@@ -290,13 +301,13 @@ class FileChunks(ChunkStore):
             fd = os.open(self.dir / self.LOG, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # missing (nothing recorded yet, or removed), or a planted link
             self._aliases.clear()
-            self._read_upto, self._log_id = 0, None
+            self._read_upto, self._log_id, self._lines = 0, None, 0
             return
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != self._log_id or st.st_size < self._read_upto:
                 self._aliases.clear()
-                self._read_upto, self._log_id = 0, (st.st_dev, st.st_ino)
+                self._read_upto, self._log_id, self._lines = 0, (st.st_dev, st.st_ino), 0
             if st.st_size <= self._read_upto:
                 return
             data = os.pread(fd, st.st_size - self._read_upto, self._read_upto)
@@ -307,6 +318,7 @@ class FileChunks(ChunkStore):
             m = ALIAS_LINE.fullmatch(line)
             if m is not None:  # anything else (a cut line, a stray name) is a miss
                 self._aliases[m[1].decode("ascii")] = m[2].decode("ascii")
+                self._lines += 1
         self._read_upto += whole
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
@@ -338,22 +350,45 @@ class FileChunks(ChunkStore):
         if layout is None:
             save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
             data = _read(self.path(name))
+            try:
+                self.capacity.check(len(data), name)
+            except HurrayError:
+                self.path(name).unlink(missing_ok=True)
+                raise
             f = HrryFile.from_bytes(data, str(self.path(name)))
-            self._remember(structure, _FileLayout.learn(data, snapshot_from_file(f), f))
+            layout = _FileLayout.learn(data, snapshot_from_file(f), f)
+            self._remember(structure, layout)
         else:
+            self.capacity.check(layout.size, name)
             write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
         lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
         try:
-            fd = os.open(self.dir / self.LOG,
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-            try:
-                os.write(fd, lines)  # one append: concurrent writers never interleave it
-            finally:
-                os.close(fd)
+            # shared: a compaction (exclusive) never replaces the log under an append
+            with self.capacity.lock(exclusive=False):
+                fd = os.open(self.dir / self.LOG,
+                             os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+                try:
+                    os.write(fd, lines)  # one append: concurrent writers never interleave it
+                finally:
+                    os.close(fd)
         except OSError as e:
             raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
                               field="aliases", value=str(self.dir)) from None
         self._aliases.update((key, name) for key in keys)
+        self.capacity.admit(layout.size, name, then=self._compact)
+
+    def _compact(self, remaining: list[Entry]) -> None:
+        """Rewrite the alias log with the aliases of segments still stored, once dead
+        lines outnumber live ones (called under the exclusive lock: no append is in
+        flight, none is lost).  Other processes notice the new log and read it again."""
+        self._refresh()
+        live = {e.name for e in remaining}
+        keep = [(key, name) for key, name in self._aliases.items() if name in live]
+        if self._lines <= 2 * len(keep) + self.COMPACT_SLACK:
+            return
+        text = "".join(f"{key} {name}\n" for key, name in keep).encode("ascii")
+        write_pieces(self.dir / self.LOG, [text], len(text))
+        self._refresh()
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self._get(name, verify=False)
@@ -368,6 +403,7 @@ class FileChunks(ChunkStore):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
+                Capacity.touch(fd)
                 size = os.fstat(fd).st_size
                 known = next((layout for layout in self._by_size.get(size, ())
                               if layout.plan is not None), None) if verify else None
@@ -445,9 +481,13 @@ class FileChunks(ChunkStore):
     def discard(self, name: str) -> None:
         """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""
         check_name(name)
-        (self.dir / "quarantine").mkdir(exist_ok=True)
+        quarantine = self.dir / "quarantine"
+        quarantine.mkdir(exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            os.replace(self.path(name), self.dir / "quarantine" / f"{name}.hrry")
+            os.replace(self.path(name), quarantine / f"{name}.hrry")
+        kept = sorted(quarantine.glob("*.hrry"), key=lambda p: p.stat().st_mtime_ns)
+        for old in kept[:-self.QUARANTINED]:  # evidence, not a second cache: bounded too
+            old.unlink(missing_ok=True)
 
 
 def _regular(path: Path) -> bool:
@@ -628,6 +668,10 @@ class Suffixed(ChunkStore):
     def get(self, name: str) -> KVCacheSnapshot:
         return self.inner.get(self._named(name))
 
+    @property
+    def evictions(self) -> int:  # type: ignore[override]
+        return self.inner.evictions
+
     def get_verified(self, name: str) -> KVCacheSnapshot:
         before = self.inner.verify_seconds
         try:
@@ -660,14 +704,21 @@ def open_store(url: str, *, suffix: str = "", **options: Any) -> ChunkStore:
     return Suffixed(store, suffix) if suffix else store
 
 
-def _open(url: str, *, timeout: float | None = None, **options: Any) -> ChunkStore:
-    """``timeout``: seconds a network store waits on a socket before failing a call."""
+def _open(url: str, *, timeout: float | None = None, max_bytes: int | None = None,
+          **options: Any) -> ChunkStore:
+    """``timeout``: seconds a network store waits on a socket before failing a call;
+    ``max_bytes``: the capacity of a ``file://`` directory."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise HurrayError(f"url {url!r}: a file URL names a local directory, "
                               "file:///DIR", field="url", value=url, rule="file:///DIR")
-        return FileChunks(unquote(parsed.path))
+        return FileChunks(unquote(parsed.path), max_bytes=max_bytes)
+    if max_bytes is not None:
+        raise HurrayError(f"url {url!r}: max_bytes bounds a file:// directory; a server's "
+                          "capacity is its own (hurraykv serve --memory-budget, "
+                          "--persist-budget; Redis maxmemory)", field="max_bytes",
+                          value=max_bytes, rule="max_bytes with file://")
     if parsed.scheme == "hurray":
         if timeout is not None:
             options["timeout"] = timeout

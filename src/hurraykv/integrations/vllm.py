@@ -136,7 +136,8 @@ class HurrayConnector(KVConnectorBase_V1):
                                              "server_hostname") if getattr(conf, k)}
         self.url = conf.url
         self._open_store = lambda: open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
-                                              timeout=conf.load_timeout_ms / 1000 + 5, **tls)
+                                              timeout=conf.load_timeout_ms / 1000 + 5,
+                                              max_bytes=conf.max_bytes, **tls)
         # Stores open lazily, each behind its own deadline and breaker (guard.py): an
         # unreachable store at start is a miss, not an engine that fails to start.
         guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
@@ -167,6 +168,10 @@ class HurrayConnector(KVConnectorBase_V1):
                  conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
         if self.disabled:
             log.warning("HurrayConnector passes requests through: %s", self.disabled)
+        if conf.url.startswith("file:") and conf.max_bytes is None and self.can_save:
+            log.warning("HurrayConnector: %s has no capacity and grows without bound; set "
+                        "kv_connector_extra_config max_bytes (e.g. \"64G\") to evict the "
+                        "least recently used segments", conf.url)
         if role == KVConnectorRole.SCHEDULER and cfg.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is %r: a damaged stored chunk fails its request"
                         " instead of being recomputed; set it to 'recompute'",
@@ -183,7 +188,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self.stats = {"chunks_loaded": 0, "chunks_saved": 0, "chunks_failed": 0,
                       "lookups_missed": 0, "saves_dropped": 0, "hook_errors": 0,
-                      "chunks_corrupt": 0, "verify_seconds": 0.0,
+                      "chunks_corrupt": 0, "verify_seconds": 0.0, "evictions": 0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
                       "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
                       "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
@@ -601,10 +606,20 @@ class HurrayConnector(KVConnectorBase_V1):
     def _put(self, save: Transfer, segment: KVCacheSnapshot) -> None:
         started = time.perf_counter()
         # checksummed here, on the writer's thread: off the forward pass
-        done = self.saves.call("put", lambda store: store.put(
-            save.keys, save.first_chunk, checksums.with_checksums(segment),
-            {"vllm.identity": self.identity}) or True, False)
+        evicted = [0]
+
+        def put(store: Any) -> bool:
+            before = store.evictions
+            try:
+                store.put(save.keys, save.first_chunk, checksums.with_checksums(segment),
+                          {"vllm.identity": self.identity})
+            finally:
+                evicted[0] = store.evictions - before
+            return True
+
+        done = self.saves.call("put", put, False)
         with self._stats_lock:
+            self.stats["evictions"] += evicted[0]
             if not done:
                 self.stats["saves_dropped"] += 1
                 return

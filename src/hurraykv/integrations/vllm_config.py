@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from .. import units
 from ..errors import HurrayError
+
+Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class ConnectorConfig:
     """Longest wait between probes of a store that is down (from 1 s, doubling)."""
     max_pending_saves: int = 16
     """Segments waiting for the writer; more are dropped (counted) instead of queued."""
+    max_bytes: Size | None = None
+    """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
+    least recently used segments are evicted.  Default: unbounded (a warning at start)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -83,6 +89,9 @@ class ConnectorConfig:
             why = "a network store names HOST:PORT"
         elif tls and parsed.scheme != "hurray":
             why = f"{tls} apply to hurray:// servers"
+        elif self.max_bytes is not None and parsed.scheme != "file":
+            why = ("max_bytes bounds a file:// directory; a server's capacity is its own "
+                   "(hurraykv serve --memory-budget, --persist-budget; Redis maxmemory)")
         else:
             return
         raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
@@ -93,6 +102,18 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
     kind = str(kind)
     if value is None and "None" in kind:
         return None
+    if kind.startswith("Size"):
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ValueError
+            out = value if isinstance(value, int) else units.parse_size(value)
+        except ValueError:
+            out = None
+        if out is None or out <= 0:
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; a size is "
+                              "a positive byte count or a string like \"64G\", \"512M\"",
+                              field=key, value=value, rule="a positive size")
+        return out
     if kind.startswith("bool"):
         if isinstance(value, bool):
             return value

@@ -96,12 +96,13 @@ def _temporaries(directory: Path, fresh: bool) -> list[str]:
 
 
 def remove_stale(directory: str | os.PathLike, name: str | None = None,
-                 min_age: float = STALE_SECONDS) -> list[str]:
+                 min_age: float = STALE_SECONDS, fresh: bool = False) -> list[str]:
     """Remove the temporary files of target ``name`` (of every target when None) in
     ``directory`` that no writer holds locked and that were last written at least
-    ``min_age`` seconds ago; returns the names removed."""
+    ``min_age`` seconds ago; returns the names removed.  ``fresh``: list the directory
+    now (a start-up repair), not from the listing of the last few seconds."""
     directory = Path(directory)
-    candidates = _temporaries(directory, fresh=min_age < STALE_SECONDS)
+    candidates = _temporaries(directory, fresh=fresh or min_age < STALE_SECONDS)
     if name is not None:
         candidates = list(filter(temp_pattern(name).match, candidates))
     removed = []

@@ -1,0 +1,169 @@
+"""file:// capacity (``max_bytes``, ``integrations/file_capacity.py``): least recently used
+segments evicted, safe with several engines on one directory, repaired after a crash."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.integrations.chunks import ChunkKeys, FileChunks, identity_digest
+from hurraykv.integrations.file_capacity import Capacity
+from hurraykv.io import checksums
+
+
+def segment(seed: int, pages: int = 8) -> hk.KVCacheSnapshot:
+    rng = np.random.default_rng(seed)
+    pools = [rng.standard_normal((pages, 4, 2, 8)).astype(np.float16) for _ in range(2)]
+    return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+        pools, [p * 2 for p in pools], np.arange(pages), [0, pages], [pages * 4]))
+
+
+def keys(seed: int) -> list[str]:
+    return ChunkKeys(identity_digest(f"tenant-{seed}"), 4).upto(list(range(8)), 2)
+
+
+def stored_bytes(directory) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.hrry"))
+
+
+def put(store: FileChunks, seed: int) -> str:
+    store.put(keys(seed), 0, segment(seed), {})
+    name = store.locate(keys(seed))[0]
+    assert name is not None
+    return name
+
+
+def test_the_least_recently_used_segments_leave_first(tmp_path):
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    store = FileChunks(tmp_path / "kv", max_bytes=5 * size)
+    names = [put(store, seed) for seed in range(5)]
+    time.sleep(0.01)
+    store.get_verified(names[0])  # a load is a use: 0 is now the most recent
+    for seed in range(5, 8):
+        time.sleep(0.01)
+        put(store, seed)
+        assert stored_bytes(tmp_path / "kv") <= 5 * size
+    located = {seed: store.locate(keys(seed))[0] for seed in range(8)}
+    assert located[0] is not None  # kept: loaded after 1..4 were written
+    assert [s for s in range(1, 5) if located[s] is None]  # the oldest went
+    assert located[7] is not None
+    for seed, name in located.items():
+        if name is not None:
+            assert store.get_verified(name).equal(segment(seed))
+    assert store.evictions >= 3 and store.capacity.evicted_bytes >= 3 * size
+
+
+def test_a_segment_larger_than_the_capacity_is_refused(tmp_path):
+    store = FileChunks(tmp_path / "kv", max_bytes=4096)
+    with pytest.raises(hk.HurrayError, match=r"larger than max_bytes 4096: not stored"):
+        store.put(keys(1), 0, segment(1), {})
+    assert list((tmp_path / "kv").glob("*.hrry")) == []
+    assert store.locate(keys(1)) == [None, None]
+
+
+def test_an_open_segment_keeps_its_bytes_when_evicted(tmp_path):
+    store = FileChunks(tmp_path / "kv", max_bytes=1 << 30)
+    name = put(store, 3)
+    path = tmp_path / "kv" / f"{name}.hrry"
+    before = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)  # a reader in another engine, mid-load
+    try:
+        entry = next(e for e in store.capacity.scan() if e.name == name)
+        assert store.capacity._evict(entry)
+        assert not path.exists()
+        assert os.pread(fd, len(before), 0) == before
+    finally:
+        os.close(fd)
+    assert store.locate(keys(3)) == [None, None]  # a later reader finds nothing: a miss
+
+
+def test_a_segment_stored_again_after_the_scan_is_not_evicted(tmp_path):
+    store = FileChunks(tmp_path / "kv", max_bytes=1 << 30)
+    name = put(store, 4)
+    listed = next(e for e in store.capacity.scan() if e.name == name)
+    other = FileChunks(tmp_path / "kv")  # another engine stores the same name again
+    (tmp_path / "kv" / f"{name}.hrry").unlink()
+    put(other, 4)
+    assert not store.capacity._evict(listed)  # not the file the scan chose
+    assert store.get_verified(name).equal(segment(4))
+    assert [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith(".evict")] == []
+
+
+def test_a_crash_in_the_middle_is_repaired_at_the_next_start(tmp_path):
+    directory = tmp_path / "kv"
+    store = FileChunks(directory, max_bytes=1 << 30)
+    name = put(store, 5)
+    old = time.time() - 3600
+    leftovers = [directory / f".evict.{name}.0123abcd",
+                 directory / f".{name}.hrry.89abcdef.tmp"]
+    for p in leftovers:
+        p.write_bytes(b"half")
+        os.utime(p, (old, old))
+    young = directory / f".{name}.hrry.fedcba98.tmp"  # another engine writing right now
+    young.write_bytes(b"x")
+    FileChunks(directory, max_bytes=1 << 30)
+    assert [p.exists() for p in leftovers] == [False, False]
+    assert young.exists()
+    assert FileChunks(directory).get_verified(name).equal(segment(5))
+
+
+def test_the_alias_log_is_compacted_to_what_is_stored(tmp_path, monkeypatch):
+    monkeypatch.setattr(FileChunks, "COMPACT_SLACK", 4)
+    monkeypatch.setattr(Capacity, "RESCAN_SECONDS", 0.0)
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    reader = FileChunks(tmp_path / "kv")  # opened before: must follow the rewritten log
+    store = FileChunks(tmp_path / "kv", max_bytes=3 * size)
+    for seed in range(40):
+        put(store, seed)
+    lines = (tmp_path / "kv" / "aliases.log").read_bytes().count(b"\n")
+    live = len(list((tmp_path / "kv").glob("*.hrry")))
+    assert live <= 3
+    assert lines <= 2 * 2 * live + 4 + 2 * 2  # two keys a segment, one put since
+    assert len(store._aliases) <= lines
+    for seed in range(40):
+        name = reader.locate(keys(seed))[0]
+        assert (name is not None) == (tmp_path / "kv" / f"{store.locate(keys(seed))[0]}.hrry"
+                                      ).exists()
+        if name is not None:
+            assert reader.get_verified(name).equal(segment(seed))
+
+
+def _engine(directory: str, max_bytes: int, first: int, count: int) -> None:
+    store = FileChunks(directory, max_bytes=max_bytes)
+    for seed in range(first, first + count):
+        put(store, seed)
+        for other in range(first, seed):  # loads race the other engine's evictions
+            name = store.locate(keys(other))[0]
+            if name is not None:
+                try:
+                    assert store.get_verified(name).equal(segment(other))
+                except hk.HurrayError as e:  # evicted between locate and read: a miss
+                    assert "is not in" in str(e), e
+
+
+def test_two_engines_evicting_in_one_directory(tmp_path):
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    budget = 6 * size
+    ctx = multiprocessing.get_context("spawn")
+    engines = [ctx.Process(target=_engine, args=(str(tmp_path / "kv"), budget, first, 25))
+               for first in (0, 1000)]
+    for p in engines:
+        p.start()
+    for p in engines:
+        p.join(120)
+        assert p.exitcode == 0
+    assert stored_bytes(tmp_path / "kv") <= budget
+    store = FileChunks(tmp_path / "kv", max_bytes=budget)
+    found = [s for s in [*range(25), *range(1000, 1025)] if store.locate(keys(s))[0]]
+    assert found
+    for seed in found:
+        assert store.get_verified(store.locate(keys(seed))[0]).equal(segment(seed))
+    assert [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith(".evict")] == []
