@@ -1,0 +1,269 @@
+"""KV cache events for ``HurrayConnector``: what hurraykv holds, told to KV-aware routers.
+
+vLLM (0.32) publishes connector events only from its scheduler: after each step
+``Scheduler.update_from_output`` drains ``self.connector.take_events()`` into the same
+``KVEventBatch`` as the GPU prefix cache's events and hands it to the ``EventPublisher``
+(ZMQ PUB, msgpack) configured by ``--kv-events-config``
+(``vllm/v1/core/sched/scheduler.py:2370-2384``).  Workers can only contribute through
+``get_kv_connector_kv_cache_events()`` -> ``KVConnectorOutput.kv_cache_events``
+(``vllm/v1/worker/kv_connector_model_runner_mixin.py:103``), merged across workers by
+``KVOutputAggregator`` (``kv_connector/utils.py:155-166``) and handed to the scheduler
+connector's ``update_connector_output`` (``scheduler.py:3219``), as LMCache does.
+
+A router (llm-d's kv-cache indexer, Dynamo) matches the ``block_hashes`` of a
+``BlockStored`` against the hashes it computes for a prompt, i.e. vLLM's own prefix-cache
+hashes: ``request.block_hashes`` (chained sha256 per block of ``hash_block_size``
+tokens), seen at the KV cache block size through ``resolve_block_hashes`` and converted
+by ``maybe_convert_block_hash`` (bytes, or a 64-bit int under
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), with the previous block's hash as
+``parent_block_hash``, the blocks' ``token_ids``, ``block_size`` and the LoRA fields --
+exactly what ``BlockPool.cache_full_blocks`` publishes for GPU blocks
+(``vllm/v1/core/block_pool.py:263-345``, ``_build_block_stored_event`` 346-374) and what
+the offloading connector publishes for its CPU/storage tiers
+(``kv_connector/v1/offloading/events.py:272-400``).  Only the scheduler has the
+``Request`` (its hashes and tokens), so the events are built there:
+
+* when the scheduler decides to store a segment (``HurrayConnector._saves``) it calls
+  ``expect(segment, request, first_chunk, chunks)``: the payload is kept, keyed by the
+  segment's id (its first chunk key);
+* the worker that wrote it (``HurrayConnector._put``) records the id in a
+  ``SavedSegments`` (``get_kv_connector_kv_cache_events`` returns it) and the scheduler
+  side's ``update_connector_output`` passes the ids to ``confirm``: a ``BlockStored`` is
+  queued once every tensor-parallel rank has written its part (a segment a worker
+  dropped is never announced, ``forget`` it or let the bounded table age it out);
+* a stored chunk found gone (a failed load, a lookup finding fewer chunks than were
+  announced) is ``removed(request, first_chunk, chunks)``: a ``BlockRemoved`` for the
+  hashes announced before;
+* ``take_events()`` (the connector's ``take_events``) returns and clears the queue.
+
+``medium`` is vLLM's ``MEDIUM_STORAGE`` ("STORAGE", the tier the offloading connector's
+file/object tiers use) so routers that score tiers by medium understand it;
+``ownership`` (vLLM: "Secondary offloading tier identifier") says "hurraykv", and
+``locality`` is "REMOTE" for a shared store (``hurray://``, ``redis://``) or "LOCAL" for
+``file://`` (``vllm/v1/kv_offload/base.py:54``).  vLLM is imported inside the methods
+only: this module imports without torch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+MEDIUM = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
+OWNERSHIP = "hurraykv"
+
+
+def locality_of(url: str) -> str:
+    """vLLM's ``Locality`` value for a store URL: a file store is this host's."""
+    return "LOCAL" if url.startswith("file:") else "REMOTE"
+
+
+class _Payload:
+    __slots__ = ("hashes", "lora_id", "lora_name", "parent", "seen", "session", "tokens")
+
+    def __init__(self, hashes: list[Any], parent: Any, tokens: list[int], lora_id: Any,
+                 lora_name: Any, session: Any) -> None:
+        self.hashes, self.parent, self.tokens = hashes, parent, tokens
+        self.lora_id, self.lora_name, self.session = lora_id, lora_name, session
+        self.seen = 0  # ranks that reported the segment written
+
+
+class HurrayKVEvents:
+    """The scheduler side's collector (one per scheduler connector).
+
+    ``block_size``: the engine's KV cache block size (the granularity of the events);
+    ``chunk_size``: hurraykv's chunk size (a multiple of it); ``hash_block_size``: the
+    granularity of ``request.block_hashes`` (``kv_cache_config.hash_block_size``, which
+    vLLM sets before creating the scheduler's connector: ``vllm/v1/engine/core.py:371-374``;
+    default ``block_size``); ``ranks``: tensor-parallel ranks that each write their own
+    part of a segment; ``enabled``: ``vllm_config.kv_events_config.enable_kv_cache_events``
+    (when False every method is a no-op, as vLLM's own block pool does)."""
+
+    def __init__(self, block_size: int, chunk_size: int, *, hash_block_size: int | None = None,
+                 ranks: int = 1, enabled: bool = True, medium: str = MEDIUM,
+                 ownership: str | None = OWNERSHIP, locality: str | None = None,
+                 group_idx: int = 0, max_tracked: int = 100_000) -> None:
+        if chunk_size % block_size:
+            raise ValueError(f"chunk_size {chunk_size} is not a multiple of {block_size}")
+        self.block_size, self.chunk_size = block_size, chunk_size
+        self.hash_block_size = hash_block_size or block_size
+        self.ranks, self.enabled = max(1, ranks), enabled
+        self.medium, self.ownership, self.locality = medium, ownership, locality
+        self.group_idx, self.max_tracked = group_idx, max_tracked
+        self._pending: OrderedDict[str, _Payload] = OrderedDict()
+        self._announced: OrderedDict[Any, None] = OrderedDict()  # hashes told stored
+        self._events: list[Any] = []
+        self.removed_blocks = 0  # blocks announced removed (for the "evictions" counter)
+
+    # ---------------------------------------------------------------- building
+    def _payload(self, request: Any, first_chunk: int, chunks: int) -> _Payload | None:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
+
+        per = self.chunk_size // self.block_size
+        first, end = first_chunk * per, (first_chunk + chunks) * per
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size,
+                                      self.block_size)
+        if chunks <= 0 or end > len(hashes):
+            return None  # not hashed that far (should not happen: chunks are full blocks)
+        lora = getattr(request, "lora_request", None)
+        return _Payload(
+            [maybe_convert_block_hash(hashes[b]) for b in range(first, end)],
+            maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            list(request.all_token_ids[first * self.block_size:end * self.block_size]),
+            lora.adapter_id if lora else None, lora.name if lora else None,
+            getattr(request, "session_id", None))
+
+    def _stored(self, p: _Payload) -> Any:
+        from vllm.distributed.kv_events import BlockStored
+
+        for h in p.hashes:
+            self._announced[h] = None
+            self._announced.move_to_end(h)
+        while len(self._announced) > self.max_tracked:
+            self._announced.popitem(last=False)
+        return BlockStored(block_hashes=p.hashes, parent_block_hash=p.parent,
+                           token_ids=p.tokens, block_size=self.block_size,
+                           lora_id=p.lora_id, medium=self.medium, lora_name=p.lora_name,
+                           group_idx=self.group_idx, locality=self.locality,
+                           ownership=self.ownership, session_id=p.session)
+
+    # ---------------------------------------------------------------- feeding
+    def stored(self, request: Any, first_chunk: int, chunks: int) -> None:
+        """Announce chunks ``[first_chunk, first_chunk + chunks)`` of ``request`` stored
+        now (no confirmation from the workers)."""
+        if not self.enabled:
+            return
+        p = self._payload(request, first_chunk, chunks)
+        if p is not None:
+            self._events.append(self._stored(p))
+
+    def expect(self, segment: str, request: Any, first_chunk: int, chunks: int) -> None:
+        """A segment (id ``segment``) is being written: announce it on ``confirm``."""
+        if not self.enabled:
+            return
+        p = self._payload(request, first_chunk, chunks)
+        if p is None:
+            return
+        self._pending[segment] = p
+        while len(self._pending) > self.max_tracked:
+            self._pending.popitem(last=False)  # never confirmed (dropped): forgotten
+
+    def confirm(self, segments: Iterable[str]) -> None:
+        """Segments a worker reports written (once per rank that wrote its part)."""
+        for segment in segments:
+            p = self._pending.get(segment)
+            if p is None:
+                continue
+            p.seen += 1
+            if p.seen >= self.ranks:
+                del self._pending[segment]
+                self._events.append(self._stored(p))
+
+    def forget(self, segments: Iterable[str]) -> None:
+        """Segments that will not be written (dropped): never announced."""
+        for segment in segments:
+            self._pending.pop(segment, None)
+
+    def removed(self, request: Any, first_chunk: int, chunks: int) -> int:
+        """Chunks of ``request`` found gone from the store: a ``BlockRemoved`` for those
+        of their blocks announced stored before.  Returns how many blocks."""
+        if not self.enabled:
+            return 0
+        p = self._payload(request, first_chunk, chunks)
+        return self.removed_hashes(p.hashes) if p is not None else 0
+
+    def removed_hashes(self, hashes: Iterable[Any]) -> int:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        gone = [h for h in hashes if self._announced.pop(h, 0) is None]
+        if gone:
+            self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium,
+                                             group_idx=self.group_idx,
+                                             locality=self.locality,
+                                             ownership=self.ownership))
+            self.removed_blocks += len(gone)
+        return len(gone)
+
+    def take_events(self) -> list[Any]:
+        """The events since the last call (what the connector's ``take_events`` returns)."""
+        events, self._events = self._events, []
+        return events
+
+
+def _connector_kv_events_base() -> type:
+    from vllm.distributed.kv_events import KVConnectorKVEvents
+
+    return KVConnectorKVEvents
+
+
+class SavedSegments:
+    """Worker side: ids of the segments written since the last step, carried to the
+    scheduler in ``KVConnectorOutput.kv_cache_events``.  It implements vLLM's
+    ``KVConnectorKVEvents`` interface (``vllm/distributed/kv_events.py:227-258``), which
+    ``KVOutputAggregator`` uses to merge the workers' (``add_events``,
+    ``increment_workers``, ``get_all_events``); it is registered as a virtual subclass
+    of it on first use (``SavedSegments.register()``) so this module stays torch-free.
+    The ids are plain strings: they never reach the publisher (the scheduler connector
+    turns them into ``BlockStored`` through ``HurrayKVEvents.confirm``)."""
+
+    def __init__(self, segments: Iterable[str] = (), workers: int = 1) -> None:
+        self.segments, self.workers = list(segments), workers
+
+    @classmethod
+    def register(cls) -> None:
+        _connector_kv_events_base().register(cls)
+
+    def add_events(self, events: list[Any]) -> None:
+        self.segments.extend(events)
+
+    def aggregate(self) -> SavedSegments:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.segments)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.segments = []
+        self.workers = 1
+
+    def merge(self, other: Any) -> SavedSegments:
+        self.add_events(other.get_all_events())
+        return self
+
+    def __bool__(self) -> bool:  # KVConnectorOutput.is_empty tests ``not kv_cache_events``
+        return bool(self.segments)
+
+    def __repr__(self) -> str:
+        return f"SavedSegments({len(self.segments)} segments, {self.workers} workers)"
+
+
+class WorkerSegments:
+    """Worker-side recorder, fed from the writer thread: ``saved(id)`` after a segment is
+    written; ``take()`` (what ``get_kv_connector_kv_cache_events`` returns) hands them
+    over as a ``SavedSegments``, or None when there are none."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._saved: list[str] = []
+
+    def saved(self, segment: str) -> None:
+        with self._lock:
+            self._saved.append(segment)
+
+    def take(self) -> SavedSegments | None:
+        with self._lock:
+            saved, self._saved = self._saved, []
+        return SavedSegments(saved) if saved else None
+
+
+__all__ = ["MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments", "WorkerSegments",
+           "locality_of"]

@@ -1,0 +1,214 @@
+"""``HurrayConnector``'s counters through vLLM's own connector-stats interface.
+
+vLLM (0.32) moves a connector's statistics like this:
+
+* worker side: after every forward pass the model runner calls
+  ``connector.get_kv_connector_stats()`` and puts the object in ``KVConnectorOutput``
+  (``vllm/v1/worker/kv_connector_model_runner_mixin.py:102``,
+  ``vllm/v1/worker/gpu/kv_connector.py:145``); with several workers the executor sums them
+  with ``aggregate`` (``vllm/distributed/kv_transfer/kv_connector/utils.py:132-141``);
+* scheduler side: ``Scheduler.update_from_output`` calls the scheduler connector's
+  ``get_kv_connector_stats()`` too and aggregates it into the workers' object
+  (``vllm/v1/core/sched/scheduler.py:2337-2351``), then ships ``to_dict()`` in
+  ``SchedulerStats.kv_connector_stats`` (``scheduler.py:2937-2955``) to the front end;
+* front end: ``KVConnectorLogging.observe`` rebuilds the object with the connector
+  class's ``build_kv_connector_stats(data)`` and logs ``reduce()``
+  (``kv_connector/v1/metrics.py:62-103``, ``v1/metrics/loggers.py:239``), and
+  ``KVConnectorProm`` asks ``build_prom_metrics`` for a ``KVConnectorPromMetrics``
+  whose ``observe(data, engine_idx)`` feeds Prometheus (``metrics.py:130-172``,
+  ``loggers.py:1197-1200``) -- what ``vllm serve`` shows on ``/metrics``.
+
+So the payload is a flat ``{name: number}`` dict of *deltas since the last report*
+(msgspec-serialisable, summed by ``aggregate``).  ``CounterDeltas`` turns the connector's
+cumulative ``self.stats`` dict into such deltas, so the connector keeps counting as it
+does.  Metric names follow the connector-prefixed convention of vLLM's own connectors
+(``vllm:nixl_*``, ``vllm:kv_offload_*``): ``vllm:hurraykv_*``; Prometheus' client adds
+``_total`` to counters.
+
+This module imports vLLM (its ``KVConnectorStats`` base lives in a module that imports
+``vllm.config``, hence torch): it is for the engine's processes, like ``vllm.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+# name in the stats payload -> (Prometheus name, help text).  All are counters (sums of
+# per-interval deltas).  Payload names are the connector's own ``self.stats`` keys where
+# it has one; the others (lookups, lookup_hits, lookup_misses, tokens_hit, evictions,
+# store_outages) are counters the connector adds; tokens_* are derived by CounterDeltas.
+METRICS: dict[str, tuple[str, str]] = {
+    # scheduler side: lookups (get_num_new_matched_tokens)
+    "lookups": ("vllm:hurraykv_lookups",
+                "Prompts looked up in the hurraykv store."),
+    "lookup_hits": ("vllm:hurraykv_lookup_hits",
+                    "Lookups that found stored tokens beyond vLLM's own prefix cache."),
+    "lookup_misses": ("vllm:hurraykv_lookup_misses",
+                      "Lookups that found nothing to load."),
+    "lookups_missed": ("vllm:hurraykv_lookup_errors",
+                       "Lookups not answered (store down, late or failing): counted as misses."),
+    "tokens_hit": ("vllm:hurraykv_hit_tokens",
+                   "Prompt tokens the store held beyond vLLM's own prefix cache."),
+    "store_outages": ("vllm:hurraykv_store_outages",
+                      "Times a store connection was declared down by the circuit breaker."),
+    "hook_errors": ("vllm:hurraykv_hook_errors",
+                    "Connector hooks that raised and were answered with the safe default."),
+    # worker side: loads
+    "chunks_loaded": ("vllm:hurraykv_loaded_chunks", "Chunks loaded from the store."),
+    "tokens_loaded": ("vllm:hurraykv_loaded_tokens", "Tokens loaded from the store."),
+    "segments_loaded": ("vllm:hurraykv_loaded_segments", "Segments read from the store."),
+    "bytes_loaded": ("vllm:hurraykv_loaded_bytes",
+                     "Bytes of KV pages written into the engine's cache from the store."),
+    "load_seconds": ("vllm:hurraykv_load_seconds",
+                     "Seconds spent fetching and writing loaded KV (all workers)."),
+    "chunks_failed": ("vllm:hurraykv_failed_chunks",
+                      "Chunks whose load failed (recomputed instead)."),
+    "chunks_corrupt": ("vllm:hurraykv_corrupt_chunks",
+                       "Chunks that failed their checksum or did not parse."),
+    # worker side: saves
+    "chunks_saved": ("vllm:hurraykv_stored_chunks", "Chunks written to the store."),
+    "tokens_saved": ("vllm:hurraykv_stored_tokens", "Tokens written to the store."),
+    "segments_saved": ("vllm:hurraykv_stored_segments", "Segments written to the store."),
+    "bytes_saved": ("vllm:hurraykv_stored_bytes",
+                    "Bytes of KV pages copied out of the engine's cache for the store."),
+    "save_seconds": ("vllm:hurraykv_save_seconds",
+                     "Seconds the forward pass spent copying KV out for the store."),
+    "write_seconds": ("vllm:hurraykv_write_seconds",
+                      "Seconds the writer thread spent writing segments to the store."),
+    "saves_dropped": ("vllm:hurraykv_dropped_saves",
+                      "Segments not stored (writer full, store down or failing)."),
+    "evictions": ("vllm:hurraykv_evictions",
+                  "Stored chunks found gone (evicted or discarded) and announced removed."),
+}
+
+# keys counted once per chunk (not per byte or second): with tensor parallelism every
+# rank handles the same chunks, so only rank 0 reports them (see ``CounterDeltas``)
+PER_CHUNK = frozenset({"chunks_loaded", "tokens_loaded", "segments_loaded", "chunks_saved",
+                       "tokens_saved", "segments_saved"})
+
+
+@dataclass
+class HurrayConnectorStats(KVConnectorStats):
+    """Counters since the last report, ``data = {name: int | float}``; ``aggregate``
+    sums (workers with each other, the scheduler's with the workers'), ``reduce`` gives
+    the sums plus derived rates for vLLM's periodic log line.  Unknown names are summed
+    and logged too (the connector may grow counters before ``METRICS`` lists them); only
+    ``METRICS`` reach Prometheus."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> HurrayConnectorStats:
+        if other is None or other.is_empty():
+            return self
+        for k, v in other.data.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: v for k, v in sorted(self.data.items()) if v}
+        lookups = self.data.get("lookups", 0)
+        if lookups:
+            out["lookup_hit_rate"] = round(self.data.get("lookup_hits", 0) / lookups, 4)
+        for way in ("loaded", "saved"):
+            seconds = self.data.get("load_seconds" if way == "loaded" else "write_seconds", 0)
+            nbytes = self.data.get(f"bytes_{way}", 0)
+            if seconds and nbytes:
+                out[f"{way}_MB_per_s"] = round(nbytes / seconds / 1e6, 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class CounterDeltas:
+    """Turns cumulative counters (the connector's ``self.stats`` dict, plus any extra
+    sources) into the ``HurrayConnectorStats`` of what changed since the last call.
+
+    ``take()`` is what ``get_kv_connector_stats`` returns: ``None`` when nothing changed
+    (vLLM then sends nothing).  ``extra`` is a callable returning more cumulative
+    counters (e.g. the store outages summed over the connector's ``Guarded`` objects).
+    ``chunk_size`` derives ``tokens_loaded``/``tokens_saved`` from the chunk counts.
+    ``rank`` > 0 (a tensor-parallel worker other than the first) leaves out the
+    ``PER_CHUNK`` counts, which rank 0 already reports for the same chunks.  ``lock``
+    is held while reading (the writer thread updates some counters)."""
+
+    def __init__(self, counters: Mapping[str, int | float], *, chunk_size: int = 0,
+                 rank: int = 0, lock: Any = None,
+                 extra: Callable[[], Mapping[str, int | float]] | None = None) -> None:
+        self._counters, self._chunk_size, self._rank = counters, chunk_size, rank
+        self._lock = lock if lock is not None else threading.Lock()
+        self._extra = extra
+        self._last: dict[str, int | float] = {}
+
+    def _now(self) -> dict[str, int | float]:
+        with self._lock:
+            now = {k: v for k, v in self._counters.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._extra is not None:
+            for k, v in self._extra().items():
+                now[k] = now.get(k, 0) + v
+        if self._chunk_size:
+            for way in ("loaded", "saved"):
+                if f"chunks_{way}" in now:
+                    now.setdefault(f"tokens_{way}", now[f"chunks_{way}"] * self._chunk_size)
+        if self._rank:
+            now = {k: v for k, v in now.items() if k not in PER_CHUNK}
+        return now
+
+    def take(self) -> HurrayConnectorStats | None:
+        now = self._now()
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items()
+                 if v != self._last.get(k, 0)}
+        self._last = now
+        return HurrayConnectorStats(data=delta) if delta else None
+
+
+class HurrayPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per ``METRICS`` entry, labelled like vLLM's own metrics
+    (``model_name``, ``engine``), created through the metric classes vLLM passes in (so
+    the Ray wrappers work too: ``vllm/v1/metrics/ray_wrappers.py:178``)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in METRICS.items():
+            family = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self.counters[key] = {idx: family.labels(*values)
+                                  for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self.counters.get(key)
+            if per_engine is None or not isinstance(value, int | float) or value <= 0:
+                continue  # Prometheus counters only go up
+            counter = per_engine.get(engine_idx)
+            if counter is not None:
+                counter.inc(value)
+
+
+def build_kv_connector_stats(data: dict[str, Any] | None = None) -> HurrayConnectorStats:
+    """What ``HurrayConnector.build_kv_connector_stats`` (a classmethod) returns."""
+    return HurrayConnectorStats(data=dict(data) if data is not None else {})
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[str],
+                       per_engine_labelvalues: dict[int, list[object]]) -> HurrayPromMetrics:
+    """What ``HurrayConnector.build_prom_metrics`` (a classmethod) returns."""
+    return HurrayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+__all__ = ["METRICS", "PER_CHUNK", "CounterDeltas", "HurrayConnectorStats",
+           "HurrayPromMetrics", "build_kv_connector_stats", "build_prom_metrics"]
