@@ -92,15 +92,22 @@ def token_chains(tokens: np.ndarray, page_size: int) -> list[bytes]:
     return out
 
 
-def prefix_value(snapshot_id: str, seq: int, count: int) -> bytes:
+def prefix_value(snapshot_id: str, seq: int, count: int, generation: bytes) -> bytes:
+    """``u32 n | snapshot id (n bytes) | u32 sequence | u64 tokens | 16-byte generation``:
+    the generation is the manifest's that indexed it, so an entry left behind by a manifest
+    that is gone (replaced, or evicted before its delete could remove the entry) never
+    leads a lookup to another snapshot stored later under the same id."""
     raw = snapshot_id.encode("utf-8")
-    return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count)
+    return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count) + generation
 
 
-def parse_prefix_value(value: bytes) -> tuple[str, int, int]:
+def parse_prefix_value(value: bytes) -> tuple[str, int, int, bytes | None]:
+    """(snapshot id, sequence, tokens, generation; None in entries written before
+    generations were recorded)."""
     (n,) = struct.unpack_from("<I", value)
     seq, count = struct.unpack_from("<IQ", value, 4 + n)
-    return value[4:4 + n].decode("utf-8"), seq, count
+    generation = bytes(value[16 + n:16 + n + 16]) or None
+    return value[4:4 + n].decode("utf-8"), seq, count, generation
 
 
 def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], bytes]:

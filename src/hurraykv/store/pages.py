@@ -48,6 +48,7 @@ prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the refere
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,7 +156,7 @@ class PageStore:
         if replaced:  # the replaced snapshot's references go only now
             drain(self._refs, snapshot_id)
         if token_ids is not None:
-            index_prefixes(self._refs, snapshot_id, snapshot, token_ids)
+            index_prefixes(self._refs, snapshot_id, snapshot, token_ids, generation)
         return {"logical_bytes": logical, "new_bytes": new_bytes, "new_pages": new_pages,
                 "pages": len(seen)}
 
@@ -197,7 +198,8 @@ class PageStore:
     def lookup_prefix(self, token_ids: Any, page_size: int | None = None
                       ) -> tuple[str, int, int] | None:
         """``(snapshot_id, sequence, matched_tokens)`` of the longest stored prefix of
-        ``token_ids`` at page granularity, or None."""
+        ``token_ids`` at page granularity, or None.  An entry whose manifest is gone
+        (deleted, replaced, evicted) is passed over for the next shorter one."""
         tokens = np.asarray(token_ids).reshape(-1)
         sizes = [page_size] if page_size else sorted(
             int(x) for x in self.client.smembers(PAGE_SIZES))
@@ -209,14 +211,25 @@ class PageStore:
             pipe = self._refs.pipe()
             for c in chains:
                 pipe.get(prefix_key(c))
-            hits = pipe.execute()
-            for k in range(len(chains) - 1, -1, -1):
-                if hits[k] is None:
-                    continue
-                sid, seq, count = parse_prefix_value(hits[k])
-                if self.client.exists(manifest_key(sid)) and (best is None or count > best[2]):
-                    best = (sid, seq, count)
-                break
+            found = []
+            for value in reversed(pipe.execute()):  # longest first
+                if value is not None:
+                    with contextlib.suppress(struct.error, UnicodeDecodeError):
+                        found.append(parse_prefix_value(value))
+            if not found:
+                continue
+            ids = list(dict.fromkeys(f[0] for f in found))
+            pipe = self._refs.pipe()
+            for sid in ids:
+                pipe.getrange(manifest_key(sid), 8, 23)  # the generation (H85)
+            held = dict(zip(ids, pipe.execute(), strict=True))
+            for sid, seq, count, generation in found:
+                # entries written before they carried a generation: the id must exist
+                live = held[sid] == generation if generation else bool(held[sid])
+                if live:
+                    if best is None or count > best[2]:
+                        best = (sid, seq, count)
+                    break
         return best
 
     # -- delete / repair / stats ---------------------------------------------------------

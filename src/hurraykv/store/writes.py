@@ -110,22 +110,23 @@ def drain(refs: Refs, snapshot_id: str) -> list[bytes]:
             pipe.hincrby(STATS, "snapshots", -1)
         pipe.execute()
         if kind == b"d" and tokens:
-            unindex(refs, snapshot_id, items, tokens)
+            unindex(refs, snapshot_id, items, tokens, generation)
     return [value[:1] for value in entries.values()]
 
 
-def index_prefixes(refs: Refs, snapshot_id: str, snapshot: KVCacheSnapshot, token_ids: Any
-                   ) -> None:
+def index_prefixes(refs: Refs, snapshot_id: str, snapshot: KVCacheSnapshot, token_ids: Any,
+                   generation: bytes) -> None:
     pipe = refs.pipe()
     pipe.sadd(PAGE_SIZES, snapshot.page_size)
     for s, tokens in enumerate(split_tokens(snapshot, token_ids)):
         for k, chain in enumerate(token_chains(tokens, snapshot.page_size)):
             pipe.set(prefix_key(chain), prefix_value(snapshot_id, s,
-                                                      (k + 1) * snapshot.page_size))
+                                                      (k + 1) * snapshot.page_size, generation))
     pipe.execute()
 
 
-def unindex(refs: Refs, snapshot_id: str, items: list, tokens: bytes) -> None:
+def unindex(refs: Refs, snapshot_id: str, items: list, tokens: bytes, generation: bytes
+            ) -> None:
     asm = SnapshotAssembler()
     for desc, bufs in items:
         if not isinstance(desc.layout, BlockPaged):
@@ -139,6 +140,8 @@ def unindex(refs: Refs, snapshot_id: str, items: list, tokens: bytes) -> None:
     del_if = refs.scripts["del_if"]
     for s, seq in enumerate(np.split(ids, np.cumsum(seq_lens)[:-1])):
         for k, chain in enumerate(token_chains(seq, page_size)):
-            value = prefix_value(snapshot_id, s, (k + 1) * page_size)
+            value = prefix_value(snapshot_id, s, (k + 1) * page_size, generation)
             del_if(keys=[prefix_key(chain)], args=[value], client=pipe)
+            # as written before entries carried the generation
+            del_if(keys=[prefix_key(chain)], args=[value[:-len(generation)]], client=pipe)
     pipe.execute()
