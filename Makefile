@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_snapshot.py
 	$(PY) benchmarks/bench_net.py
 	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_capacity.py
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/bench_vllm.py

@@ -15,7 +15,11 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from tests.redis_servers import free_port
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from engine_tests.conftest import run_engine
 from engine_tests.test_vllm_connector import BLOCK, prompts, spec
@@ -23,7 +27,7 @@ from engine_tests.test_vllm_connector import BLOCK, prompts, spec
 CLIENTS = 8
 
 
-def serve(model: str, port: int, extra: dict, log) -> subprocess.Popen:
+def serve(model: str, port: int, extra: dict, log, *more: str) -> subprocess.Popen:
     config = {"kv_connector": "HurrayConnector",
               "kv_connector_module_path": "hurraykv.integrations.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -35,7 +39,7 @@ def serve(model: str, port: int, extra: dict, log) -> subprocess.Popen:
          "--max-model-len", "1024", "--block-size", str(BLOCK), "--max-num-seqs", "4",
          "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
          "--no-enable-prefix-caching",  # cached tokens then come from the connector only
-         "--kv-transfer-config", json.dumps(config)],
+         "--kv-transfer-config", json.dumps(config), *more],
         stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -90,3 +94,64 @@ def test_the_openai_server_serves_every_client_the_tokens_of_an_engine_without_i
     assert list(store.glob("*.hrry")), "nothing was stored"
     text = log_path.read_text()
     assert "HurrayConnector (scheduler side" in text and "is failing" not in text
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``vllm serve``'s /metrics: every sample's value by name, summed over labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_events(
+        tiny_llama, tmp_path):
+    """As an operator runs it: a directory capped by max_bytes under 8 clients sending
+    more distinct prompts than it holds, vLLM's /metrics carrying the connector's
+    counters, and its KV events published over ZMQ as a router subscribes to them."""
+    base = prompts()[0]
+    batch = [[(t + 17 * i) % 900 + 1 for t in base] for i in range(16)]  # 16 distinct
+    want = [o["tokens"] for o in run_engine(spec(tiny_llama, None, batch), tmp_path,
+                                            "reference")["outputs"]]
+    store, cap = tmp_path / "kv", 600 << 10  # about three of the 16 segments
+    port, events_port = free_port(), free_port()
+    log_path = tmp_path / "server.log"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 100)
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": f"tcp://*:{events_port}", "topic": "kv"}
+    with open(log_path, "w") as log:
+        proc = serve(str(tiny_llama), port, {"url": store.as_uri(), "max_bytes": "600K"},
+                     log, "--kv-events-config", json.dumps(kv_events))
+        try:
+            wait_healthy(port, proc, log_path)
+            with ThreadPoolExecutor(CLIENTS) as pool:
+                for _ in range(2):
+                    got = list(pool.map(lambda p: complete(port, str(tiny_llama), p), batch))
+                    assert [tokens for tokens, _ in got] == want
+                    sizes = sum(p.stat().st_size for p in store.glob("*.hrry"))
+                    assert sizes <= cap, sizes
+            metrics = scrape(port)
+            batches = []
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    batches.append(sub.recv_multipart()[-1])
+        finally:
+            sub.close(linger=0)
+            proc.terminate()
+            proc.wait(60)
+    assert metrics["vllm:hurraykv_lookups_total"] >= 32
+    assert metrics["vllm:hurraykv_stored_chunks_total"] >= 16 * 6
+    assert metrics["vllm:hurraykv_evictions_total"] > 0
+    assert metrics["vllm:hurraykv_lookup_hits_total"] + metrics[
+        "vllm:hurraykv_lookup_misses_total"] == metrics["vllm:hurraykv_lookups_total"]
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    stored = [e for b in batches for e in decoder.decode(b).events
+              if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+    assert len(stored) >= 16, f"{len(batches)} batches, {len(stored)} BlockStored"
+    assert all(e.block_size == BLOCK and len(e.block_hashes) >= 1 for e in stored)

@@ -358,8 +358,10 @@ class FileChunks(ChunkStore):
             f = HrryFile.from_bytes(data, str(self.path(name)))
             layout = _FileLayout.learn(data, snapshot_from_file(f), f)
             self._remember(structure, layout)
-        else:
+            self.capacity.admit(layout.size, name, written=True, then=self._compact)
+        else:  # room made first: the directory does not pass its capacity even briefly
             self.capacity.check(layout.size, name)
+            self.capacity.admit(layout.size, name, written=False, then=self._compact)
             write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
         lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
         try:
@@ -375,7 +377,6 @@ class FileChunks(ChunkStore):
             raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
                               field="aliases", value=str(self.dir)) from None
         self._aliases.update((key, name) for key in keys)
-        self.capacity.admit(layout.size, name, then=self._compact)
 
     def _compact(self, remaining: list[Entry]) -> None:
         """Rewrite the alias log with the aliases of segments still stored, once dead

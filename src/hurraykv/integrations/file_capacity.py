@@ -9,8 +9,9 @@ its last scan of the directory plus what it wrote since.  A write that keeps the
 under the budget costs nothing more; one that would pass it, or the first after
 ``RESCAN_SECONDS`` (other engines write too), scans the directory and, if the real sum
 would pass the budget, evicts down to ``LOW_WATER`` of it (so the next writes do not each
-evict one segment).  An engine writes, then admits; between the two the directory holds
-one segment more than the budget at most.
+evict one segment).  A segment of a known size is admitted before it is written, so the
+directory stays within the budget; the first of a new structure (its size known once
+written) is admitted after, passing the budget by that one file meanwhile.
 
 *Several engines.*  A scan-and-evict holds an exclusive ``flock`` on ``DIR/.lock``, so two
 evictors never work from the same listing; appends to the alias log hold it shared, so
@@ -113,12 +114,12 @@ class Capacity:
                               f"{self.max_bytes}: not stored", field="max_bytes",
                               value=nbytes, rule="a segment fits in max_bytes")
 
-    def admit(self, nbytes: int, keep: str,
+    def admit(self, nbytes: int, keep: str, written: bool,
               then: Callable[[list[Entry]], None] | None = None) -> list[Entry]:
-        """Account for ``nbytes`` just written as segment ``keep``, evicting the least
-        recently used others when the directory passes the budget; the entries evicted.
-        ``then(remaining)`` runs under the exclusive lock after an eviction (alias
-        compaction)."""
+        """Account for segment ``keep`` of ``nbytes``, about to be written (or ``written``
+        already, so a scan lists it), evicting the least recently used others when the
+        directory would pass the budget; the entries evicted.  ``then(remaining)`` runs
+        under the exclusive lock after an eviction (alias compaction)."""
         if self.max_bytes is None:
             return []
         now = time.monotonic()
@@ -129,7 +130,7 @@ class Capacity:
         evicted: list[Entry] = []
         with self.lock(exclusive=True):
             entries = self.scan()
-            total = sum(e.nbytes for e in entries)
+            total = sum(e.nbytes for e in entries) + (0 if written else nbytes)
             if total > self.max_bytes:
                 target = int(self.max_bytes * self.LOW_WATER)
                 for entry in entries:

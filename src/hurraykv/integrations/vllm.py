@@ -32,6 +32,7 @@ models are passed through without storing or loading.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,11 +48,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from .. import threads
 from ..adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
 from ..errors import HurrayError, TransportError
 from ..io import checksums
 from ..io.checksums import ChecksumError
 from ..snapshot import KVCacheSnapshot
+from . import vllm_events, vllm_metrics
 from .chunks import ChunkKeys, identity_digest, open_store, segment_first
 from .guard import Guarded
 from .request_keys import passed_through, request_seed
@@ -191,7 +194,23 @@ class HurrayConnector(KVConnectorBase_V1):
                       "chunks_corrupt": 0, "verify_seconds": 0.0, "evictions": 0,
                       "segments_loaded": 0, "segments_saved": 0, "layers_written": 0,
                       "bytes_loaded": 0, "bytes_saved": 0, "save_seconds": 0.0,
-                      "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0}
+                      "load_seconds": 0.0, "fetch_seconds": 0.0, "write_seconds": 0.0,
+                      "lookups": 0, "lookup_hits": 0, "lookup_misses": 0, "tokens_hit": 0}
+        # vLLM's /metrics: what changed since the last report (vllm_metrics.py)
+        self._deltas = vllm_metrics.CounterDeltas(
+            self.stats, chunk_size=self.chunk_size, rank=rank, lock=self._stats_lock,
+            extra=lambda: {"store_outages": sum(g.stats["outages"] for g in (
+                self.lookups, self.loads, self.saves))})
+        # KV events for routers (vllm_events.py): announced by the scheduler once every
+        # worker has written the segment
+        events = getattr(vllm_config, "kv_events_config", None)
+        self.events = vllm_events.HurrayKVEvents(
+            self.block_size, self.chunk_size,
+            hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
+            ranks=tp, locality=vllm_events.locality_of(conf.url),
+            enabled=bool(events and events.enable_kv_cache_events)
+            and role == KVConnectorRole.SCHEDULER)
+        self._saved = vllm_events.WorkerSegments()
 
     # ------------------------------------------------------------------ identity
     def _identity(self, vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig) -> str:
@@ -262,6 +281,26 @@ class HurrayConnector(KVConnectorBase_V1):
         self._requests.pop(getattr(request, "request_id", None), None)
         return False, None
 
+    # -------------------------------------------------- metrics and events (both sides)
+    def get_kv_connector_stats(self) -> Any:
+        return self._deltas.take()  # None when nothing changed
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return vllm_metrics.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        return vllm_metrics.build_prom_metrics(vllm_config, metric_types, labelnames,
+                                               per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:  # worker: segments written
+        return self._saved.take()
+
+    def take_events(self) -> Any:  # scheduler: what vLLM publishes to routers
+        return self.events.take_events()
+
     def _safely(self, hook: str, default: Any, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
@@ -280,6 +319,7 @@ class HurrayConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // self.chunk_size  # the last token is always computed
         keys = st.keys.upto(prompt, chunks)
+        self.stats["lookups"] += 1
         located = self.lookups.call("locate", lambda store: store.locate(keys), None)
         if located is None:  # store down, late or failing: a miss (guard.py logs it)
             self.stats["lookups_missed"] += 1
@@ -290,7 +330,10 @@ class HurrayConnector(KVConnectorBase_V1):
         st.located = [str(name) for name in located[:found]]
         st.matched = found * self.chunk_size
         st.stored = max(st.stored, found)
-        return max(0, st.matched - num_computed_tokens), False
+        new = max(0, st.matched - num_computed_tokens)
+        self.stats["lookup_hits" if new else "lookup_misses"] += 1
+        self.stats["tokens_hit"] += new
+        return new, False
 
     def _after_alloc(self, request: Request, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -371,11 +414,17 @@ class HurrayConnector(KVConnectorBase_V1):
                 out.append(Transfer(request.request_id, first_chunk=c))
             out[-1].keys.append(keys[c])
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
+        for t in out:  # announced to routers once the workers say it is stored
+            self.events.expect(f"{t.req_id}/{t.keys[0]}", request, t.first_chunk,
+                               len(t.keys))
         return out
 
     def _output(self, connector_output: Any) -> None:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
+        saved = getattr(connector_output, "kv_cache_events", None)
+        if saved:
+            self.events.confirm(saved.get_all_events())
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -383,7 +432,10 @@ class HurrayConnector(KVConnectorBase_V1):
         for st in self._requests.values():
             hits = [i for i, b in enumerate(st.blocks) if b in invalid]
             if hits:
-                st.stored = min(st.stored, hits[0] // per)
+                first = hits[0] // per
+                # what could not be loaded is gone from the store, as far as a router knows
+                self.events.removed(st.request, first, max(0, len(st.located) - first))
+                st.stored = min(st.stored, first)
                 st.rewrite = True
 
     # ------------------------------------------------------------------ worker side
@@ -421,8 +473,9 @@ class HurrayConnector(KVConnectorBase_V1):
                                      float(getattr(layer, "_v_scale_float", 1.0))))
         self.backend = backend
         checksums.warm()  # compiled now, not inside the first load's time
-        log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s",
-                 len(self._layers), backend, kind, self.chunk_size, self.url)
+        log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
+                 "segments read on %d core(s) %s", len(self._layers), backend, kind,
+                 self.chunk_size, self.url, threads.workers(), sorted(os.sched_getaffinity(0)))
 
     def _check_segment(self, snap: KVCacheSnapshot) -> None:
         view = self._layers[0][1]
@@ -625,6 +678,7 @@ class HurrayConnector(KVConnectorBase_V1):
                 return
             self.stats["chunks_saved"] += len(save.keys)
             self.stats["segments_saved"] += 1
+            self._saved.saved(f"{save.req_id}/{save.keys[0]}")
             self.stats["write_seconds"] += time.perf_counter() - started
             caught_up, self._dropped_since = self._dropped_since, 0
         if caught_up:
