@@ -3,7 +3,8 @@
     hurraykv inspect [--json] [--seqs] [--map OUT.svg] PATH   a descriptor, stream or .hrry
     hurraykv validate [--permissive] PATH
     hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
-    hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR] ...
+    hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR]
+                   [--persist-budget 64G] ...
     hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
     hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
     hurraykv store fsck URL              repair a Redis page store after a crash
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--persist", metavar="DIR",
                     help="keep each committed snapshot as a .hrry file in DIR (kept across "
                     "restarts); default: memory only")
+    sv.add_argument("--persist-budget", type=_size, default=None, metavar="SIZE",
+                    help="most bytes of .hrry files kept in --persist DIR, e.g. 64G; beyond "
+                    "it the least recently pushed or pulled files are deleted, and a "
+                    "snapshot whose file alone is larger is refused with STORE_FULL; "
+                    "default: unlimited")
     sv.add_argument("--store", metavar="URL", help="backing tier: redis://HOST:PORT or "
                     "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
     sv.add_argument("--max-message-size", type=_size, default=16 << 20, metavar="SIZE",
@@ -169,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "persist_budget", None) is not None and not args.persist:
+        parser.error("--persist-budget bounds the --persist directory: give --persist DIR")
     args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
                     or getattr(args, "address", None) or getattr(args, "url", ""))
     try:

@@ -44,7 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = ServerConfig(listen=args.listen, memory_budget=args.memory_budget,
-                          persist=args.persist, max_message_size=args.max_message_size,
+                          persist=args.persist, persist_budget=args.persist_budget,
+                          max_message_size=args.max_message_size,
                           read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                           max_connections=args.max_connections, store=args.store,
                           zero_unused=not args.no_zero_unused, **_tls(args))
@@ -59,8 +60,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"hurraykv serve: listening on {address}", flush=True)
         budget = ("unlimited" if args.memory_budget is None
                   else units.size(args.memory_budget))
+        persist = args.persist or "off"
+        if args.persist:
+            persist += (" (unlimited)" if args.persist_budget is None
+                        else f" (budget {units.size(args.persist_budget)})")
         print(f"hurraykv serve: memory budget {budget}; persist "
-              f"{args.persist or 'off'}; backing store {args.store or 'none'}; TLS "
+              f"{persist}; backing store {args.store or 'none'}; TLS "
               f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
               f"{args.max_connections} connections, messages up to "
               f"{units.size(args.max_message_size)}", flush=True)
@@ -154,6 +159,13 @@ def cmd_stat(args: argparse.Namespace) -> int:
         ("persist", "on" if persist is True else str(persist or "off")),
         ("backing store", "yes" if s.get("backing_store") else "none"),
     ]
+    if persist:
+        cap = s.get("persist_budget")
+        rows.append(("persisted", f"{units.size(s.get('persisted_bytes', 0))} of "
+                     f"{'unlimited' if cap is None else units.size(cap)} (--persist-budget)"))
+    if "memory_evictions" in s:  # server-wide counts: not shown to a tenant
+        rows.insert(4, ("evictions", f"{units.count(s['memory_evictions'])} from memory, "
+                                     f"{units.count(s.get('disk_evictions', 0))} from disk"))
     if "tenant" in s:  # a server under mutual TLS counts this client's own
         rows.insert(1, ("tenant", f"{s['tenant']} (the counts below are this tenant's)"))
     for name, value in rows:

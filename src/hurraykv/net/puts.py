@@ -14,7 +14,7 @@ from .. import units
 from ..errors import HurrayError
 from ..wire.layouts import Composite
 from .dataplane import DataAssembler
-from .keystore import StoreFull, object_from_items
+from .keystore import PersistFull, StoreFull, object_from_items
 from .messages import ErrorCode, MessageType, ProtocolError, decode_put, message
 
 if TYPE_CHECKING:
@@ -102,6 +102,13 @@ async def _commit(c: Connection, stream: int, put: Put) -> None:
     except asyncio.CancelledError:
         store.release(put.reserved, c.tenant)
         raise
+    except PersistFull as e:
+        store.release(put.reserved, c.tenant)
+        what = "snapshot" if put.expected > 1 else "tensor"
+        c._send_error(stream, ErrorCode.STORE_FULL, f"{what} {put.shown!r} {e}")
+        log.info("refused put key=%r: %s over the persist budget", put.shown,
+                 units.size(e.nbytes))
+        return
     except HurrayError as e:
         store.release(put.reserved, c.tenant)
         c._send_error(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE),

@@ -30,6 +30,7 @@ class ServerConfig:
     listen: str = "127.0.0.1:0"  # HOST:PORT, or a Unix socket path
     memory_budget: int | None = None
     persist: str | None = None
+    persist_budget: int | None = None  # bytes of .hrry files under persist, LRU beyond
     max_message_size: int = 16 << 20
     read_timeout: float = 30.0  # a message started must keep arriving
     idle_timeout: float = 600.0  # between messages
@@ -87,7 +88,8 @@ class KVServer:
 
             backing = PageStore.from_url(self.config.store)
         self.store = KeyStore(self.config.memory_budget, self.config.persist,
-                              self.config.zero_unused, backing)
+                              self.config.zero_unused, backing,
+                              persist_budget=self.config.persist_budget)
         self.pool = ReceivePool(self.config.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0
