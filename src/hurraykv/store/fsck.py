@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .capacity import best_effort
 from .manifest import manifest_generation, parse_manifest, with_generation
 from .members import ZERO
 from .scripts import (
@@ -134,7 +135,9 @@ def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
     # 5. statistics
     after = {"logical_bytes": logical, "stored_bytes": stored_bytes, "pages": kept,
              "snapshots": report["manifests"]}
-    client.hset(STATS, mapping=after)
+    pipe = refs.pipe()
+    pipe.hset(STATS, mapping=after)
+    best_effort(pipe)  # refused at Redis's memory limit: the old figures stay
     report["stats_after"] = store.stats()
     return report
 

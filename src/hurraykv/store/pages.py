@@ -38,6 +38,11 @@ nothing stale leaves the process); pages no sequence references are not stored a
 back as zeros.  A page that has gone missing (deleted, evicted) makes ``get`` fail with an
 error naming the snapshot, layer and page - never wrong data.
 
+With ``noeviction`` (and with ``volatile-*`` policies, since hurraykv sets no TTLs) Redis
+refuses writes at its ``maxmemory``: a put then raises ``StoreFullError`` (field
+``maxmemory``) after taking back what it wrote, nothing stored before is touched, and
+deletes still work.  See ``capacity.py``.
+
 Pages travel on the raw path of ``resp.py`` (MSETs gathered from the pool's memory, GET
 replies received into the rows being rebuilt) where the connection allows, else in
 redis-py pipelines.  ``members.py`` digests pages, ``manifest.py`` encodes manifests and
@@ -58,6 +63,7 @@ from ..errors import StoreError, require
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..threads import executor
+from .capacity import StoreFullError, best_effort, is_full, refusing_full
 from .manifest import encode_manifest, parse_manifest, parse_prefix_value, token_chains
 from .members import ZERO, Member
 from .reads import assemble
@@ -67,6 +73,7 @@ from .scripts import (
     STATS,
     manifest_key,
     new_generation,
+    owners_key,
     page_key,
     pending_key,
     prefix_key,
@@ -108,13 +115,22 @@ class PageStore:
     # -- put ---------------------------------------------------------------------------
     def put(self, snapshot_id: str, snapshot: KVCacheSnapshot,
             token_ids: Sequence[Any] | np.ndarray | None = None) -> dict[str, int]:
-        """Store a snapshot (replacing one under the same id); returns byte counts."""
+        """Store a snapshot (replacing one under the same id); returns byte counts.
+        ``StoreFullError`` where Redis refuses the write for memory (``noeviction``)."""
+        with refusing_full(self.client, f"put of snapshot {snapshot_id!r}",
+                           "what it wrote was taken back, and nothing stored before was "
+                           "touched"):
+            return self._put(snapshot_id, snapshot, token_ids)
+
+    def _put(self, snapshot_id: str, snapshot: KVCacheSnapshot,
+             token_ids: Sequence[Any] | np.ndarray | None) -> dict[str, int]:
         if snapshot.seq_lens is None:
             raise StoreError("a snapshot without seq_lens cannot be stored", field="seq_lens")
         members = [Member(snapshot.tensor(*k), self.zero_unused)
                    for k in snapshot.member_keys()]
         generation = new_generation()
         seen: dict[bytes, None] = {}
+        written: set[bytes] = set()
         swapping = False
         try:
             # Members are hashed on worker threads (hashlib releases the GIL) while the
@@ -132,27 +148,33 @@ class PageStore:
                         if d not in seen:
                             seen[d] = None
                             batch[d] = memoryview(m.rows[i])
-                pages, nbytes = store_pages(self._refs, snapshot_id, batch, generation)
+                pages, nbytes = store_pages(self._refs, snapshot_id, batch, generation,
+                                            written)
                 new_pages += pages
                 new_bytes += nbytes
             manifest = encode_manifest(snapshot, members, digests, token_ids, generation)
             swapping = True  # from here a failure may or may not have swapped: fsck decides
             try:
                 replaced = self._script("swap", snapshot_id, [manifest])
-            except StoreError:  # refused before it changed anything (a version 1 manifest)
-                swapping = False
+            except Exception as e:
+                # A version 1 manifest (StoreError) or Redis at its memory limit: the script
+                # stopped before its first write, so nothing was swapped.
+                if isinstance(e, StoreError) or is_full(e):
+                    swapping = False
                 raise
         except BaseException:
             if not swapping:
-                self._abandon(generation, list(seen))
+                self._abandon(generation, list(seen), list(written))
             raise
+        # The snapshot is stored: what follows is bookkeeping, skipped where Redis refuses it
+        # for memory (capacity.py) rather than reporting a stored snapshot as failed.
         pipe = self._refs.pipe()
         pipe.hincrby(STATS, "logical_bytes", logical)
         pipe.hincrby(STATS, "stored_bytes", new_bytes)
         pipe.hincrby(STATS, "pages", new_pages)
         if not replaced:
             pipe.hincrby(STATS, "snapshots", 1)
-        pipe.execute()
+        best_effort(pipe)
         if replaced:  # the replaced snapshot's references go only now
             drain(self._refs, snapshot_id)
         if token_ids is not None:
@@ -160,11 +182,19 @@ class PageStore:
         return {"logical_bytes": logical, "new_bytes": new_bytes, "new_pages": new_pages,
                 "pages": len(seen)}
 
-    def _abandon(self, generation: bytes, digests: list[bytes]) -> None:
-        """A put failed before its manifest was swapped in: drop what it referenced (best
-        effort; what cannot be dropped now, ``fsck`` drops)."""
+    def _abandon(self, generation: bytes, digests: list[bytes], written: list[bytes]
+                 ) -> None:
+        """A put failed before its manifest was swapped in: drop what it referenced, and
+        free the pages it wrote that nobody owns (at Redis's memory limit, the room it
+        took), best effort: what cannot be done now, ``fsck`` does.  Only pages it wrote
+        itself: one it found stored may be counted the old way (no owner set), or have lost
+        its owner set to eviction while snapshots name it.  The statistics are left alone:
+        they count a put's pages only once its manifest is in."""
         with contextlib.suppress(Exception):  # the connection that failed the put may
-            self._refs.release(digests, generation).execute()  # be gone too
+            self._refs.drop_all(digests, generation)  # be gone too
+            orphan = self._refs.scripts["del_orphan"]
+            self._refs.batched(written, [0] * len(written), lambda p, d: orphan(
+                keys=[page_key(d), owners_key(d)], client=p))
 
     # -- get ---------------------------------------------------------------------------
     def _load_manifest(self, snapshot_id: str) -> tuple[list, list[bytes], bytes]:
@@ -237,8 +267,9 @@ class PageStore:
         """Delete a snapshot; idempotent: the manifest leaves in one atomic step with its
         release recorded, and a retry after a crash completes that release (without
         dropping any reference twice) instead of failing."""
-        moved = self._script("remove", snapshot_id)
-        kinds = drain(self._refs, snapshot_id)
+        with refusing_full(self.client, f"delete of snapshot {snapshot_id!r}"):
+            moved = self._script("remove", snapshot_id)
+            kinds = drain(self._refs, snapshot_id)
         if not moved and b"d" not in kinds:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
@@ -247,7 +278,9 @@ class PageStore:
         """Repair the store after a client or server crash: see ``fsck.py``."""
         from .fsck import fsck
 
-        return fsck(self, grace=grace)
+        with refusing_full(self.client, "fsck", "it stopped there: run it again when "
+                           "Redis has room"):
+            return fsck(self, grace=grace)
 
     def stats(self) -> dict[str, int]:
         raw = self.client.hgetall(STATS)
@@ -269,4 +302,4 @@ class PageStore:
         return [bool(n) for n in pipe.execute()]
 
 
-__all__ = ["PageStore", "StoreError", "page_key"]
+__all__ = ["PageStore", "StoreError", "StoreFullError", "page_key"]

@@ -7,7 +7,9 @@ Anyone may complete it, any number of times: each page's reference to that gener
 dropped (idempotent), then the entry is deleted; whoever deletes it accounts its logical
 bytes (and, for a deleted snapshot, its prefix entries and the snapshot count).  A client
 killed at any point leaves either the entry (completed by the next put or delete of the
-id, or by ``fsck``) or nothing; never a count dropped twice.
+id, or by ``fsck``) or nothing; never a count dropped twice.  At Redis's memory limit the
+statistics and prefix-index writes are skipped where Redis refuses them (``capacity.py``):
+a release only shrinks memory, so it completes there too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..errors import StoreError
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.layouts import BlockPaged
 from . import resp
+from .capacity import best_effort
 from .manifest import parse_manifest, prefix_value, split_tokens, token_chains
 from .members import ZERO
 from .reads import page_width
@@ -41,9 +44,10 @@ def logical_bytes(items: list, table: list[bytes]) -> int:
 
 
 def store_pages(refs: Refs, snapshot_id: str, values: dict[bytes, memoryview],
-                generation: bytes) -> tuple[int, int]:
-    """Add ``generation``'s reference to each page, storing the pages Redis lacks; returns
-    the pages and bytes newly stored (those it was the first reference of)."""
+                generation: bytes, written: set[bytes]) -> tuple[int, int]:
+    """Add ``generation``'s reference to each page, storing the pages Redis lacks (added
+    to ``written`` before they are sent); returns the pages and bytes newly stored (those
+    it was the first reference of)."""
     keys = list(values)
     exists = refs.exists_all(keys)
     todo = [d for d, e in zip(keys, exists, strict=True) if not e]
@@ -51,6 +55,7 @@ def store_pages(refs: Refs, snapshot_id: str, values: dict[bytes, memoryview],
     new_bytes = new_pages = 0
     for _attempt in range(5):
         # store the missing pages' bytes (a racing writer's copy is identical)
+        written.update(todo)
         set_pages(refs, todo, values)
         owners = refs.add_all(counted + todo, generation)
         for d, n in zip(counted + todo, owners, strict=True):
@@ -62,7 +67,10 @@ def store_pages(refs: Refs, snapshot_id: str, values: dict[bytes, memoryview],
         if not todo:
             return new_pages, new_bytes
     raise StoreError(f"pages of {snapshot_id!r} kept vanishing while being stored "
-                     "(concurrent deletes)", field="page")
+                     f"({len(todo)} after 5 attempts: concurrent deletes, or Redis evicting "
+                     "them under maxmemory as fast as they are written: the store is too small "
+                     "for this snapshot)", field="page", value=len(todo),
+                     rule="a page must stay stored until its reference is added")
 
 
 def set_pages(refs: Refs, digests: list[bytes], values: dict[bytes, memoryview]) -> None:
@@ -102,13 +110,13 @@ def drain(refs: Refs, snapshot_id: str) -> list[bytes]:
         distinct = list(dict.fromkeys(d for d in table if d != ZERO))
         pipe = refs.release(distinct, generation)
         pipe.hdel(key, generation)
-        if not pipe.execute()[-1]:
+        if not best_effort(pipe)[-1]:  # HDEL only shrinks memory: never refused
             continue  # another client completed this release first
         pipe = refs.pipe()
         pipe.hincrby(STATS, "logical_bytes", -logical_bytes(items, table))
         if kind == b"d":
             pipe.hincrby(STATS, "snapshots", -1)
-        pipe.execute()
+        best_effort(pipe)
         if kind == b"d" and tokens:
             unindex(refs, snapshot_id, items, tokens, generation)
     return [value[:1] for value in entries.values()]
@@ -116,13 +124,15 @@ def drain(refs: Refs, snapshot_id: str) -> list[bytes]:
 
 def index_prefixes(refs: Refs, snapshot_id: str, snapshot: KVCacheSnapshot, token_ids: Any,
                    generation: bytes) -> None:
+    """Prefix-index entries of every full page of each sequence's tokens; entries Redis
+    refuses at its memory limit are left out (lookups miss them, as evicted ones)."""
     pipe = refs.pipe()
     pipe.sadd(PAGE_SIZES, snapshot.page_size)
     for s, tokens in enumerate(split_tokens(snapshot, token_ids)):
         for k, chain in enumerate(token_chains(tokens, snapshot.page_size)):
             pipe.set(prefix_key(chain), prefix_value(snapshot_id, s,
                                                       (k + 1) * snapshot.page_size, generation))
-    pipe.execute()
+    best_effort(pipe)
 
 
 def unindex(refs: Refs, snapshot_id: str, items: list, tokens: bytes, generation: bytes
