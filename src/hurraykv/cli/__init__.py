@@ -4,7 +4,7 @@
     hurraykv validate [--permissive] PATH
     hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
     hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR]
-                   [--persist-budget 64G] ...
+                   [--persist-budget 64G] [--metrics-listen HOST:PORT] ...
     hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
     hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
     hurraykv store fsck URL              repair a Redis page store after a crash
@@ -50,6 +50,17 @@ _size = _greater_than_zero(units.parse_size, "a size like 8G, 512M or 1048576",
                            "a size must be > 0")
 _seconds = _greater_than_zero(float, "a number of seconds", "seconds must be > 0")
 _positive = _greater_than_zero(int, "a whole number", "must be > 0")
+
+
+def _metrics_address(text: str) -> str:
+    """An argparse ``type``: ``HOST:PORT`` for the HTTP metrics endpoint."""
+    from ..net.metrics import parse_metrics_address
+
+    try:
+        parse_metrics_address(text)
+    except HurrayError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _client_options(sp: argparse.ArgumentParser) -> None:
@@ -114,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "it the least recently pushed or pulled files are deleted, and a "
                     "snapshot whose file alone is larger is refused with STORE_FULL; "
                     "default: unlimited")
+    sv.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics and a health "
+                    "check at /healthz (needs the [metrics] extra: prometheus_client); "
+                    "default: off")
     sv.add_argument("--store", metavar="URL", help="backing tier: redis://HOST:PORT or "
                     "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
     sv.add_argument("--max-message-size", type=_size, default=16 << 20, metavar="SIZE",

@@ -48,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_message_size=args.max_message_size,
                           read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                           max_connections=args.max_connections, store=args.store,
-                          zero_unused=not args.no_zero_unused, **_tls(args))
+                          zero_unused=not args.no_zero_unused,
+                          metrics_listen=args.metrics_listen, **_tls(args))
     server = KVServer(config)
     if not args.tls_cert and not loopback(args.listen):
         print(f"hurraykv serve: warning: serving {args.listen} without TLS: anyone who can "
@@ -64,6 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.persist:
             persist += (" (unlimited)" if args.persist_budget is None
                         else f" (budget {units.size(args.persist_budget)})")
+        if server.metrics_address:
+            print(f"hurraykv serve: metrics on http://{server.metrics_address}/metrics, "
+                  "health on /healthz", flush=True)
         print(f"hurraykv serve: memory budget {budget}; persist "
               f"{persist}; backing store {args.store or 'none'}; TLS "
               f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
@@ -166,6 +170,13 @@ def cmd_stat(args: argparse.Namespace) -> int:
     if "memory_evictions" in s:  # server-wide counts: not shown to a tenant
         rows.insert(4, ("evictions", f"{units.count(s['memory_evictions'])} from memory, "
                                      f"{units.count(s.get('disk_evictions', 0))} from disk"))
+    if "pushes" in s:
+        errors = sum(s.get("errors", {}).values())
+        rows.append(("traffic", f"{units.count(s['pushes'])} pushes, "
+                                f"{units.count(s.get('pulls', 0))} pulls, "
+                                f"{units.size(s.get('bytes_received', 0))} received, "
+                                f"{units.size(s.get('bytes_sent', 0))} sent, "
+                                f"{units.count(errors)} errors"))
     if "tenant" in s:  # a server under mutual TLS counts this client's own
         rows.insert(1, ("tenant", f"{s['tenant']} (the counts below are this tenant's)"))
     for name, value in rows:

@@ -175,6 +175,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _consume(self, nbytes: int) -> None:
         self._last = self.loop.time()
+        self.server.counts.bytes_received += nbytes
         self._got += nbytes
         if self._got < len(self._target):
             return
@@ -348,10 +349,14 @@ class Connection(asyncio.BufferedProtocol):
     # -- output ----------------------------------------------------------------------
     def _write(self, *parts: Any) -> None:
         if not self.closed and self.transport is not None:
+            sent = 0
             for p in parts:
                 self.transport.write(p)
+                sent += len(p)  # parts are bytes or 1-D byte views
+            self.server.counts.bytes_sent += sent
 
     def _send_error(self, stream: int, code: int, text: str) -> None:
+        self.server.counts.errors[int(code)] += 1
         self._write(message(MessageType.ERROR, stream, ErrorMessage(int(code), text).encode()))
 
     def _close(self) -> None:
@@ -455,6 +460,7 @@ class Connection(asyncio.BufferedProtocol):
                 if not self._writable.is_set():
                     await self._writable.wait()
             self._write(message(MessageType.TENSOR_DATA_END, stream))
+        self.server.counts.pulls += 1
         seconds = time.perf_counter() - started
         log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,
                  units.rate(obj.nbytes, seconds))

@@ -125,5 +125,6 @@ async def _commit(c: Connection, stream: int, put: Put) -> None:
     log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
              units.rate(obj.nbytes, seconds))
     c._write(message(MessageType.TENSOR_PUT_ACK, stream))
+    c.server.counts.pushes += 1
 
 

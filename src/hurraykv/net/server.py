@@ -1,8 +1,9 @@
 """``hurraykv serve``: an asyncio KV cache server speaking the Hurray interchange protocol.
 
-This module holds the configuration, the listening socket and the thread wrapper; one
-client connection's protocol is ``connection.py``, the stored objects ``keystore.py``,
-tenants under mutual TLS ``tenants.py``.
+This module holds the configuration, the listening socket, what the server counts and
+the thread wrapper; one client connection's protocol is ``connection.py``, the stored
+objects ``keystore.py``, tenants under mutual TLS ``tenants.py``, the Prometheus endpoint
+``metrics.py`` (imported only when ``metrics_listen`` is set).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import ssl
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HurrayError
 from .connection import SCRATCH, Connection
 from .keystore import KeyStore
 from .memory import ReceivePool
+from .messages import ErrorCode
 
 log = logging.getLogger("hurraykv.server")
 
@@ -42,6 +44,32 @@ class ServerConfig:
     frame_bytes: int = 4 << 20
     recycle_bytes: int = 1 << 30  # idle received memory kept for the next PUTs
     store: str | None = None  # redis://HOST:PORT or redis+cluster://...: the backing tier
+    metrics_listen: str | None = None  # HOST:PORT of the HTTP /metrics and /healthz
+
+
+@dataclass
+class Counts:
+    """What the server counts as it runs: plain integers bumped on the event loop where
+    the work is done (a scrape reads them from another thread: each read is one value)."""
+
+    pushes: int = 0  # PUTs acknowledged
+    pulls: int = 0  # objects sent whole
+    bytes_received: int = 0  # on every connection, framing included
+    bytes_sent: int = 0
+    errors: Counter[int] = field(default_factory=Counter)  # ERROR messages sent, by code
+
+    def as_dict(self) -> dict[str, Any]:
+        errors = dict(self.errors)  # one copy: the loop may add a code meanwhile
+        return {"pushes": self.pushes, "pulls": self.pulls,
+                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
+                "errors": {_code_name(c): n for c, n in sorted(errors.items())}}
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"0x{code:02x}"
 
 
 DEFAULT_PORT = 7878
@@ -96,8 +124,11 @@ class KVServer:
         self.tenant_connections: Counter[str] = Counter()
         self.started = time.monotonic()
         self.scratch = memoryview(bytearray(SCRATCH))
+        self.counts = Counts()
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
+        self.metrics: Any = None  # a metrics.MetricsEndpoint once started
+        self.metrics_address: str | None = None
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """What ``hurraykv stat`` shows: objects, bytes, budget, connections; for a
@@ -108,8 +139,9 @@ class KVServer:
         out = {"version": __version__, "address": self.address,
                "max_connections": self.config.max_connections,
                "uptime_s": round(time.monotonic() - self.started, 3)}
-        if tenant is None:
-            return {**out, "connections": self.connections, **self.store.stats()}
+        if tenant is None:  # traffic counts are server-wide: a tenant sees none
+            return {**out, "connections": self.connections, **self.store.stats(),
+                    **self.counts.as_dict()}
         return {**out, "tenant": tenant, "connections": self.tenant_connections[tenant],
                 **self.store.stats(tenant)}
 
@@ -140,12 +172,30 @@ class KVServer:
             host, port = self._server.sockets[0].getsockname()[:2]
             self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("listening on %s%s", self.address, " (mutual TLS)" if ctx else "")
+        if self.config.metrics_listen:
+            from .metrics import MetricsEndpoint
+
+            try:
+                self.metrics = MetricsEndpoint(self, self.config.metrics_listen, loop)
+            except BaseException:
+                self._server.close()
+                raise
+            self.metrics_address = self.metrics.address
+            log.info("metrics on http://%s/metrics, health on /healthz", self.metrics_address)
         return self.address
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     async def serve_forever(self) -> None:
         assert self._server is not None
-        async with self._server:
-            await self._server.serve_forever()
+        try:
+            async with self._server:
+                await self._server.serve_forever()
+        finally:
+            self.close_metrics()
 
     def run_in_thread(self) -> ServerThread:
         return ServerThread(self)
@@ -177,6 +227,7 @@ class ServerThread:
         if self.error is not None:
             raise self.error
         self.address = server.address
+        self.metrics_address = server.metrics_address
 
     def stop(self) -> None:
         async def shutdown() -> None:
@@ -189,6 +240,7 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.server.close_metrics()
 
     def __enter__(self) -> ServerThread:
         return self
