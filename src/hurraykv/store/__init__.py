@@ -1,6 +1,6 @@
 """Floor 4: snapshots in Redis / Valkey (single server or cluster), pages stored once."""
 
-from .capacity import StoreFullError
+from .capacity import MissingPagesError, StoreFullError
 from .pages import PageStore
 
-__all__ = ["PageStore", "StoreFullError"]
+__all__ = ["MissingPagesError", "PageStore", "StoreFullError"]

@@ -5,8 +5,8 @@ The store's capacity is Redis's own: ``maxmemory`` with an eviction policy (``pa
 
 * Redis evicts (``allkeys-lru`` and the other ``allkeys-*`` policies): any key may go,
   one at a time - a page, a manifest, a page's owners, a pending release, a prefix-index
-  entry.  A snapshot missing anything is a miss or a ``StoreError`` on get, never other
-  bytes.
+  entry.  Every read copes (a snapshot missing anything is a miss or ``MissingPagesError``,
+  never other bytes); ``fsck`` removes what is left of damaged snapshots.
 * Redis refuses writes (``noeviction``, or a ``volatile-*`` policy: hurraykv sets no TTLs,
   so Redis finds nothing it may evict): every write command that could grow memory is
   answered ``OOM``.  A put refused there raises ``StoreFullError`` and takes back what it
@@ -34,6 +34,11 @@ _OOM = "used memory > 'maxmemory'"
 
 class StoreFullError(StoreError):
     """Redis refused a write: it is at its ``maxmemory`` and may evict nothing."""
+
+
+class MissingPagesError(StoreError):
+    """A snapshot names pages the store no longer holds (evicted or deleted): it cannot be
+    read whole, and a caller that can recompute treats it as a miss."""
 
 
 def is_full(error: BaseException) -> bool:

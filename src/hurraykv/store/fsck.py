@@ -1,22 +1,27 @@
 """``PageStore.fsck()`` / ``hurraykv store fsck URL``: the page store made consistent
-with its manifests after a client or server crash (floor 4).
+with its manifests after a client or server crash, or after Redis evicted keys under
+``maxmemory`` (floor 4).
 
 1. Releases left pending (a put or delete killed after its manifest moved) are completed.
 2. Every manifest is read; version 1 manifests (references counted before generations)
    get a generation and are rewritten as version 2, and the counters of those references
-   (``hkv:r:``) are removed (upgrade a store while no client writes to it).
+   (``hkv:r:``) are removed (upgrade a store while no client writes to it).  A manifest
+   naming a page the store no longer holds (evicted, lost in a failover) is damaged: it is
+   reported, and removed with its references unless ``drop_damaged=False`` (its snapshot
+   cannot be read whole again: removed, it is a miss that its writer stores again).
 3. Each page's owners become exactly the generations of the manifests naming it: a
    generation no manifest holds (a put killed before its manifest went in) is dropped -
    unless it was drawn less than ``grace`` seconds ago, being then possibly a put still
    running - and a page a manifest names but does not own is given that reference (after
-   checking the manifest still holds it).  A page whose last reference goes is freed.
+   checking the manifest still holds it).  A page whose last reference goes is freed; an
+   owner set whose page Redis evicted goes with its last reference.
 4. Pages nobody owns (bytes a killed put stored before referencing them) are freed.
 5. ``hkv:stats`` is recomputed from what is left.
 
-Nothing a manifest names is ever freed, so fsck is safe while clients run; what they
+Nothing a whole manifest names is ever freed, so fsck is safe while clients run; what they
 change meanwhile may leave the recomputed statistics off by their work (run it again
 when they are idle).  Pages a manifest names that are not in the store cannot be made
-again: they are reported per snapshot (``get`` of those snapshots fails naming them).
+again: they are reported per snapshot (``missing_pages``), and those snapshots removed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .scripts import (
     new_generation,
     owners_key,
     page_key,
+    pending_key,
 )
 from .writes import drain, logical_bytes
 
@@ -58,21 +64,21 @@ def _chunks(items: list[Any]) -> Iterator[list[Any]]:
         yield items[a:a + BATCH]
 
 
-def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
+def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
     """Repair ``store``; returns what was found and changed."""
     refs, client = store._refs, store.client
     report: dict[str, Any] = {
         "releases_completed": 0, "manifests": 0, "manifests_upgraded": 0,
         "references_dropped": 0, "references_added": 0, "pages_freed": 0,
         "orphan_pages_freed": 0, "legacy_counters_removed": 0, "missing_pages": {},
-        "stats_before": store.stats()}
+        "damaged_removed": 0, "dangling_owners_removed": 0, "stats_before": store.stats()}
     # 1. pending releases
     for sid in list(_scan(client, "d")):
         report["releases_completed"] += len(drain(refs, sid))
     # 2. manifests: who should own what
     named: dict[bytes, set[bytes]] = {}
     snapshot_of: dict[bytes, str] = {}
-    logical = 0
+    logical_of: dict[bytes, int] = {}
     for ids in _chunks(list(_scan(client, "m"))):
         pipe = refs.pipe()
         for sid in ids:
@@ -86,11 +92,13 @@ def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
                 client.set(manifest_key(sid), with_generation(raw, generation))
                 report["manifests_upgraded"] += 1
             items, table, _ = parse_manifest(sid, raw)
-            logical += logical_bytes(items, table)
+            logical_of[generation] = logical_bytes(items, table)
             snapshot_of[generation] = sid
             for d in set(table) - {ZERO}:
                 named.setdefault(d, set()).add(generation)
             report["manifests"] += 1
+    lost = _damaged(refs, named, snapshot_of, report, drop_damaged)
+    logical = sum(logical_of[g] for g in snapshot_of)
     # 3. owners: drop what no manifest holds, add what one lacks (the counters of before
     # generations go first: every manifest now has a generation its pages will own)
     for hexes in _chunks(list(_scan(client, "r"))):
@@ -111,7 +119,8 @@ def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
             drops += [(d, g) for g in owners - want if generation_age(g, now) > grace]
             add += [(d, g) for g in want - owners]
     have = set(stored)
-    add += [(d, g) for d, gens in named.items() if d not in have for g in gens]
+    add += [(d, g) for d, gens in named.items() if d not in have and d not in lost
+            for g in gens]
     _add(refs, add, snapshot_of, report)  # first: a drop must not free a named page
     for batch in _chunks(drops):
         _drop(refs, batch, report)
@@ -134,12 +143,40 @@ def fsck(store: Any, *, grace: float = 3600.0) -> dict[str, Any]:
         stored_bytes += sum(sizes)
     # 5. statistics
     after = {"logical_bytes": logical, "stored_bytes": stored_bytes, "pages": kept,
-             "snapshots": report["manifests"]}
+             "snapshots": len(snapshot_of)}
     pipe = refs.pipe()
     pipe.hset(STATS, mapping=after)
     best_effort(pipe)  # refused at Redis's memory limit: the old figures stay
     report["stats_after"] = store.stats()
     return report
+
+
+def _damaged(refs: Any, named: dict[bytes, set[bytes]], snapshot_of: dict[bytes, str],
+             report: dict[str, Any], drop: bool) -> set[bytes]:
+    """The named pages the store lacks; each manifest naming one is reported and, with
+    ``drop``, removed with its release completed (its generations leave ``named`` and
+    ``snapshot_of``, so the steps after it neither add nor keep their references)."""
+    digests = list(named)
+    lost = {d for d, n in zip(digests, refs.exists_all(digests), strict=True) if not n}
+    damaged: dict[bytes, int] = {}
+    for d in lost:
+        for g in named[d]:
+            damaged[g] = damaged.get(g, 0) + 1
+    for g, n in damaged.items():
+        sid = snapshot_of[g]
+        report["missing_pages"][sid] = n
+        if not drop:
+            continue
+        # only that manifest: one a put swapped in meanwhile is whole
+        if int(refs.scripts["remove_if"](keys=[manifest_key(sid), pending_key(sid)],
+                                         args=[g])):
+            report["damaged_removed"] += 1
+        drain(refs, sid)
+        del snapshot_of[g]
+    if drop and damaged:
+        for gens in named.values():
+            gens.difference_update(damaged)
+    return lost
 
 
 def _drop(refs: Any, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -> None:
@@ -151,7 +188,9 @@ def _drop(refs: Any, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -
         one(keys=[page_key(d), owners_key(d)], args=[g], client=pipe)
     results = [int(r) for r in pipe.execute()]
     report["references_dropped"] += len(drops)
-    report["pages_freed"] += sum(1 for r in results if r < 0)
+    # -1 - size: a size of 0 was an owner set whose page Redis had evicted
+    report["pages_freed"] += sum(1 for r in results if r < -1)
+    report["dangling_owners_removed"] += sum(1 for r in results if r == -1)
 
 
 def _add(refs: Any, add: list[tuple[bytes, bytes]], snapshot_of: dict[bytes, str],

@@ -38,8 +38,25 @@ nothing stale leaves the process); pages no sequence references are not stored a
 back as zeros.  A page that has gone missing (deleted, evicted) makes ``get`` fail with an
 error naming the snapshot, layer and page - never wrong data.
 
+Capacity (decision H90).  The store's capacity is Redis's own ``maxmemory``; hurraykv keeps
+no byte budget of its own.  For a cache, configure Redis with ``maxmemory <size>`` and
+``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``): Redis then evicts the least recently
+used keys, whichever they are, and hurraykv reads whatever is left as follows.
+
+* A snapshot whose manifest is gone is not stored: ``in`` and ``contains_many`` say False,
+  ``get`` raises "no snapshot", ``lookup_prefix`` skips it.
+* A snapshot that lost a page is damaged: ``get`` raises ``MissingPagesError`` (a
+  ``StoreError``) naming the snapshot, layer and page, never other bytes; a store made with
+  ``drop_damaged=True`` (a cache that recomputes) also removes it then, so the next lookup
+  is a miss and the caller stores it again.
+* A lost owner set, pending release or statistics hash costs at worst pages kept or freed
+  too early (a later miss, never other bytes) and statistics that are off; a lost prefix-index
+  entry is a lookup miss, and an entry naming a manifest that is gone is ignored.
+* ``fsck`` (``hurraykv store fsck URL``) removes damaged snapshots, drops the references of
+  evicted manifests, frees their orphaned pages and recomputes the statistics.
+
 With ``noeviction`` (and with ``volatile-*`` policies, since hurraykv sets no TTLs) Redis
-refuses writes at its ``maxmemory``: a put then raises ``StoreFullError`` (field
+refuses writes at the limit instead: a put raises ``StoreFullError`` (field
 ``maxmemory``) after taking back what it wrote, nothing stored before is touched, and
 deletes still work.  See ``capacity.py``.
 
@@ -63,8 +80,14 @@ from ..errors import StoreError, require
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..threads import executor
-from .capacity import StoreFullError, best_effort, is_full, refusing_full
-from .manifest import encode_manifest, parse_manifest, parse_prefix_value, token_chains
+from .capacity import MissingPagesError, StoreFullError, best_effort, is_full, refusing_full
+from .manifest import (
+    encode_manifest,
+    manifest_generation,
+    parse_manifest,
+    parse_prefix_value,
+    token_chains,
+)
 from .members import ZERO, Member
 from .reads import assemble
 from .refs import Refs, refusing_legacy
@@ -91,9 +114,19 @@ def _legacy(snapshot_id: str) -> StoreError:
 class PageStore:
     """Snapshots in Redis/Valkey with page-level deduplication and prefix lookup."""
 
-    def __init__(self, client: Any, *, zero_unused: bool = True) -> None:
+    def __init__(self, client: Any, *, zero_unused: bool = True,
+                 drop_damaged: bool = False) -> None:
+        """``drop_damaged``: a ``get`` or ``get_layer`` that finds a page of the snapshot
+        missing (Redis evicted it) removes the snapshot before raising
+        ``MissingPagesError``, so it is a miss from then on (for a cache whose callers
+        recompute and store again; without it the snapshot stays, its other layers
+        readable, until ``fsck`` or a delete removes it)."""
+        if not isinstance(drop_damaged, bool):
+            raise StoreError(f"drop_damaged {drop_damaged!r} is not a bool",
+                             field="drop_damaged", value=drop_damaged, rule="True or False")
         self.client = client
         self.zero_unused = zero_unused
+        self.drop_damaged = drop_damaged
         self._refs = Refs(client)
 
     @classmethod
@@ -197,23 +230,49 @@ class PageStore:
                 keys=[page_key(d), owners_key(d)], client=p))
 
     # -- get ---------------------------------------------------------------------------
-    def _load_manifest(self, snapshot_id: str) -> tuple[list, list[bytes], bytes]:
+    def _load_manifest(self, snapshot_id: str) -> tuple[list, list[bytes], bytes | None]:
+        """(items, page digests, generation; None for a version 1 manifest)."""
         raw = self.client.get(manifest_key(snapshot_id))
         if raw is None:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
-        return parse_manifest(snapshot_id, raw)
+        items, table, _ = parse_manifest(snapshot_id, raw)
+        return items, table, manifest_generation(raw)
+
+    def _assemble(self, snapshot_id: str, layer: int | None) -> tuple[list, list]:
+        items, table, generation = self._load_manifest(snapshot_id)
+        try:
+            return assemble(self, snapshot_id, items, table, layer)
+        except MissingPagesError as e:
+            if not self.drop_damaged or generation is None:
+                raise
+            dropped = self._drop(snapshot_id, generation)
+            raise MissingPagesError(
+                f"{e}; the snapshot " + ("was removed (drop_damaged): store it again" if
+                                        dropped else "was not removed (replaced meanwhile, "
+                                        "or the removal failed)"),
+                field=e.field, value=e.value, rule=e.rule) from None
+
+    def _drop(self, snapshot_id: str, generation: bytes) -> bool:
+        """Remove a damaged snapshot if its manifest is still of ``generation`` (a put that
+        replaced it meanwhile stays); False where it did not (the get fails anyway)."""
+        try:
+            removed = int(self._refs.scripts["remove_if"](
+                keys=[manifest_key(snapshot_id), pending_key(snapshot_id)], args=[generation]))
+            drain(self._refs, snapshot_id)
+        except Exception:  # the damage is reported either way; fsck removes it later
+            return False
+        return bool(removed)
 
     def get(self, snapshot_id: str) -> KVCacheSnapshot:
-        """The snapshot, pages fetched with pipelined reads and put back into their pools."""
-        items, table, _ = self._load_manifest(snapshot_id)
-        scalars, members = assemble(self, snapshot_id, items, table, None)
+        """The snapshot, pages fetched with pipelined reads and put back into their pools.
+        ``MissingPagesError`` if Redis lost one of its pages (evicted or deleted)."""
+        scalars, members = self._assemble(snapshot_id, None)
         return KVCacheSnapshot.from_members(scalars + members)
 
     def get_layer(self, snapshot_id: str, layer: int) -> tuple[BlockPagedTensor, ...]:
         """One layer's tensors (key, value), fetching only that layer's pages."""
-        items, table, _ = self._load_manifest(snapshot_id)
-        scalars, members = assemble(self, snapshot_id, items, table, layer)
+        scalars, members = self._assemble(snapshot_id, layer)
         if not members:
             raise StoreError(f"snapshot {snapshot_id!r} has no layer {layer}", field="layer",
                              value=layer)
@@ -274,13 +333,14 @@ class PageStore:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
 
-    def fsck(self, *, grace: float = 3600.0) -> dict[str, Any]:
-        """Repair the store after a client or server crash: see ``fsck.py``."""
+    def fsck(self, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
+        """Repair the store after a client or server crash, or after Redis evicted keys:
+        see ``fsck.py``."""
         from .fsck import fsck
 
         with refusing_full(self.client, "fsck", "it stopped there: run it again when "
                            "Redis has room"):
-            return fsck(self, grace=grace)
+            return fsck(self, grace=grace, drop_damaged=drop_damaged)
 
     def stats(self) -> dict[str, int]:
         raw = self.client.hgetall(STATS)
@@ -302,4 +362,4 @@ class PageStore:
         return [bool(n) for n in pipe.execute()]
 
 
-__all__ = ["PageStore", "StoreError", "StoreFullError", "page_key"]
+__all__ = ["MissingPagesError", "PageStore", "StoreError", "StoreFullError", "page_key"]

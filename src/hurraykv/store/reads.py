@@ -14,6 +14,7 @@ from ..wire.dtypes import BY_NAME
 from ..wire.layouts import BlockPaged, Composite
 from ..wire.quantization import SCALE_TYPES, PerBlockAffine
 from . import resp
+from .capacity import MissingPagesError
 from .members import ZERO
 from .refs import BATCH_BYTES
 from .scripts import page_key
@@ -44,19 +45,19 @@ def rounds(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def missing_error(snapshot_id: str, plan: list, missing: set[bytes]) -> StoreError:
+def missing_error(snapshot_id: str, plan: list, missing: set[bytes]) -> MissingPagesError:
     """The error for pages gone from the store, naming the first one's layer and page."""
     for desc, _, ds, take in plan:
         for i, d in enumerate(ds):
             if take and d in missing:
                 lay = desc.layout
-                return StoreError(
+                return MissingPagesError(
                     f"snapshot {snapshot_id!r}: layer {lay.layer_index} {lay.kv_role_name} "
                     f"page {i} ({page_key(d)}) is missing from the store (evicted or "
                     f"deleted; {len(missing)} page(s) in all)", field="page", value=i,
                     rule="every page a manifest names must be stored")
-    return StoreError(f"snapshot {snapshot_id!r}: {len(missing)} page(s) missing",
-                      field="page")
+    return MissingPagesError(f"snapshot {snapshot_id!r}: {len(missing)} page(s) missing",
+                             field="page")
 
 
 def assemble(store: Any, snapshot_id: str, items: list, table: list[bytes],

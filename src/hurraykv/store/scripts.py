@@ -98,6 +98,17 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[2], string.sub(old, 9, 24), 'd' .. old)
 return 1
 """
+# The same, only if the manifest is still the one of generation argv[1] (a damaged snapshot
+# dropped: a put that replaced it meanwhile is left alone); 1 if it was removed.
+_REMOVE_IF = """
+local old = redis.call('GET', KEYS[1])
+if not old or string.sub(old, 5, 8) ~= '\2\0\0\0' or string.sub(old, 9, 24) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[2], ARGV[1], 'd' .. old)
+return 1
+"""
 # keys[1] page, keys[2] owners: the page goes if nobody owns it (fsck; a writer that stored
 # it an instant ago finds it gone when it adds its reference, and stores it again).
 _DEL_ORPHAN = """
@@ -139,7 +150,8 @@ class Script:
 
 SCRIPTS = {"addref": _ADDREF, "addref_many": _ADDREF_MANY, "dropref": _DROPREF,
            "dropref_many": _DROPREF_MANY, "exists_many": _EXISTS_MANY, "swap": _SWAP,
-           "remove": _REMOVE, "del_if": _DEL_IF, "del_orphan": _DEL_ORPHAN}
+           "remove": _REMOVE, "remove_if": _REMOVE_IF, "del_if": _DEL_IF,
+           "del_orphan": _DEL_ORPHAN}
 
 
 def page_key(digest: bytes) -> str:
