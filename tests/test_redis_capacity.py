@@ -1,4 +1,4 @@
-"""The redis:// store at Redis's memory limit (decision H90), against real redis-servers
+"""The redis:// store at Redis's memory limit (decision H91), against real redis-servers
 started with a small ``maxmemory``: under ``allkeys-lru`` whatever Redis evicts is a miss
 or a HurrayError, never other bytes, and ``fsck`` repairs what eviction leaves behind;
 under ``noeviction`` a put past the limit is a ``StoreFullError`` naming maxmemory that

@@ -38,7 +38,7 @@ nothing stale leaves the process); pages no sequence references are not stored a
 back as zeros.  A page that has gone missing (deleted, evicted) makes ``get`` fail with an
 error naming the snapshot, layer and page - never wrong data.
 
-Capacity (decision H90).  The store's capacity is Redis's own ``maxmemory``; hurraykv keeps
+Capacity (decision H91).  The store's capacity is Redis's own ``maxmemory``; hurraykv keeps
 no byte budget of its own.  For a cache, configure Redis with ``maxmemory <size>`` and
 ``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``): Redis then evicts the least recently
 used keys, whichever they are, and hurraykv reads whatever is left as follows.
