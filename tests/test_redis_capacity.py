@@ -386,3 +386,56 @@ def test_a_put_refused_at_its_manifest_takes_back_its_references(redis_url, monk
     assert store.stats() == stats
     assert check_whole(store) == 1
     store.client.close()
+
+
+# ---------------------------------------------------------------- the connector's store
+def _chunk_segment(seed: int) -> tuple[list[str], KVCacheSnapshot]:
+    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
+    from hurraykv.io import checksums
+
+    snap, _ = batch(seed)
+    keys = ChunkKeys(identity_digest(f"redis-{seed}"), PAGE).upto(list(range(4 * PAGE)), 2)
+    return keys, checksums.with_checksums(snap)
+
+
+def test_a_connector_segment_that_lost_a_page_is_a_miss_from_then_on(tmp_path):
+    """RedisChunks opens its store with drop_damaged: the first failed load removes the
+    segment, so later lookups miss and the recomputed chunks are stored again."""
+    from hurraykv.integrations.chunks import open_store
+
+    with limited_redis(tmp_path, "allkeys-lru", "64mb") as url:
+        store = open_store(url)
+        keys, seg = _chunk_segment(1)
+        store.put(keys, 0, seg, {})
+        name = store.locate(keys)[0]
+        assert name is not None and store.get_verified(name).equal(seg)
+        client = store.store.client
+        page = next(k for k in client.scan_iter(match="hkv:p:*") if client.type(k) == b"string")
+        client.delete(page)  # what allkeys-lru does to one key
+        with pytest.raises(HurrayError, match=r"missing|lost|evicted"):
+            store.get_verified(name)
+        assert store.locate(keys) == [None, None]
+        store.put(keys, 0, seg, {})  # stored again once recomputed
+        assert store.get_verified(store.locate(keys)[0]).equal(seg)
+
+
+def test_a_connector_segment_refused_for_memory_leaves_no_alias_or_segment(tmp_path):
+    from hurraykv.integrations.chunks import open_store
+
+    with limited_redis(tmp_path, "noeviction", "3mb") as url:
+        store = open_store(url)
+        stored, refused = [], None
+        for seed in range(200):
+            keys, seg = _chunk_segment(seed)
+            try:
+                store.put(keys, 0, seg, {})
+            except StoreFullError as e:
+                refused = (keys, e)
+                break
+            stored.append((keys, seg))
+        assert refused is not None, "3 MB never filled"
+        keys, error = refused
+        assert "maxmemory" in str(error)
+        assert store.locate(keys) == [None, None]
+        for keys, seg in stored:  # nothing stored before is lost
+            assert store.get_verified(store.locate(keys)[0]).equal(seg)

@@ -58,7 +58,36 @@ def impl() -> ModuleType | None:
     except ImportError:
         ENABLED = False
         return None
+    _scan_safe_llvmlite()
     return _numba_kernels
+
+
+class _ForwardingLib:
+    """llvmlite's library handle, behind an object with an ordinary ``__dict__``."""
+
+    def __init__(self, lib: object) -> None:
+        self.__dict__["_wrapped"] = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._wrapped, name)
+
+
+def _scan_safe_llvmlite() -> None:
+    """vLLM scans every module's attributes when a worker starts
+    (``vllm/triton_utils/dispatcher.py``, ``_patch_references``: ``vars(value).get(...)``
+    for each value with a ``__dict__``).  llvmlite's ``ffi.lib`` answers any attribute,
+    ``__dict__`` included, with a function wrapper, so once numba is imported every later
+    engine in the process fails to start (``AttributeError: '_lib_fn_wrapper' object has
+    no attribute 'get'``).  ``ffi.lib`` is put behind a forwarding object whose
+    ``__dict__`` is a dict; llvmlite and numba reach the library through that module
+    attribute, so they see no difference."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    if not isinstance(ffi.lib, _ForwardingLib) and not isinstance(
+            getattr(ffi.lib, "__dict__", None), dict):
+        ffi.lib = _ForwardingLib(ffi.lib)
 
 
 _warm = False

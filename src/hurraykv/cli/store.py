@@ -14,7 +14,9 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
         ("references_added", "references a manifest lacked, added"),
         ("pages_freed", "pages freed with their last reference"),
         ("orphan_pages_freed", "pages nobody referenced, freed"),
-        ("legacy_counters_removed", "reference counters of before generations, removed")]
+        ("legacy_counters_removed", "reference counters of before generations, removed"),
+        ("damaged_removed", "snapshots that lost pages (Redis eviction), removed"),
+        ("dangling_owners_removed", "owner sets of pages that are gone, removed")]
 
 
 def cmd_store_fsck(args: argparse.Namespace) -> int:
@@ -36,6 +38,8 @@ def cmd_store_fsck(args: argparse.Namespace) -> int:
             change = "unchanged" if a == b else f"was {b}"
             print(f"{'stats ' + key:>24}: {a} ({change})")
         for sid, n in sorted(report["missing_pages"].items()):
-            print(f"damaged: snapshot {sid!r} names {n} page(s) the store has lost "
-                  "(delete it and store it again)")
-    return 1 if report["missing_pages"] else 0
+            print(f"damaged: snapshot {sid!r} named {n} page(s) the store had lost "
+                  "(removed; store it again)")
+    # under allkeys-lru a scheduled fsck finds damage routinely: a failure only when some
+    # damaged snapshot is still there
+    return 1 if len(report["missing_pages"]) > report["damaged_removed"] else 0

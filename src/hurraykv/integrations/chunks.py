@@ -603,7 +603,9 @@ class RedisChunks(ChunkStore):
         from ..store import PageStore
 
         self.url, self.prefix = url, prefix
-        self.store = PageStore.from_url(_with_timeout(url, timeout))
+        # a segment Redis evicted a page of is removed on its first failed get: found by
+        # no later lookup, stored again once recomputed (decision H91)
+        self.store = PageStore.from_url(_with_timeout(url, timeout), drop_damaged=True)
 
     def connect(self) -> None:
         self.store.client.ping()
@@ -625,12 +627,22 @@ class RedisChunks(ChunkStore):
 
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
+        from ..store.capacity import full_error, is_full
+
         name = segment_name(keys, first)
         self.store.put(self.prefix + name, snapshot)
         pipe = self.store.client.pipeline(transaction=False)
         for key in keys:
             pipe.set(self._alias(key), name)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except Exception as e:  # Redis full (noeviction): no segment that no alias reaches
+            if not is_full(e):
+                raise
+            with contextlib.suppress(Exception):
+                self.store.delete(self.prefix + name)
+            raise full_error(self.store.client, f"segment {name}",
+                             "it was taken back") from None
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self.store.get(self.prefix + name)
