@@ -515,6 +515,9 @@ class _Buffers:
             if len(buf) >= size and sys.getrefcount(buf) <= 3:
                 return buf[:size]
         buf = alloc.empty((size,), np.uint8)
+        # Faulted in now: a huge page faulted by the read itself is zeroed in the middle
+        # of it, which evicts what was just read before it is hashed (5x slower hashing).
+        buf[::4096] = 0
         if len(self._free) >= self.KEEP:
             self._free.pop(0)
         self._free.append(buf)
