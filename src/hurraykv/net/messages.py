@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ..errors import HurrayError, RemoteError
+from ..wire.cursor import Cursor
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 
 HEADER = struct.Struct("<III")
@@ -128,51 +129,20 @@ def _bad(msg: str, code: ErrorCode = ErrorCode.INVALID_MESSAGE, field_: str = "p
     return ProtocolError(msg, code, field=field_, offset=offset, value=value)
 
 
-class _Reader:
-    def __init__(self, data: bytes | memoryview, what: str) -> None:
-        self.data, self.pos, self.what = memoryview(data).cast("B"), 0, what
-
-    def take(self, n: int, field_: str) -> memoryview:
-        if n > len(self.data) - self.pos:
-            raise _bad(f"{self.what}.{field_} at payload byte {self.pos}: needs {n} bytes, "
-                       f"{len(self.data) - self.pos} left", field_=f"{self.what}.{field_}",
-                       offset=self.pos, value=n)
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str, field_: str) -> int:
-        s = struct.Struct("<" + fmt)
-        return s.unpack(self.take(s.size, field_))[0]
-
-    def text(self, field_: str) -> str:
-        n = self.unpack("I", f"{field_}_length")
-        at = self.pos
-        try:
-            return bytes(self.take(n, field_)).decode("utf-8")
-        except UnicodeDecodeError:
-            raise _bad(f"{self.what}.{field_} at payload byte {at} is not valid UTF-8",
-                       field_=f"{self.what}.{field_}", offset=at) from None
-
-    def end(self) -> None:
-        if self.pos != len(self.data):
-            raise _bad(f"{self.what}: {len(self.data) - self.pos} unexpected bytes after the "
-                       f"fields at payload byte {self.pos}", field_=self.what, offset=self.pos,
-                       value=len(self.data) - self.pos)
-
-    @property
-    def left(self) -> int:
-        return len(self.data) - self.pos
+def _reader(payload: bytes | memoryview, what: str) -> Cursor:
+    """A bounded reader over one message's payload: short, long or malformed payloads are
+    a :class:`ProtocolError` (INVALID_MESSAGE) naming ``what.field`` and its payload byte."""
+    return Cursor(payload, error=ProtocolError, noun=f"{what} payload", prefix=f"{what}.",
+                  where="payload byte", bound="the payload")
 
 
 # ---------------------------------------------------------------------------- header
-def encode_header(mtype: int, stream_id: int, length: int) -> bytes:
-    return HEADER.pack(mtype, stream_id, length)
-
-
 def decode_header(raw: bytes | memoryview, max_message_size: int) -> tuple[int, int, int]:
     """(message_type, stream_id, payload_length); raises for stream 0, type 0xFF and
     payloads above ``max_message_size`` (MESSAGE_TOO_LARGE: the payload still follows)."""
+    if len(raw) != HEADER.size:
+        raise _bad(f"a message header is {HEADER.size} bytes, got {len(raw)}",
+                   field_="header", value=len(raw))
     mtype, stream_id, length = HEADER.unpack(raw)
     if mtype == 0xFF or mtype == 0:
         raise _bad(f"message_type 0x{mtype:x} is invalid", field_="message_type", offset=0,
@@ -205,13 +175,13 @@ def _encode_layouts(entries: tuple[LayoutEntry, ...]) -> bytes:
     return struct.pack("<H", len(entries)) + b"".join(e.encode() for e in entries)
 
 
-def _decode_layouts(r: _Reader) -> tuple[LayoutEntry, ...]:
-    n = r.unpack("H", "layout_count")
+def _decode_layouts(r: Cursor) -> tuple[LayoutEntry, ...]:
+    n = r.u16("layout_count")
     out = []
     for _ in range(n):
-        tag = r.unpack("B", "layout_entry")
+        tag = r.u8("layout_entry")
         if 0xF0 <= tag <= 0xFE:
-            ext = bytes(r.take(r.unpack("H", "ext_len"), "ext"))
+            ext = bytes(r.take(r.u16("ext_len"), "ext"))
             out.append(LayoutEntry(tag, ext))
         else:
             out.append(LayoutEntry(tag))
@@ -235,10 +205,10 @@ class Hello:
 
 
 def decode_hello(payload: bytes | memoryview, what: str = "hello") -> Hello:
-    r = _Reader(payload, what)
-    version = r.unpack("I", "protocol_version")
-    size = r.unpack("I", "max_message_size")
-    caps = r.unpack("Q", "capability_flags")
+    r = _reader(payload, what)
+    version = r.u32("protocol_version")
+    size = r.u32("max_message_size")
+    caps = r.u64("capability_flags")
     if caps & ~KNOWN_CAPS:
         raise _bad(f"{what}.capability_flags 0x{caps:x}: bits 4-63 MUST be 0",
                    field_="capability_flags", offset=8, value=caps)
@@ -249,10 +219,10 @@ def decode_hello(payload: bytes | memoryview, what: str = "hello") -> Hello:
         raise _bad(f"{what}.max_message_size {size} is below {MIN_MESSAGE_SIZE}",
                    field_="max_message_size", offset=4, value=size)
     layouts = _decode_layouts(r)
-    devices = tuple(bytes(r.take(r.unpack("H", "device_count"), "devices")))
+    devices = tuple(bytes(r.take(r.u16("device_count"), "devices")))
     classes: tuple[int, ...] = (0,)
     if r.left:
-        classes = tuple(bytes(r.take(r.unpack("H", "memory_class_count"), "memory_classes")))
+        classes = tuple(bytes(r.take(r.u16("memory_class_count"), "memory_classes")))
         classes = classes or (0,)
     r.end()
     return Hello(version, size, caps, layouts, devices, classes)
@@ -274,12 +244,12 @@ class Request:
 
 
 def decode_request(payload: bytes | memoryview) -> Request:
-    r = _Reader(payload, "tensor_request")
+    r = _reader(payload, "tensor_request")
     key = r.text("key")
     layouts = _decode_layouts(r)
-    device = r.unpack("B", "preferred_device")
-    align = r.unpack("I", "min_alignment")
-    flags = r.unpack("I", "request_flags")
+    device = r.u8("preferred_device")
+    align = r.u32("min_alignment")
+    flags = r.u32("request_flags")
     r.end()
     if align == 0 or align & (align - 1):
         raise _bad(f"tensor_request.min_alignment {align} is not a power of two",
@@ -336,10 +306,10 @@ def decode_descriptor_message(payload: bytes | memoryview) -> DescriptorMessage:
                    field_="tensor_descriptor", value=len(mv))
     length = int.from_bytes(mv[6:10], "little")
     desc = _descriptor(mv[:length] if length <= len(mv) else mv, "tensor_descriptor")
-    r = _Reader(mv[length:], "tensor_descriptor")
-    total = r.unpack("Q", "total_data_bytes")
-    index = r.unpack("I", "shard_index")
-    shards = r.unpack("I", "total_shards")
+    r = _reader(mv[length:], "tensor_descriptor")
+    total = r.u64("total_data_bytes")
+    index = r.u32("shard_index")
+    shards = r.u32("total_shards")
     r.end()
     _check_total(desc, total, "tensor_descriptor")
     if shards == 0 or index >= shards or (desc.shard is None and (index, shards) != (0, 1)):
@@ -361,15 +331,15 @@ class Put:
 
 
 def decode_put(payload: bytes | memoryview) -> Put:
-    r = _Reader(payload, "tensor_put")
+    r = _reader(payload, "tensor_put")
     key = r.text("key")
-    n = r.unpack("I", "descriptor_length")
+    n = r.u32("descriptor_length")
     raw = r.take(n, "descriptor")
     desc = _descriptor(raw, "tensor_put")
     if len(desc.encode()) != n:
         raise _bad(f"tensor_put: the descriptor is {len(desc.encode())} bytes, its length "
                    f"prefix says {n}", field_="descriptor_length", value=n)
-    total = r.unpack("Q", "total_data_bytes")
+    total = r.u64("total_data_bytes")
     r.end()
     _check_total(desc, total, "tensor_put")
     return Put(key, desc, total)
@@ -407,8 +377,8 @@ class ErrorMessage:
 
 
 def decode_error(payload: bytes | memoryview) -> ErrorMessage:
-    r = _Reader(payload, "error")
-    code = r.unpack("I", "error_code")
+    r = _reader(payload, "error")
+    code = r.u32("error_code")
     text = r.text("message")
     r.end()
     return ErrorMessage(code, text)
@@ -424,7 +394,7 @@ class Delete:
 
 
 def decode_delete(payload: bytes | memoryview) -> Delete:
-    r = _Reader(payload, "delete")
+    r = _reader(payload, "delete")
     key = r.text("key")
     r.end()
     return Delete(key)
@@ -437,7 +407,7 @@ def encode_text(text: str) -> bytes:
 
 def decode_text(payload: bytes | memoryview, what: str) -> str:
     """A payload that is one ``u32 n + utf8`` string (LIST's prefix, STAT_REPLY's JSON)."""
-    r = _Reader(payload, what)
+    r = _reader(payload, what)
     text = r.text("text")
     r.end()
     return text
