@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import units
 from ..errors import HurrayError
-from . import admin, puts
+from . import puts
+from .codecs import decode, frame
 from .dataplane import DataPlan
+from .handlers import HANDLERS, refusal
 from .keystore import StoredObject, StoreFull
 from .messages import (
     HEADER,
@@ -46,13 +48,8 @@ from .messages import (
     Hello,
     MessageType,
     ProtocolError,
-    decode_empty,
-    decode_error,
     decode_header,
-    decode_hello,
-    decode_request,
     encode_data_header,
-    message,
 )
 from .tenants import UnreadableIdentity, scoped_key, tenant_identity
 
@@ -357,7 +354,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _send_error(self, stream: int, code: int, text: str) -> None:
         self.server.counts.errors[int(code)] += 1
-        self._write(message(MessageType.ERROR, stream, ErrorMessage(int(code), text).encode()))
+        self._write(frame(MessageType.ERROR, stream, ErrorMessage(int(code), text)))
 
     def _close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -386,42 +383,14 @@ class Connection(asyncio.BufferedProtocol):
             self._on_hello(stream, payload)
             return
         self.dead.pop(stream, None)  # a new exchange on this stream id (after the PUT)
-        if mtype == MessageType.TENSOR_REQUEST:
-            req = decode_request(payload)
-            obj = self.server.store.get(self._key(req.key))
-            if obj is None:
-                raise ProtocolError(f"no tensor under key {req.key!r}", ErrorCode.UNKNOWN_TENSOR)
-            if req.preferred_device not in (0,) and 0 not in self.hello.devices:
-                raise ProtocolError(f"device 0x{req.preferred_device:02x} is unavailable and "
-                                    "the client does not take CPU", ErrorCode.DEVICE_UNAVAILABLE)
-            self._spawn(self._send_object(stream, req.key, obj))
-        elif mtype == MessageType.TENSOR_PUT:
-            puts.on_put(self, stream, payload)
-        elif mtype == MessageType.TENSOR_DATA:
-            raise ProtocolError("tensor_data without a TENSOR_PUT open on this stream")
-        elif mtype == MessageType.TENSOR_DATA_END:
-            decode_empty(payload, "tensor_data_end")
-            puts.on_data_end(self, stream)
-        elif mtype == MessageType.PING:
-            self._write(message(MessageType.PONG, stream, bytes(payload)))
-        elif mtype in admin.HANDLERS:
-            admin.HANDLERS[mtype](self, stream, payload)
-        elif mtype == MessageType.ERROR:
-            err = decode_error(payload)
-            log.info("stream %d: client error %d: %s", stream, err.code, err.message)
-            self._abort_stream(stream)
-        elif mtype == MessageType.CLIENT_HELLO:
-            raise ProtocolError("CLIENT_HELLO may be sent once per connection")
-        elif mtype in (MessageType.RDMA_REGISTER, MessageType.RDMA_READY):
-            raise ProtocolError("the RDMA data plane is not offered (capability bit 2 clear)")
-        elif mtype in MessageType._value2member_map_:
-            raise ProtocolError(f"{MessageType(mtype).name} does not travel client to server")
-        else:
-            raise ProtocolError(f"unknown message_type 0x{mtype:x}")
+        why = refusal(mtype)
+        if why is not None:
+            raise ProtocolError(why)
+        HANDLERS[mtype](self, stream, decode(mtype, payload))
 
     def _on_hello(self, stream: int, payload: memoryview) -> None:
         try:
-            hello = decode_hello(payload, "client_hello")
+            hello = decode(MessageType.CLIENT_HELLO, payload)
         except ProtocolError as e:
             self._send_error(stream, e.code, str(e))
             self._close()
@@ -441,7 +410,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.hello = hello
         reply = Hello(1, self.cfg.max_message_size, 0)
-        self._write(message(MessageType.SERVER_HELLO, stream, reply.encode()))
+        self._write(frame(MessageType.SERVER_HELLO, stream, reply))
 
     async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
         started = time.perf_counter()
@@ -449,8 +418,8 @@ class Connection(asyncio.BufferedProtocol):
                                                 else self.cfg.max_message_size) - 8)
         for desc, buffers in obj.items:
             total = sum(h.byte_size for h in desc.buffers)
-            self._write(message(MessageType.TENSOR_DESCRIPTOR, stream,
-                                DescriptorMessage(desc, total).encode()))
+            self._write(frame(MessageType.TENSOR_DESCRIPTOR, stream,
+                              DescriptorMessage(desc, total)))
             for offset, parts in DataPlan([memoryview(b).cast("B") for b in buffers]).frames(
                     max_frame):
                 if self.closed:
@@ -459,7 +428,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._write(encode_data_header(stream, offset, size), *parts)
                 if not self._writable.is_set():
                     await self._writable.wait()
-            self._write(message(MessageType.TENSOR_DATA_END, stream))
+            self._write(frame(MessageType.TENSOR_DATA_END, stream))
         self.server.counts.pulls += 1
         seconds = time.perf_counter() - started
         log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,

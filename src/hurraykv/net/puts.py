@@ -15,7 +15,8 @@ from ..errors import HurrayError
 from ..wire.layouts import Composite
 from .dataplane import DataAssembler
 from .keystore import PersistFull, StoreFull, object_from_items
-from .messages import ErrorCode, MessageType, ProtocolError, decode_put, message
+from .messages import ErrorCode, MessageType, ProtocolError, message
+from .messages import Put as PutMessage
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -40,8 +41,7 @@ class Put:
     started: float = field(default_factory=time.perf_counter)
 
 
-def on_put(c: Connection, stream: int, payload: memoryview) -> None:
-    put_msg = decode_put(payload)
+def on_put(c: Connection, stream: int, put_msg: PutMessage) -> None:
     desc = put_msg.descriptor
     put = c.puts.get(stream)
     if put is None:
@@ -72,7 +72,7 @@ def on_put(c: Connection, stream: int, payload: memoryview) -> None:
     if put.refused is None:
         put.assembler = DataAssembler(desc, pool=c.server.pool)
 
-def on_data_end(c: Connection, stream: int) -> None:
+def on_data_end(c: Connection, stream: int, _: None = None) -> None:
     put = c.puts.get(stream)
     if put is None or not put.open:
         raise ProtocolError("tensor_data_end without an open TENSOR_PUT")
