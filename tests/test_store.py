@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,9 @@ import hurraykv as hk
 from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.store import PageStore
+from hurraykv.store.manifest import parse_prefix_value, prefix_value, token_chains
 from hurraykv.store.pages import StoreError, page_key
+from hurraykv.store.scripts import prefix_key
 from tests.redis_fixtures import emptied_url
 from tests.snapshots import make_snapshot, zeroed
 
@@ -97,6 +101,39 @@ def test_lookup_prefix_on_shared_and_diverging_prompts(store):
     assert store.lookup_prefix(rng.integers(0, 32000, 40)) is None
     store.delete("chat")
     assert store.lookup_prefix(tokens[0]) is None
+
+
+_GEN = bytes(range(16))
+_GOOD = prefix_value("chat", 1, 16, _GEN)
+_DAMAGED = [
+    b"", _GOOD[:3], _GOOD[:8], _GOOD[:4 + 4 + 4 + 7],   # truncated before and inside fields
+    _GOOD[:-1], _GOOD + b"\0",                           # a generation of 15 or 17 bytes
+    struct.pack("<I", 1 << 31) + _GOOD[4:],              # an id longer than the value
+    struct.pack("<I", 4) + b"ch\xffa" + _GOOD[8:],       # an id that is not UTF-8
+]
+
+
+def test_prefix_values_parse_or_raise_store_error():
+    assert parse_prefix_value(_GOOD) == ("chat", 1, 16, _GEN)
+    assert parse_prefix_value(_GOOD[:-16]) == ("chat", 1, 16, None)  # before generations
+    for bad in _DAMAGED:
+        with pytest.raises(StoreError) as exc:
+            parse_prefix_value(bad)
+        assert exc.value.field and exc.value.rule, bad
+
+
+def test_lookup_prefix_passes_over_damaged_index_entries(store):
+    """A damaged prefix-index value is a StoreError inside lookup_prefix, never a
+    struct.error or UnicodeDecodeError: the entry is passed over for a shorter one."""
+    s = _prompt_batch(3, shared_pages=3, own_pages=2, layers=1)
+    rng = np.random.default_rng(7)
+    tokens = [rng.integers(0, 32000, 19), rng.integers(0, 32000, 19)]
+    store.put("chat", s, token_ids=tokens)
+    chains = token_chains(tokens[1], s.layer(0)[0].page_size)
+    for bad in _DAMAGED:
+        for c in chains[1:]:
+            store.client.set(prefix_key(c), bad)
+        assert store.lookup_prefix(tokens[1]) == ("chat", 1, 4)
 
 
 def test_missing_page_is_an_error_never_wrong_data(store):

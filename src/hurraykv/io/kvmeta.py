@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ContainerError
+from ..wire.cursor import Cursor
 
 STRING, INT64, UINT64, FLOAT64, BOOL, BYTES, ARRAY = range(1, 8)
 _NUMERIC = {INT64: "<i8", UINT64: "<u8", FLOAT64: "<f8"}
@@ -111,40 +112,19 @@ def encode_kv(kv: dict[str, Any]) -> bytes:
     return b"".join(parts)
 
 
-class _Reader:
-    def __init__(self, data: memoryview, base: int) -> None:
-        self.data, self.pos, self.base = data, 0, base
-
-    def take(self, n: int, what: str) -> memoryview:
-        if n > len(self.data) - self.pos:
-            raise ContainerError(
-                f"KV section truncated at file offset {self.base + self.pos}: {what} needs "
-                f"{n} bytes, {len(self.data) - self.pos} left", field=f"kv.{what}",
-                offset=self.base + self.pos, value=n, rule="stay inside kv_length")
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str, what: str) -> Any:
-        s = struct.Struct("<" + fmt)
-        return s.unpack(self.take(s.size, what))[0]
-
-    def utf8(self, raw: memoryview, what: str) -> str:
-        try:
-            return bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ContainerError(f"{what} at file offset {self.base + self.pos - len(raw)} is "
-                                 "not valid UTF-8", field=f"kv.{what}",
-                                 offset=self.base + self.pos - len(raw)) from None
+def _reader(data: memoryview | bytes, base: int) -> Cursor:
+    return Cursor(data, error=ContainerError, noun="KV section", prefix="kv.",
+                  where="file offset", base=base, bound="kv_length")
 
 
-def _value(r: _Reader, tag: int, key: str) -> Any:
+def _value(r: Cursor, tag: int, key: str) -> Any:
     if tag in (STRING, BYTES):
-        n = r.unpack("I", f"{key}.length")
+        n = r.u32(f"{key}.length")
+        at = r.pos
         raw = r.take(n, key)
-        return r.utf8(raw, key) if tag == STRING else bytes(raw)
+        return r.utf8(raw, key, at) if tag == STRING else bytes(raw)
     if tag == BOOL:
-        b = r.unpack("B", key)
+        b = r.u8(key)
         if b > 1:
             raise ContainerError(f"KV bool {key!r} at file offset {r.base + r.pos - 1}: found "
                                  f"{b}; a bool is 0 or 1", field=f"kv.{key}",
@@ -155,8 +135,8 @@ def _value(r: _Reader, tag: int, key: str) -> Any:
 
 def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
     """Decode a KV section; ``base`` is its file offset, for messages."""
-    r = _Reader(memoryview(data), base)
-    count = r.unpack("I", "kv_count")
+    r = _reader(data, base)
+    count = r.u32("kv_count")
     if count > (len(r.data) - 4) // 4:  # each entry takes >= 4 bytes: bound before looping
         raise ContainerError(f"kv_count {count} at file offset {base} cannot fit in "
                              f"{len(r.data)} bytes", field="kv.kv_count", offset=base,
@@ -164,15 +144,15 @@ def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for _ in range(count):
         at = base + r.pos
-        n = r.unpack("H", "key_length")
+        n = r.u16("key_length")
         if n == 0:
             raise ContainerError(f"KV key_length at file offset {at} is 0; keys are >= 1 byte",
                                  field="kv.key_length", offset=at, value=0)
-        key = r.utf8(r.take(n, "key"), "key")
+        key = r.utf8(r.take(n, "key"), "key", r.pos - n)
         if key in out:
             raise ContainerError(f"KV key {key!r} at file offset {at} appears twice",
                                  field="kv.key", offset=at, value=key, rule="keys are unique")
-        tag = r.unpack("B", f"{key}.value_tag")
+        tag = r.u8(f"{key}.value_tag")
         if tag not in _NAMES:
             raise ContainerError(f"KV value_tag of {key!r} at file offset {base + r.pos - 1}: "
                                  f"found 0x{tag:02x}; tags 0x01-0x07 only (0x08-0xEF reserved, "
@@ -181,8 +161,8 @@ def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
         if tag != ARRAY:
             out[key] = _value(r, tag, key)
             continue
-        elem = r.unpack("B", f"{key}.element_tag")
-        n_el = r.unpack("I", f"{key}.count")
+        elem = r.u8(f"{key}.element_tag")
+        n_el = r.u32(f"{key}.count")
         if elem not in _NAMES or elem == ARRAY:
             raise ContainerError(f"KV array {key!r}: element tag 0x{elem:02x}; arrays hold tags "
                                  "0x01-0x06", field=f"kv.{key}.element_tag", value=elem,
@@ -190,9 +170,9 @@ def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
         if elem in _NUMERIC:
             out[key] = np.frombuffer(r.take(8 * n_el, key), _NUMERIC[elem]).copy()
         else:
-            if n_el > len(r.data) - r.pos:  # every element takes >= 1 byte
+            if n_el > r.left:  # every element takes >= 1 byte
                 raise ContainerError(f"KV array {key!r} claims {n_el} elements in "
-                                     f"{len(r.data) - r.pos} bytes", field=f"kv.{key}.count",
+                                     f"{r.left} bytes", field=f"kv.{key}.count",
                                      value=n_el, offset=base + r.pos - 4)
             out[key] = [_value(r, elem, key) for _ in range(n_el)]
     if r.pos != len(r.data):

@@ -21,6 +21,7 @@ from ..errors import StoreError
 from ..info import info_member
 from ..io.stream import write_tensor
 from ..snapshot import KVCacheSnapshot, group_head, kv_scales_member, seq_lens_member
+from ..wire.cursor import Cursor
 from ..wire.descriptor import decode_descriptor
 from ..wire.layouts import BlockPaged
 from ..wire.quantization import PerBlockAffine
@@ -101,39 +102,39 @@ def prefix_value(snapshot_id: str, seq: int, count: int, generation: bytes) -> b
     return struct.pack("<I", len(raw)) + raw + struct.pack("<IQ", seq, count) + generation
 
 
+def _reader(raw: bytes | memoryview, what: str) -> Cursor:
+    return Cursor(raw, error=StoreError, noun=what, bound=f"its {len(raw)} bytes")
+
+
 def parse_prefix_value(value: bytes) -> tuple[str, int, int, bytes | None]:
     """(snapshot id, sequence, tokens, generation; None in entries written before
-    generations were recorded)."""
-    (n,) = struct.unpack_from("<I", value)
-    seq, count = struct.unpack_from("<IQ", value, 4 + n)
-    generation = bytes(value[16 + n:16 + n + 16]) or None
-    return value[4:4 + n].decode("utf-8"), seq, count, generation
+    generations were recorded).  A value that is not one is a :class:`StoreError`."""
+    r = _reader(value, "prefix-index value")
+    snapshot_id = r.text("snapshot_id")
+    seq, count = r.u32("sequence"), r.u64("tokens")
+    generation = None
+    if r.left:
+        generation = bytes(r.take(16, "generation"))
+    r.end()
+    return snapshot_id, seq, count, generation
 
 
 def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], bytes]:
     """(items: [(descriptor, buffers)], page digests, token bytes)."""
-    mv = memoryview(raw)
-    try:
-        if bytes(mv[:4]) != MAGIC:
-            raise ValueError("magic")
-        (version,) = struct.unpack_from("<I", mv, 4)
-        if version not in (1, 2):
-            raise ValueError(f"version {version}")
-        pos = 8 if version == 1 else 24
-        (n,) = struct.unpack_from("<Q", mv, pos)
-        pos += 8
-        hurray = mv[pos:pos + n]
-        pos += n
-        (tn,) = struct.unpack_from("<Q", mv, pos)
-        table_raw = bytes(mv[pos + 8:pos + 8 + tn])
-        pos += 8 + tn
-        (kn,) = struct.unpack_from("<Q", mv, pos)
-        tokens = bytes(mv[pos + 8:pos + 8 + kn])
-        if len(table_raw) != tn or tn % DIGEST or len(tokens) != kn:
-            raise ValueError("truncated")
-    except (ValueError, struct.error) as e:
-        raise StoreError(f"manifest of {snapshot_id!r} does not parse: {e}",
-                         field="manifest", value=snapshot_id) from None
+    r = _reader(raw, f"manifest of {snapshot_id!r}")
+    if bytes(r.take(4, "magic")) != MAGIC:
+        raise r.fail("magic", 0, bytes(raw[:4]), f"a manifest starts with {MAGIC!r}")
+    version = r.u32("version")
+    if version not in (1, 2):
+        raise r.fail("version", 4, version, "manifest versions are 1 and 2")
+    if version == 2:
+        r.take(16, "generation")
+    hurray = r.take(r.u64("hurray_length"), "hurray")
+    tn = r.u64("digests_length")
+    if tn % DIGEST:
+        raise r.fail("digests_length", r.pos - 8, tn, f"a multiple of {DIGEST} bytes")
+    table_raw = bytes(r.take(tn, "digests"))
+    tokens = bytes(r.take(r.u64("tokens_length"), "tokens"))
     items = []
     off = 0
     while off < len(hurray):
@@ -144,6 +145,9 @@ def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], byt
             if isinstance(desc.layout, BlockPaged) and (
                     i == 0 or (i >= 3 and isinstance(desc.quantization, PerBlockAffine))):
                 continue  # page data: in the page keys
+            if off + h.byte_size > len(hurray):
+                raise r.fail("hurray", off, h.byte_size, f"buffer {i} of a member lies "
+                             f"inside the {len(hurray)} Hurray bytes")
             bufs.append(np.frombuffer(hurray[off:off + h.byte_size], np.uint8))
             off += h.byte_size
         items.append((desc, bufs))

@@ -70,7 +70,6 @@ prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the refere
 from __future__ import annotations
 
 import contextlib
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -303,7 +302,7 @@ class PageStore:
             found = []
             for value in reversed(pipe.execute()):  # longest first
                 if value is not None:
-                    with contextlib.suppress(struct.error, UnicodeDecodeError):
+                    with contextlib.suppress(StoreError):  # a damaged entry: passed over
                         found.append(parse_prefix_value(value))
             if not found:
                 continue
