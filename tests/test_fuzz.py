@@ -38,3 +38,15 @@ def test_fuzz_target(target, tmp_path):
             if len(findings) >= 5:
                 break
     assert not findings, f"seed {seed}: " + "\n".join(str(f) for f in findings)
+
+
+def test_protocol_seeds_hold_every_message_type():
+    from hurraykv.net.codecs import CODECS
+
+    seen = {t for seed in targets.seeds("protocol") for t, _ in targets.frames(seed)}
+    assert set(CODECS) <= seen, sorted(set(CODECS) - seen)
+
+
+def test_protocol_seeds_pass_the_target():
+    for seed in targets.seeds("protocol"):
+        targets.check("protocol", seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import pytest
@@ -132,3 +133,104 @@ def test_data_plane_concatenates_buffers_without_padding():
     asm.target(600, 64)[:] = bytes(range(64))
     pool, bt, sp = asm.finish()
     assert (len(pool), bytes(bt), len(sp)) == (640, bytes(range(40, 52)), 12)
+
+
+# ------------------------------------------------------------------ every message type
+# One row per message type in codecs.CODECS: a known value, its payload as literal bytes
+# (hex, spaces between fields), and malformed variants (truncated, oversized, a wrong
+# field), each answered with a ProtocolError carrying the given ERROR code.
+_D = WORKED.encode().hex()
+_I = E.INVALID_MESSAGE
+_T = m.MessageType
+_HELLO = "01000000 00000001 0000000000000000 0300 0a 0b 01 0100 00 0100 00"
+_CASES = [
+    (_T.CLIENT_HELLO, m.Hello(), _HELLO, [
+        ("02000000 00000001 1000000000000000 0000 0000", _I),  # capability bit 4
+        ("01000000 00010000 0000000000000000 0000 0000", _I)]),  # max_message_size 256
+    (_T.SERVER_HELLO, m.Hello(1, 4096, 0, (m.LayoutEntry(0xF3, b"x"),), (0,), (0,)),
+     "01000000 00100000 0000000000000000 0100 f3 0100 78 0100 00 0100 00", [
+         ("01000000 00100000 0000000000000000 0100 f3 0900 78 0100 00 0100 00", _I)]),
+    (_T.TENSOR_REQUEST, m.Request("k", (), 0, 64, 0), "01000000 6b 0000 00 40000000 00000000",
+     [("01000000 6b 0000 00 30000000 00000000", _I),  # min_alignment 48
+      ("01000000 6b 0000 00 40000000 04000000", _I),  # request_flags bit 2
+      ("01000000 ff 0000 00 40000000 00000000", _I)]),  # the key is not UTF-8
+    (_T.TENSOR_DESCRIPTOR, m.DescriptorMessage(WORKED, 664),
+     _D + " 9802000000000000 00000000 01000000",
+     [(_D + " 9702000000000000 00000000 01000000", _I),  # total_data_bytes 663
+      (_D + " 9802000000000000 01000000 02000000", E.SHARD_MISMATCH)]),
+    (_T.TENSOR_DATA, (4096, b"xyz"), "0010000000000000 78797a", []),
+    (_T.TENSOR_DATA_END, None, "", []),
+    (_T.TENSOR_PUT, m.Put("k", WORKED, 664),
+     f"01000000 6b {len(WORKED.encode()):02x}000000 {_D} 9802000000000000",
+     [(f"01000000 6b {len(WORKED.encode()) + 1:02x}000000 {_D} 00 9802000000000000", _I),
+      (f"01000000 6b {len(WORKED.encode()):02x}000000 {_D} 9902000000000000", _I)]),
+    (_T.TENSOR_PUT_ACK, None, "", []),
+    (_T.ERROR, m.ErrorMessage(7, "big"), "07000000 03000000 626967",
+     [("07000000 03000000 62ff67", _I)]),
+    (_T.PING, b"hi", "6869", []),  # opaque: every payload is a PING
+    (_T.PONG, b"hi", "6869", []),
+    (_T.DELETE, m.Delete("k"), "01000000 6b", [("01000000 ff", _I)]),
+    (_T.DELETE_ACK, None, "", []),
+    (_T.LIST, "k/", "02000000 6b2f", [("02000000 6bff", _I)]),
+    (_T.LIST_REPLY, [("a", 5)], "01000000 01000000 61 0500000000000000",
+     [("02000000 01000000 61 0500000000000000", _I)]),  # count 2 in 13 bytes
+    (_T.STAT, None, "", []),
+    (_T.STAT_REPLY, "{}", "02000000 7b7d", [("02000000 7bff", _I)]),
+    (_T.HAS, ["a", "bc"], "02000000 01000000 61 02000000 6263",
+     [("01000100 01000000 61", _I)]),  # 65537 keys: above MAX_KEYS
+    (_T.HAS_REPLY, [True, False], "02000000 0100", [("02000000 0102", _I)]),  # flag 2
+    (_T.LINK, [("a", "b")], "01000000 01000000 61 01000000 62",
+     [("02000000 01000000 61 01000000 62", _I)]),  # count 2: a pair short
+    (_T.LINK_ACK, None, "", []),
+    (_T.LOCATE, ["a"], "01000000 01000000 61", [("01000000 01000000 ff", _I)]),
+    (_T.LOCATE_REPLY, ["b", ""], "02000000 01000000 62 00000000",
+     [("03000000 01000000 62 00000000", _I)]),
+    (_T.ALIASES, "", "00000000", [("01000000", _I)]),
+    (_T.ALIASES_REPLY, [("a", "b")], "01000000 01000000 61 01000000 62",
+     [("01000000 01000000 61 05000000 62", _I)]),
+]
+
+
+def test_every_message_type_has_a_codec_and_a_case():
+    from hurraykv.net.codecs import CODECS
+
+    assert sorted(CODECS) == sorted(t for t, *_ in _CASES)
+    assert set(CODECS) == set(_T) - {_T.RDMA_REGISTER, _T.RDMA_READY}  # RDMA: not offered
+
+
+@pytest.mark.parametrize(("mtype", "value", "payload", "bad"), _CASES,
+                         ids=[t.name for t, *_ in _CASES])
+def test_message_bytes_and_malformed_variants(mtype, value, payload, bad):
+    from hurraykv.net.codecs import decode, encode, frame
+
+    raw = bytes.fromhex(payload)
+    assert encode(mtype, value) == raw
+    assert frame(mtype, 3, value) == struct.pack("<III", mtype, 3, len(raw)) + raw
+    back = decode(mtype, raw)
+    if mtype == _T.TENSOR_DATA:
+        back = (back[0], bytes(back[1]))
+    assert back == value
+    variants = [(bytes.fromhex(h), code) for h, code in bad]
+    if mtype not in (_T.PING, _T.PONG, _T.TENSOR_DATA):
+        variants.append((raw + b"\0", _I))  # oversized: a byte after the fields
+        if raw:
+            variants.append((raw[:-1], _I))  # truncated
+    elif mtype == _T.TENSOR_DATA:
+        variants.append((raw[:7], _I))  # shorter than the u64 offset
+    for data in variants:
+        with pytest.raises(m.ProtocolError) as exc:
+            decode(mtype, data[0])
+        assert exc.value.code == data[1], (mtype.name, data[0].hex())
+        assert exc.value.field, (mtype.name, data[0].hex())
+
+
+def test_every_truncation_of_every_message_is_a_protocol_error():
+    """No prefix of a well-formed payload decodes to anything but a value or a
+    ProtocolError (never struct.error, IndexError or UnicodeDecodeError)."""
+    from hurraykv.net.codecs import decode
+
+    for mtype, _, payload, _ in _CASES:
+        raw = bytes.fromhex(payload)
+        for cut in range(len(raw)):
+            with contextlib.suppress(m.ProtocolError):
+                decode(mtype, raw[:cut])

@@ -10,8 +10,10 @@ Targets:
                    what they accept builds every member and reads every token.
 * ``stream``     - the streaming format from a non-seekable source, as a snapshot and as
                    plain tensors.
-* ``protocol``   - the message decoders, and a live server on loopback fed the bytes as
-                   one connection; it must stay up and answer a PING afterwards.
+* ``protocol``   - every codec's decoder (``codecs.CODECS``) on the first payload, each
+                   frame's payload through its own type's decoder, and a live server on
+                   loopback fed the bytes as one connection; it must stay up and answer
+                   a PING afterwards.  The seeds hold every message type.
 
 Each check runs under tracemalloc: the peak traced allocation of one input may be at
 most ``2 x len(input)`` plus ``SLACK`` (decoded Python objects of a small input), so no
@@ -37,6 +39,7 @@ from hurraykv.io.hrry import HrryFile, read_hrry_sequential
 from hurraykv.io.snapshots import snapshot_from_file
 from hurraykv.io.stream import TensorStreamReader
 from hurraykv.net import messages as m
+from hurraykv.net.codecs import CODECS, frame
 from hurraykv.net.messages import MessageType as T
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
@@ -122,9 +125,18 @@ def stream(data: bytes) -> None:
             pass
 
 
-_DECODERS: list[Callable[[memoryview], object]] = [
-    m.decode_hello, m.decode_request, m.decode_put, m.decode_descriptor_message,
-    m.decode_error, m.decode_delete, m.decode_data]
+_DECODERS: list[Callable[[memoryview], object]] = [c.decode for c in CODECS.values()]
+
+
+def frames(data: bytes | memoryview, most: int = 256) -> Iterator[tuple[int, memoryview]]:
+    """(message_type, payload) of the whole frames at the start of ``data``."""
+    view, pos = memoryview(data), 0
+    while most and pos + 12 <= len(view):
+        mtype, _, length = struct.unpack_from("<III", view, pos)
+        if pos + 12 + length > len(view):
+            return
+        yield mtype, view[pos + 12:pos + 12 + length]
+        pos, most = pos + 12 + length, most - 1
 
 
 class _LiveServer:
@@ -156,6 +168,10 @@ def protocol(data: bytes) -> None:
         for decode in _DECODERS:
             with contextlib.suppress(hk.HurrayError):
                 decode(payload)
+    for mtype, payload in frames(view):  # each payload through its own decoder
+        if mtype in CODECS:
+            with contextlib.suppress(hk.HurrayError):
+                CODECS[mtype].decode(payload)
     with socket.create_connection(_LiveServer.address(), timeout=5) as s, \
             contextlib.suppress(OSError):
         s.sendall(data)
@@ -207,19 +223,37 @@ def seeds(target: str) -> list[bytes]:
     out = []
     for i, snap in enumerate(_snapshots()[:3]):
         key = f"fuzz-{i}"
-        frames = [m.message(T.CLIENT_HELLO, 1, m.Hello().encode()),
-                  m.message(T.TENSOR_PUT, 3, m.Put(key, snap.head(), 0).encode()),
-                  m.message(T.TENSOR_DATA_END, 3)]
+        parts = [m.message(T.CLIENT_HELLO, 1, m.Hello().encode()),
+                 m.message(T.TENSOR_PUT, 3, m.Put(key, snap.head(), 0).encode()),
+                 m.message(T.TENSOR_DATA_END, 3)]
         for _, desc, bufs in snap.members():
             raw = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-            frames.append(m.message(T.TENSOR_PUT, 3, m.Put(key, desc, len(raw)).encode()))
+            parts.append(m.message(T.TENSOR_PUT, 3, m.Put(key, desc, len(raw)).encode()))
             if raw:
-                frames.append(m.message(T.TENSOR_DATA, 3, struct.pack("<Q", 0) + raw))
-            frames.append(m.message(T.TENSOR_DATA_END, 3))
-        frames += [m.message(T.TENSOR_REQUEST, 5, m.Request(key).encode()),
-                   m.message(T.DELETE, 7, m.Delete(key).encode()),
-                   m.message(T.PING, 9, b"ping")]
-        out.append(b"".join(frames))
+                parts.append(m.message(T.TENSOR_DATA, 3, struct.pack("<Q", 0) + raw))
+            parts.append(m.message(T.TENSOR_DATA_END, 3))
+        parts += [frame(T.TENSOR_REQUEST, 5, m.Request(key)),
+                   frame(T.HAS, 11, [key, "nothing"]),
+                   frame(T.LINK, 13, [(f"{key}-alias", key)]),
+                   frame(T.LOCATE, 15, [f"{key}-alias", "nothing"]),
+                   frame(T.LIST, 17, "fuzz-"),
+                   frame(T.ALIASES, 19, ""),
+                   frame(T.STAT, 21),
+                   frame(T.ERROR, 23, m.ErrorMessage(int(m.ErrorCode.TIMEOUT), "gave up")),
+                   frame(T.DELETE, 7, m.Delete(key)),
+                   frame(T.PING, 9, b"ping")]
+        out.append(b"".join(parts))
+    # what only a server sends, sent to one (each answered with ERROR on its stream)
+    snap = _snapshots()[0]
+    head = snap.head()
+    replies = [(T.SERVER_HELLO, m.Hello()), (T.TENSOR_DESCRIPTOR, m.DescriptorMessage(head, 0)),
+               (T.TENSOR_DATA, (0, b"data")), (T.TENSOR_PUT_ACK, None), (T.PONG, b"ping"),
+               (T.DELETE_ACK, None), (T.LIST_REPLY, [("fuzz-0", 4096)]),
+               (T.STAT_REPLY, '{"objects_in_memory": 0}'), (T.HAS_REPLY, [True, False]),
+               (T.LINK_ACK, None), (T.LOCATE_REPLY, ["fuzz-0", ""]),
+               (T.ALIASES_REPLY, [("fuzz-a", "fuzz-0")])]
+    out.append(frame(T.CLIENT_HELLO, 1, m.Hello()) + b"".join(
+        frame(t, 3 + 2 * i, value) for i, (t, value) in enumerate(replies)))
     return out
 
 
