@@ -1,4 +1,4 @@
-"""Shared pieces of the engine adapters: padded block tables, layer assembly."""
+"""Shared pieces of the engine adapters: int32 tables, layer assembly."""
 
 from __future__ import annotations
 
@@ -11,34 +11,6 @@ from ..errors import HurrayError, LayoutError, UnsupportedError
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot
 from ..wire.dtypes import element_type
-
-
-def padded_to_csr(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """A padded ``[num_seqs, max_blocks]`` table and lengths -> (block_table, seq_ptr)."""
-    table = np.asarray(block_table)
-    lens = np.asarray(seq_lens).astype(np.int64).reshape(-1)
-    if table.ndim != 2 or table.shape[0] != len(lens):
-        raise LayoutError.at("block_table.shape", None, list(table.shape),
-                             f"a padded block table is [num_seqs={len(lens)}, max_blocks]")
-    pages = -(-lens // block_size)
-    if len(pages) and pages.max(initial=0) > table.shape[1]:
-        s = int(np.argmax(pages > table.shape[1]))
-        raise LayoutError.at(f"seq_lens[{s}]", s, int(lens[s]),
-                             f"needs {int(pages[s])} blocks; the table has {table.shape[1]} "
-                             "columns", where="index")
-    used = np.arange(table.shape[1])[None, :] < pages[:, None]
-    return table[used].astype(np.int64), np.concatenate([[0], np.cumsum(pages)])
-
-
-def csr_to_padded(t: BlockPagedTensor, pad: int = 0) -> np.ndarray:
-    """(block_table, seq_ptr) -> a padded ``[num_seqs, max_blocks]`` int32 table."""
-    pages = t.pages_per_seq
-    width = int(pages.max(initial=0))
-    out = np.full((t.num_seqs, width), pad, np.int64)
-    used = np.arange(width)[None, :] < pages[:, None]
-    out[used] = t.block_table
-    return checked_int32(out, "block_table")
 
 
 def checked_int32(a: np.ndarray, name: str) -> np.ndarray:

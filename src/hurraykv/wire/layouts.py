@@ -300,10 +300,6 @@ class Composite:
     combine_op: int = 0
     TAG: ClassVar[int] = 0x0B
 
-    @property
-    def rule_name(self) -> str:
-        return COMPOSITE_RULES.get(self.rule, f"0x{self.rule:02x}")
-
     def encode(self, rank: int) -> bytes:
         return _pack("BB2xI", self.rule, self.combine_op, self.member_count)
 
