@@ -123,7 +123,7 @@ def test_validate_a_stream_of_plain_tensors(tmp_path):
     assert p.returncode == 1 and "StreamError" in p.stderr
     with open(path, "wb") as f:
         write_tensor(f, hk.TensorDescriptor(0x03, (2,), hk.wire.RowMajor(),
-                                            (hk.BufferHandle(8),)), [bytes(8)])
+                                            (hk.wire.BufferHandle(8),)), [bytes(8)])
     p = run("validate", str(path))
     assert p.returncode == 0 and "no KV snapshot" in p.stdout, p.stderr
 

@@ -116,7 +116,7 @@ def test_every_block_paged_field_reads_the_same():
     ["key", "value", "fused"], ["uint32", "uint64"],
     ["float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8"]))
 def test_their_block_paged_tensors_decode_here(role, index, dtype):
-    et = hk.element_type(dtype)
+    et = hk.wire.element_type(dtype)
     pool = np.zeros(3 * 4 * 2 * 8 * et.bits // 8, np.uint8).tobytes()
     width = 4 if index == "uint32" else 8
     table = np.array([2, 0, 2], f"<u{width}").tobytes()  # page 2 shared by both sequences

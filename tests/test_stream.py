@@ -143,7 +143,7 @@ def test_limits_refuse_before_allocating(tmp_path):
         hk.read_snapshot_stream(io.BytesIO(data), max_buffer_bytes=64)
     # A hostile descriptor claiming a 1 TiB buffer: on a file it is refused up front...
     huge = hk.TensorDescriptor(0x11, (1 << 40,), hk.wire.RowMajor(),
-                               (hk.BufferHandle(1 << 40),))
+                               (hk.wire.BufferHandle(1 << 40),))
     path = tmp_path / "hostile.bin"
     path.write_bytes(huge.encode() + b"\0" * 10)
     with open(path, "rb") as f, pytest.raises(hk.StreamError, match="only 10 remain"):

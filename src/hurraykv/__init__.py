@@ -10,13 +10,22 @@ Entry points::
 
     desc = hurraykv.decode_descriptor(data)                # bytes -> TensorDescriptor
     data = desc.encode()                                   # TensorDescriptor -> bytes
+
+The top level holds task-level names: snapshots, tensors, files, streams, the client,
+server and store, descriptors and the errors.  Wire helpers (element types, layouts,
+buffer handles, sub-byte ``pack``/``unpack``) live in :mod:`hurraykv.wire`; the ones the
+top level used to export still resolve here, with a DeprecationWarning.
 """
 
+import warnings as _warnings
+
+from . import wire
 from .errors import (
-    BufferError,
+    BufferError,  # deprecated alias of HurrayBufferError (shadows the builtin)
     ContainerError,
     DescriptorError,
     ElementTypeError,
+    HurrayBufferError,
     HurrayError,
     LayoutError,
     MissingDependencyError,
@@ -40,23 +49,16 @@ from .io.stream import (
 )
 from .paged import BlockPagedTensor
 from .snapshot import KVCacheSnapshot
-from .wire import (
-    ELEMENT_TYPES,
-    BlockPaged,
-    BufferHandle,
-    ElementType,
-    TensorDescriptor,
-    decode_descriptor,
-    element_type,
-    pack,
-    unpack,
-)
+from .wire import TensorDescriptor, decode_descriptor
 
 __version__ = "0.1.0"
 
 # The network client and server and the Redis store, imported on first use so that
 # ``import hurraykv`` needs neither redis nor torch.
 _LAZY = {"KVClient": "net.client", "KVServer": "net.server", "PageStore": "store"}
+# Wire helpers once exported here: import them from hurraykv.wire.
+_MOVED = {"ELEMENT_TYPES", "BlockPaged", "BufferHandle", "ElementType", "element_type",
+          "pack", "unpack"}
 
 
 def __getattr__(name: str):
@@ -64,20 +66,21 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _MOVED:
+        _warnings.warn(f"hurraykv.{name} is deprecated: import it from hurraykv.wire",
+                       DeprecationWarning, stacklevel=2)
+        return getattr(wire, name)
     raise AttributeError(f"module 'hurraykv' has no attribute {name!r}")
 
 
 __all__ = [
-    "ELEMENT_TYPES",
-    "BlockPaged",
     "BlockPagedTensor",
     "BufferError",
-    "BufferHandle",
     "ContainerError",
     "DescriptorError",
-    "ElementType",
     "ElementTypeError",
     "HrryFile",
+    "HurrayBufferError",
     "HurrayError",
     "KVCacheSnapshot",
     "KVClient",
@@ -98,12 +101,9 @@ __all__ = [
     "TransportError",
     "UnsupportedError",
     "decode_descriptor",
-    "element_type",
     "load_snapshot",
-    "pack",
     "read_snapshot_sequential",
     "read_snapshot_stream",
     "save_snapshot",
-    "unpack",
     "write_snapshot_stream",
 ]

@@ -62,8 +62,15 @@ class LayoutError(HurrayError):
     """Layout fields and the structural invariants of a layout (block-paged included)."""
 
 
-class BufferError(HurrayError):
+class HurrayBufferError(HurrayError):
     """Buffer table entries and buffer contents: sizes, alignment, devices, placement."""
+
+
+# Deprecated alias: ``BufferError`` shadows Python's builtin of the same name (raised by
+# memoryview and the buffer protocol), so ``except BufferError`` near hurraykv code could
+# catch either.  It stays importable (``hk.BufferError``, ``hurraykv.errors.BufferError``)
+# as the same class; new code names HurrayBufferError.
+BufferError = HurrayBufferError
 
 
 class QuantizationError(HurrayError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from ..errors import BufferError
+from ..errors import HurrayBufferError
 
 HANDLE = struct.Struct("<QIBBBB")
 assert HANDLE.size == 16
@@ -92,40 +92,43 @@ def check_handle(h: BufferHandle, index: int, base: int) -> None:
     name = f"buffers[{index}]"
     a = h.alignment
     if a == 0 or a & (a - 1):
-        raise BufferError.at(f"{name}.alignment", base + 8, a, "alignment MUST be a power of two")
+        raise HurrayBufferError.at(f"{name}.alignment", base + 8, a,
+                                   "alignment MUST be a power of two")
     if h.byte_size > 0 and a < 64:
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.alignment", base + 8, a, "a non-empty buffer MUST be aligned to >= 64 bytes"
         )
     dev = h.device_tag
     if dev == 0xFF:
-        raise BufferError.at(f"{name}.device_tag", base + 12, dev, "device tag 0xFF is invalid")
+        raise HurrayBufferError.at(f"{name}.device_tag", base + 12, dev,
+                                   "device tag 0xFF is invalid")
     if dev not in DEVICE_TAGS and not _private(dev):
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.device_tag", base + 12, dev, "device tags 0x09-0xEF are reserved"
         )
     if h.sync_mode not in SYNC_MODES:
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.sync_mode", base + 13, h.sync_mode, "sync_mode MUST be 0x00, 0x01 or 0x02"
         )
     if dev == 0x00 and h.sync_mode != 0:
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.sync_mode", base + 13, h.sync_mode,
             "a CPU buffer MUST be PRODUCER_SYNCED (0x00)",
         )
     mc = h.memory_class
     if mc not in MEMORY_CLASSES and not _private(mc):
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.memory_class", base + 14, mc, "memory classes 0x04-0xEF and 0xFF are reserved"
         )
     ok = (mc == 0 or _private(mc)) if _private(dev) else mc in VALID_CLASSES[dev]
     if not ok:
-        raise BufferError.at(
+        raise HurrayBufferError.at(
             f"{name}.memory_class", base + 14, mc,
             f"memory class {memory_class_name(mc)} is not valid on device {device_name(dev)}",
         )
     if h.reserved:
-        raise BufferError.at(f"{name}.reserved", base + 15, h.reserved, "reserved byte MUST be 0")
+        raise HurrayBufferError.at(f"{name}.reserved", base + 15, h.reserved,
+                                   "reserved byte MUST be 0")
 
 
 def check_colocation(handles: tuple[BufferHandle, ...], table_offset: int) -> None:
@@ -136,12 +139,12 @@ def check_colocation(handles: tuple[BufferHandle, ...], table_offset: int) -> No
     for i, h in enumerate(handles[1:], start=1):
         base = table_offset + 1 + 16 * i
         if h.device_tag != first.device_tag:
-            raise BufferError.at(
+            raise HurrayBufferError.at(
                 f"buffers[{i}].device_tag", base + 12, h.device_tag,
                 f"all buffers MUST share buffer 0's device_tag 0x{first.device_tag:02x}",
             )
         if h.memory_class != first.memory_class:
-            raise BufferError.at(
+            raise HurrayBufferError.at(
                 f"buffers[{i}].memory_class", base + 14, h.memory_class,
                 f"all buffers MUST share buffer 0's memory_class 0x{first.memory_class:02x}",
             )

@@ -33,12 +33,13 @@ import functools
 import struct
 from dataclasses import dataclass, field, replace
 
-from ..errors import BufferError, DescriptorError, ElementTypeError, HurrayError, LayoutError
+from ..errors import DescriptorError, ElementTypeError, HurrayBufferError, HurrayError, LayoutError
 from . import block_paged as _bp
 from .buffers import HANDLE, BufferHandle, check_colocation, check_handle
 from .cursor import Cursor
 from .dtypes import ELEMENT_TYPES, ElementType, check_type_tag, tag_class
 from .layouts import BlockPaged, Composite, Layout, RowMajor, check_layout_tag, decode_layout
+from .quant_registry import on_registry_change
 from .quantization import Quantization, check_in_context, decode_quantization
 from .sections import CompositeMember, ExtensionType, Shard, Statistics
 
@@ -194,6 +195,9 @@ def _decode_cached(raw: bytes, strict: bool) -> TensorDescriptor:
     return _decode(memoryview(raw), strict)
 
 
+on_registry_change(_decode_cached.cache_clear)  # a (un)registered scheme changes verdicts
+
+
 def _decode(mv: memoryview, strict: bool) -> TensorDescriptor:
     if len(mv) < HEADER.size:
         if len(mv) >= 4 and bytes(mv[:4]) != MAGIC:
@@ -280,7 +284,7 @@ def _check(d: TensorDescriptor, cur: Cursor) -> None:
                              "a scalar (rank 0) tensor MUST be row-major")
     if isinstance(layout, Composite):
         if d.buffers:
-            raise BufferError.at("buffer_count", table, len(d.buffers),
+            raise HurrayBufferError.at("buffer_count", table, len(d.buffers),
                                  "a composite head MUST have buffer_count 0")
         if d.byte_offset:
             raise LayoutError.at("byte_offset", cur.at("byte_offset"), d.byte_offset,
@@ -291,7 +295,7 @@ def _check(d: TensorDescriptor, cur: Cursor) -> None:
                                      "composite member section")
         return
     if not d.buffers:
-        raise BufferError.at("buffer_count", table, 0,
+        raise HurrayBufferError.at("buffer_count", table, 0,
                              "a tensor that is not a composite head needs >= 1 buffer")
     if isinstance(layout, BlockPaged):
         _bp.check_descriptor(d, cur)
