@@ -45,11 +45,11 @@ def test_a_refused_push_evicts_nobody(tmp_path):
         with pytest.raises(hk.RemoteError) as exc:
             c.push("big", big)
         assert exc.value.code == E.STORE_FULL and f"needs {big.nbytes} bytes" in str(exc.value)
-        assert [k for k, _ in c.list()] == ["other"]  # before: [] (evicted for member 4)
+        assert [k for k, _ in c.list_keys()] == ["other"]  # before: [] (evicted for member 4)
         assert c.pull("other").equal(other)
         fits = _fused(3, 2, seed=3)  # 6 MiB: fits only by evicting "other", which it may
         c.push("fits", fits)
-        assert [k for k, _ in c.list()] == ["fits"] and c.pull("fits").equal(fits)
+        assert [k for k, _ in c.list_keys()] == ["fits"] and c.pull("fits").equal(fits)
         store = st.server.store
         assert store.memory_bytes + store.reserved_bytes <= 8 * MIB
 
@@ -63,7 +63,7 @@ def test_a_group_keeps_objects_on_disk_out_of_memory_as_it_arrives(tmp_path):
             c.push("big", big)
         # a persisted object may leave memory for a group still arriving: it stays on disk
         assert "other" not in st.server.store._objects
-        assert [k for k, _ in c.list()] == ["other"] and c.pull("other").equal(other)
+        assert [k for k, _ in c.list_keys()] == ["other"] and c.pull("other").equal(other)
 
 
 # ------------------------------------------------------------------- 7 payload memory
@@ -163,7 +163,7 @@ def test_aliases_are_listed_removed_and_dropped_with_their_target(tmp_path, caps
         assert "a1  -> seg-1" in out and "b1  -> seg-2" in out and "3 aliases" in out
         assert main(["rm", st.address, "b1"]) == 0  # an alias: its target stays
         assert c.aliases() == [("a1", "seg-1"), ("a2", "seg-1")]
-        assert [k for k, _ in c.list()] == ["seg-1", "seg-2"]
+        assert [k for k, _ in c.list_keys()] == ["seg-1", "seg-2"]
         c.delete("seg-1")  # a target: its aliases go too
         assert c.aliases() == [] and c.locate(["a1"]) == [None]
         with pytest.raises(hk.RemoteError) as exc:
@@ -217,5 +217,5 @@ def test_an_alias_goes_when_its_target_is_evicted_for_good():
         c.push("t1", _fused(1, 2, seed=1))
         c.link([("a", "t1")])
         c.push("t2", _fused(1, 3, seed=2))  # evicts t1: no disk, no backing store
-        assert [k for k, _ in c.list()] == ["t2"]
+        assert [k for k, _ in c.list_keys()] == ["t2"]
         assert c.aliases() == [] and st.server.store.aliases.nbytes == 0

@@ -133,7 +133,7 @@ def test_certificates_naming_different_tenants_by_subject_alt_name_stay_apart(
     with pytest.raises(hk.RemoteError) as exc:  # before: bob pulled alice's key
         bob.pull("secret")
     assert exc.value.code == E.UNKNOWN_TENSOR
-    assert bob.list() == [] and bob.stat()["objects_in_memory"] == 0
+    assert bob.list_keys() == [] and bob.stat()["objects_in_memory"] == 0
     with pytest.raises(hk.RemoteError):
         bob.delete("secret")
     # the same names in a certificate issued again (new key and serial): the same tenant

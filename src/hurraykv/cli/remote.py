@@ -132,7 +132,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{units.count(len(aliases))} aliases (`hurraykv rm` removes one)")
         return 0
     with _client(args) as client:
-        keys = sorted(client.list(args.prefix))
+        keys = sorted(client.list_keys(args.prefix))
     width = max((len(k) for k, _ in keys), default=3)
     for key, nbytes in keys:
         print(f"{key:<{width}}  {units.size(nbytes):>12}")

@@ -13,6 +13,7 @@ import json
 import socket
 import ssl
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from .codecs import decode, frame
 from .dataplane import POOL_MIN, DataAssembler, DataPlan
 from .gather import send_gathered
 from .memory import CLASS, ReceivePool
@@ -37,14 +39,11 @@ from .messages import (
     decode_error,
     decode_header,
     decode_hello,
-    decode_text,
     encode_data_header,
-    encode_text,
     message,
     remote_error,
     total_data_bytes,
 )
-from .private import decode_alias_listing, decode_flags, decode_keys, decode_listing, encode_keys
 from .server import parse_address
 
 Progress = Callable[[int, int], None]
@@ -276,7 +275,7 @@ class KVClient:
         """The bytes ``key`` holds (a progress bar's total), or 0 if the server does not
         say (an older server, or a key gone meanwhile)."""
         try:
-            return dict(self.list(key)).get(key, 0)
+            return dict(self.list_keys(key)).get(key, 0)
         except RemoteError:
             return 0
 
@@ -309,58 +308,56 @@ class KVClient:
         return BlockPagedTensor.from_descriptor(desc, buffers, seq_lens)
 
     # -- others ------------------------------------------------------------------------
-    def delete(self, key: str) -> None:
+    def _ask(self, mtype: int, value: Any, reply: int) -> Any:
+        """One round trip of a private message; the reply's decoded value."""
         stream = self._next_stream()
-        self._send(message(MessageType.DELETE, stream, Delete(key).encode()))
-        self._expect(stream, MessageType.DELETE_ACK)
+        self._send(frame(mtype, stream, value))
+        _, payload = self._expect(stream, reply)
+        return decode(reply, payload)
+
+    def delete(self, key: str) -> None:
+        self._ask(MessageType.DELETE, Delete(key), MessageType.DELETE_ACK)
 
     def has(self, keys: list[str]) -> list[bool]:
         """Which of ``keys`` the server holds (one round trip)."""
-        stream = self._next_stream()
-        self._send(message(MessageType.HAS, stream, encode_keys(list(keys))))
-        _, payload = self._expect(stream, MessageType.HAS_REPLY)
-        return decode_flags(payload, len(keys))
+        flags = self._ask(MessageType.HAS, list(keys), MessageType.HAS_REPLY)
+        if len(flags) != len(keys):
+            raise ProtocolError(f"has_reply.count {len(flags)}: {len(keys)} keys were asked "
+                                "about", field="count", offset=0, value=len(flags))
+        return flags
 
     def link(self, pairs: list[tuple[str, str]]) -> None:
         """Make each alias name its target's object (one round trip for all)."""
-        stream = self._next_stream()
-        flat = [k for pair in pairs for k in pair]
-        self._send(message(MessageType.LINK, stream, encode_keys(flat, per=2)))
-        self._expect(stream, MessageType.LINK_ACK)
+        self._ask(MessageType.LINK, list(pairs), MessageType.LINK_ACK)
 
     def locate(self, keys: list[str]) -> list[str | None]:
         """The stored object each key names (itself or an alias's target), None if none."""
-        stream = self._next_stream()
-        self._send(message(MessageType.LOCATE, stream, encode_keys(list(keys))))
-        _, payload = self._expect(stream, MessageType.LOCATE_REPLY)
-        names = decode_keys(payload, "locate_reply")
+        names = self._ask(MessageType.LOCATE, list(keys), MessageType.LOCATE_REPLY)
         if len(names) != len(keys):
             raise ProtocolError(f"locate_reply names {len(names)} objects for {len(keys)} "
                                 "keys")
         return [n or None for n in names]
 
-    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+    def list_keys(self, prefix: str = "") -> list[tuple[str, int]]:
         """``(key, bytes)`` of every key (starting with ``prefix``) this client may see."""
-        stream = self._next_stream()
-        self._send(message(MessageType.LIST, stream, encode_text(prefix)))
-        _, payload = self._expect(stream, MessageType.LIST_REPLY)
-        return decode_listing(payload)
+        return self._ask(MessageType.LIST, prefix, MessageType.LIST_REPLY)
+
+    def list(self, prefix: str = "") -> list[tuple[str, int]]:
+        """Deprecated alias of :meth:`list_keys` (the name shadowed the builtin)."""
+        warnings.warn("KVClient.list is deprecated: use KVClient.list_keys",
+                      DeprecationWarning, stacklevel=2)
+        return self.list_keys(prefix)
 
     def aliases(self, prefix: str = "") -> list[tuple[str, str]]:
         """``(alias, target)`` of every alias (starting with ``prefix``) this client may
         see; delete one with ``delete(alias)``."""
-        stream = self._next_stream()
-        self._send(message(MessageType.ALIASES, stream, encode_text(prefix)))
-        _, payload = self._expect(stream, MessageType.ALIASES_REPLY)
-        return decode_alias_listing(payload)
+        return self._ask(MessageType.ALIASES, prefix, MessageType.ALIASES_REPLY)
 
     def stat(self) -> dict[str, Any]:
         """The server's counters: objects, bytes, budget, connections, uptime."""
-        stream = self._next_stream()
-        self._send(message(MessageType.STAT, stream))
-        _, payload = self._expect(stream, MessageType.STAT_REPLY)
+        text = self._ask(MessageType.STAT, None, MessageType.STAT_REPLY)
         try:
-            out = json.loads(decode_text(payload, "stat_reply"))
+            out = json.loads(text)
         except ValueError as e:
             raise ProtocolError(f"stat_reply is not a JSON object: {e}") from None
         if not isinstance(out, dict):
