@@ -367,7 +367,8 @@ def test_received_memory_is_recycled_without_leaking_old_bytes():
 
 
 def test_a_put_claiming_more_memory_than_exists_is_refused(server):
-    huge = hk.TensorDescriptor(0x11, (1 << 50,), hk.wire.RowMajor(), (hk.wire.BufferHandle(1 << 50),))
+    huge = hk.TensorDescriptor(0x11, (1 << 50,), hk.wire.RowMajor(),
+                               (hk.wire.BufferHandle(1 << 50),))
     raw = Raw(server.address)
     raw.send(T.TENSOR_PUT, 3, m.Put("petabyte", huge, 1 << 50).encode())
     assert raw.error_code() == E.STORE_FULL
