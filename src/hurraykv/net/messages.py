@@ -2,8 +2,9 @@
 
 Every message is a 12-byte header ``message_type u32 | stream_id u32 (0 reserved) |
 payload_length u32`` and its payload.  Encoders and decoders are plain functions over
-bytes; a decoder rejects a malformed payload with :class:`ProtocolError`, whose ``code``
-is the ERROR code to answer with.
+bytes (``codecs.CODECS`` maps each message type to its pair); a decoder reads through
+``wire.cursor.Cursor`` and rejects a malformed payload with :class:`ProtocolError`, whose
+``code`` is the ERROR code to answer with.
 
 ====  ==================  ====================================================================
 type  name                payload
