@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hurraykv as hk  # noqa: E402
 from bench_paged import print_table  # noqa: E402
-from hurraykv.integrations.chunks import ChunkKeys, FileChunks, identity_digest  # noqa: E402
+from hurraykv.integrations.chunks import ChunkKeys, identity_digest  # noqa: E402
 from hurraykv.integrations.file_capacity import Capacity  # noqa: E402
+from hurraykv.integrations.file_store import FileChunks  # noqa: E402
 from hurraykv.io import checksums  # noqa: E402
 
 TOKENS, PAGE, LAYERS, HEADS, DIM = 256, 32, 4, 8, 128

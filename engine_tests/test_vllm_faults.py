@@ -398,7 +398,7 @@ def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_pat
 
         assert matched() == 192
         assert matched(lora_request=LoRARequest("a", 1, str(adapters["a"]))) == 0
-        a, b = (sched._state(Request(f"k{n}", first, SamplingParams(max_tokens=1), None,
+        a, b = (sched.scheduler.state(Request(f"k{n}", first, SamplingParams(max_tokens=1), None,
                                      lora_request=LoRARequest(n, i, str(adapters[n]))))
                 for i, n in ((1, "a"), (2, "b")))
         assert set(a.keys.upto(first, 6)).isdisjoint(b.keys.upto(first, 6))

@@ -1,4 +1,4 @@
-"""``vllm_metrics`` and ``vllm_events`` against vLLM's own classes (stats logging,
+"""``integrations/vllm/metrics.py`` and ``events.py`` against vLLM's own classes (stats logging,
 Prometheus, KV events encoding and ZMQ publisher).  No engine is started: fast.
 
 The main venv has no vLLM (``.venv`` cannot ``import vllm``), so these live here and run
@@ -36,10 +36,11 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from hurraykv.integrations import vllm_events, vllm_metrics
 from hurraykv.integrations.vllm import HurrayConnector
-from hurraykv.integrations.vllm_events import HurrayKVEvents, SavedSegments, WorkerSegments
-from hurraykv.integrations.vllm_metrics import (
+from hurraykv.integrations.vllm import events as vllm_events
+from hurraykv.integrations.vllm import metrics as vllm_metrics
+from hurraykv.integrations.vllm.events import HurrayKVEvents, SavedSegments, WorkerSegments
+from hurraykv.integrations.vllm.metrics import (
     METRICS,
     CounterDeltas,
     HurrayConnectorStats,

@@ -42,35 +42,8 @@ def test_keys_chain_over_the_whole_prefix_and_the_identity():
     assert len(a[0]) == 32  # 128 bits
 
 
-@pytest.fixture(params=["file", "server", "redis", "cluster"])
-def store(request, tmp_path):
-    if request.param == "file":
-        yield open_store((tmp_path / "chunks").as_uri())
-    elif request.param == "server":
-        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
-            s = open_store(f"hurray://{st.address}")
-            yield s
-            s.close()
-    else:
-        url = request.getfixturevalue("redis_url" if request.param == "redis"
-                                      else "redis_cluster_url")
-        s = open_store(url)
-        yield s
-        s.close()
-
-
-def test_a_segment_is_found_by_every_chunk_key(store):
-    keys = ChunkKeys(identity_digest("segment test"), CHUNK).upto(list(range(40)), 6)
-    assert store.locate(keys) == [None] * 6
-    snap = segment(3)
-    store.put(keys[2:5], 2, snap, {"vllm.first_chunk": 2})
-    located = store.locate(keys)
-    assert located[:2] == [None, None] and located[5] is None
-    assert len(set(located[2:5])) == 1 and segment_first(located[2]) == 2
-    assert store.has(keys) == [False, False, True, True, True, False]
-    assert store.get(located[3]).equal(snap)
-    with pytest.raises(hk.HurrayError):
-        store.get("0" * 32 + "-0")
+# What every store keeps (locate, put, has, get, damaged objects, concurrent writers,
+# eviction) is tests/store_contract.py, run for each backend by tests/test_chunk_stores.py.
 
 
 def test_a_rank_suffix_keeps_tensor_parallel_shards_apart(tmp_path):
@@ -218,7 +191,7 @@ def test_linked_segments_and_logs_are_not_followed(tmp_path):
 def test_a_segment_that_shrinks_while_read_is_an_error_not_a_signal(tmp_path, monkeypatch):
     import os
 
-    from hurraykv.integrations import chunks
+    from hurraykv.integrations import file_store as chunks
 
     url = (tmp_path / "kv").as_uri()
     keys = ChunkKeys(identity_digest("cut"), CHUNK).upto(list(range(8)), 2)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, FileChunks, identity_digest
+from hurraykv.integrations.chunks import ChunkKeys, identity_digest
 from hurraykv.integrations.file_capacity import Capacity
+from hurraykv.integrations.file_store import FileChunks
 from hurraykv.io import checksums
 
 

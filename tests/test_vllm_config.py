@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.vllm_config import KEYS, ConnectorConfig
+from hurraykv.integrations.vllm.config import KEYS, ConnectorConfig
 
 
 def test_defaults_and_typed_values():

@@ -16,40 +16,34 @@ key of its last chunk and the index of its first, with every chunk key of the ru
 alias of it.  A request's new chunks cost one object however many there are, and a later
 request sharing any whole-chunk prefix still finds each chunk by its own key.
 
-Stores, by URL: ``file:///DIR`` (``DIR/NAME.hrry``, each a .hrry snapshot that
+Stores, one class per URL scheme, registered by the schemes it declares (``SCHEMES``):
+``file_store.FileChunks`` (``file:///DIR``: ``DIR/NAME.hrry``, each a .hrry snapshot that
 ``hurraykv inspect`` and ``hk.load_snapshot`` read; the aliases are lines of
-``DIR/aliases.log``), ``hurray://HOST:PORT`` (a ``hurraykv serve``; aliases with its LINK and
-LOCATE messages), ``redis://HOST:PORT`` and ``redis+cluster://HOST:PORT`` (the PageStore,
-identical pages of different segments stored once; aliases as small keys).
+``DIR/aliases.log``), ``server_store.ServerChunks`` (``hurray://HOST:PORT``: a ``hurraykv
+serve``; aliases with its LINK and LOCATE messages), ``redis_store.RedisChunks``
+(``redis://HOST:PORT``, ``rediss://``, ``redis+cluster://HOST:PORT``: the PageStore,
+identical pages of different segments stored once; aliases as small keys).  A new backend
+is one ``ChunkStore`` subclass naming its schemes, plus a test class that inherits the
+contract (``tests/store_contract.py``); ``open_store``, its error messages and the
+connector's config check list what is registered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
+import importlib
 import re
-import stat
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlparse
+from typing import Any, ClassVar
+from urllib.parse import ParseResult, urlparse
 
 import numpy as np
 
-from .. import alloc
-from ..errors import HurrayError, TransportError
+from ..errors import HurrayError
 from ..io import checksums
-from ..io.atomic import write_pieces
-from ..io.hrry import HrryFile, read_bands
-from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
-from ..wire.layouts import BlockPaged
-from .file_capacity import Capacity, Entry
 
 SEED = b"hurraykv-chunks-v1"
 DIGEST = 16
@@ -122,6 +116,21 @@ class ChunkStore(ABC):
     truncated or does not parse."""
 
     url: str
+    SCHEMES: ClassVar[tuple[str, ...]] = ()  # the URL schemes this class opens
+    FORM: ClassVar[str] = ""  # the URL's form, for messages: "file:///DIR"
+    LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
+    OPTIONS: ClassVar[tuple[str, ...]] = ()  # open_store keywords it takes besides timeout
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for scheme in cls.SCHEMES:
+            _REGISTRY[scheme] = cls
+
+    @classmethod
+    def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
+             **options: Any) -> ChunkStore:
+        """The store of ``url`` (one of ``SCHEMES``); ``options`` are in ``OPTIONS``."""
+        raise NotImplementedError
 
     @abstractmethod
     def locate(self, keys: Sequence[str]) -> list[str | None]:
@@ -163,507 +172,46 @@ class ChunkStore(ABC):
         return None
 
 
-@dataclass
-class _FileLayout:
-    """Where everything of one snapshot structure sits in its .hrry file: ``static`` are
-    the bytes that are the same in every file of the structure (header, descriptors,
-    index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
-    source)`` of what differs, in file order: each page pool (source: its member key) and
-    the text of the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
-    ``snapshot`` is that file's validated snapshot; ``plan`` reads such a file and hashes
-    its checksum pieces in one pass (None: the structure has no checksums)."""
+_REGISTRY: dict[str, type[ChunkStore]] = {}
+BUILTIN = ("file_store", "server_store", "redis_store")  # modules whose classes register
 
-    size: int
-    static: list[tuple[int, bytes]]
-    regions: list[tuple[int, int, Any]]
-    snapshot: KVCacheSnapshot
-    plan: checksums.ReadPlan | None
 
-    @classmethod
-    def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile) -> _FileLayout:
-        regions = _pools(f)
-        text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
-        if text:  # every place the entry's text sits outside the pools
-            for off, piece in _complement(data, regions):
-                at = piece.find(text)
-                while at >= 0:
-                    regions.append((off + at, len(text), CHECKSUMS))
-                    at = piece.find(text, at + len(text))
-        regions.sort(key=lambda r: r[0])
-        plan = checksums.ReadPlan.of(snapshot, data) if text else None
-        return cls(len(data), _complement(data, regions), regions, snapshot.skeleton(), plan)
+def _registered() -> dict[str, type[ChunkStore]]:
+    for module in BUILTIN:
+        importlib.import_module(f"{__package__}.{module}")
+    return _REGISTRY
 
-    def matches(self, data: memoryview) -> bool:
-        # tobytes(): a memoryview compared with == unpacks element by element
-        return len(data) == self.size and all(data[off:off + len(b)].tobytes() == b
-                                              for off, b in self.static)
 
-    def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
-        """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
-        out = [memoryview(self.static[0][1])]
-        for (_, _, source), (_, b) in zip(self.regions, self.static[1:], strict=True):
-            if source == CHECKSUMS:
-                out.append(memoryview(str(snapshot.metadata[checksums.KEY]).encode()))
-            else:
-                out.append(memoryview(snapshot.tensor(*source).buffers()[0]))
-            out.append(memoryview(b))
-        return out
+def schemes() -> tuple[str, ...]:
+    """Every URL scheme a store class is registered for."""
+    return tuple(_registered())
 
-    def read(self, data: memoryview) -> KVCacheSnapshot:
-        """The snapshot of a file that ``matches``: this structure over its own pools and
-        with its own checksums."""
-        snap = self.snapshot.with_pools({source: data[off:off + n]
-                                         for off, n, source in self.regions
-                                         if source != CHECKSUMS}, owner=data)
-        for off, n, source in self.regions:
-            if source == CHECKSUMS:
-                return snap.with_info(metadata={
-                    checksums.KEY: data[off:off + n].tobytes().decode("ascii", "replace")})
-        return snap
 
+def store_class(scheme: str) -> type[ChunkStore] | None:
+    return _registered().get(scheme)
 
-CHECKSUMS = "checksums"
 
+def url_forms() -> str:
+    """The registered URL forms, for messages: ``file:///DIR, hurray://HOST:PORT, ...``."""
+    forms = list(dict.fromkeys(cls.FORM for cls in _registered().values()))
+    return ", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else forms[0]
 
-def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
-    """``(offset, nbytes, (layer, role))`` of every page pool of a parsed file."""
-    regions = []
-    for e in f.entries:
-        desc = f.descriptor(e.name)
-        if isinstance(desc.layout, BlockPaged):
-            regions.append((e.data_offset, desc.buffers[0].byte_size,
-                            (desc.layout.layer_index, desc.layout.kv_role_name)))
-    return regions
 
-
-def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
-                ) -> list[tuple[int, bytes]]:
-    """The bytes of ``data`` between ``regions`` (sorted by offset), with their offsets."""
-    out, pos = [], 0
-    for off, n, _ in sorted(regions, key=lambda r: r[0]):
-        out.append((pos, bytes(data[pos:off])))
-        pos = off + n
-    out.append((pos, bytes(data[pos:])))
-    return out
-
-
-def _structure_key(snapshot: KVCacheSnapshot) -> bytes:
-    """What two segments of one file layout share: their structure, checksum text blanked
-    (its width is the structure's; its digits are each file's own)."""
-    key = snapshot.structure()
-    text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
-    return key.replace(text, b"#" * len(text)) if text else key
-
-
-class FileChunks(ChunkStore):
-    """Segments as ``DIR/NAME.hrry``; the chunk aliases as lines ``KEY NAME`` appended to
-    ``DIR/aliases.log`` (one append per segment, read incrementally by every process that
-    shares the directory; a line a crash cut short is ignored).
-
-    A connector writes and reads many segments of one structure (same geometry, only the
-    page values differ).  Once a file of a structure has been written and read back
-    through the full rules, later ones are written in one gathered write from the same
-    bytes, and a file read later whose bytes outside its page pools are exactly those of
-    a file already validated gets that file's structure with its own pools - byte-equal
-    structure, so the same verdict - without parsing it again."""
-
-    LOG = "aliases.log"
-    LAYOUTS = 32  # structures remembered
-    COMPACT_SLACK = 4096  # alias lines beyond twice the live ones before the log is rewritten
-    QUARANTINED = 16  # damaged segments kept for inspection, newest
-
-    def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.url = self.dir.resolve().as_uri()
-        self.capacity = Capacity(self.dir, max_bytes)
-        self.capacity.repair()
-        self._aliases: dict[str, str] = {}
-        self._lines = 0  # alias lines read from the current log
-        self._read_upto = 0
-        self._log_id: tuple[int, int] | None = None
-        self._buffers = _Buffers()
-        self._by_structure: dict[bytes, _FileLayout] = {}
-        self._by_size: dict[int, list[_FileLayout]] = {}
-
-    def path(self, name: str) -> Path:
-        return self.dir / f"{name}.hrry"
-
-    @property
-    def evictions(self) -> int:  # type: ignore[override]
-        return self.capacity.evictions
-
-    def _refresh(self) -> None:
-        """Take in the alias lines other processes appended since the last look.  A log
-        that shrank or was replaced (an operator's clean-up) is read again from its start,
-        forgetting what the old one said."""
-        try:
-            fd = os.open(self.dir / self.LOG, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # missing (nothing recorded yet, or removed), or a planted link
-            self._aliases.clear()
-            self._read_upto, self._log_id, self._lines = 0, None, 0
-            return
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._log_id or st.st_size < self._read_upto:
-                self._aliases.clear()
-                self._read_upto, self._log_id, self._lines = 0, (st.st_dev, st.st_ino), 0
-            if st.st_size <= self._read_upto:
-                return
-            data = os.pread(fd, st.st_size - self._read_upto, self._read_upto)
-        finally:
-            os.close(fd)
-        whole = data.rfind(b"\n") + 1  # a line still being written waits for next time
-        for line in data[:whole].split(b"\n"):
-            m = ALIAS_LINE.fullmatch(line)
-            if m is not None:  # anything else (a cut line, a stray name) is a miss
-                self._aliases[m[1].decode("ascii")] = m[2].decode("ascii")
-                self._lines += 1
-        self._read_upto += whole
-
-    def locate(self, keys: Sequence[str]) -> list[str | None]:
-        self._refresh()
-        alive: dict[str, bool] = {}
-        out: list[str | None] = []
-        for key in keys:
-            name = self._aliases.get(key)
-            if name is not None and name not in alive:
-                alive[name] = _regular(self.path(name))
-            out.append(name if name is not None and alive[name] else None)
-        return out
-
-    def _remember(self, structure: bytes, layout: _FileLayout) -> None:
-        if len(self._by_structure) >= self.LAYOUTS:
-            self._by_structure.clear()
-            self._by_size.clear()
-        self._by_structure[structure] = layout
-        self._by_size.setdefault(layout.size, []).append(layout)
-
-    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
-            metadata: dict[str, Any]) -> None:
-        # No fsync: a segment lost in a crash is a future cache miss, and the atomic
-        # rename still means a reader sees a whole file or none.
-        name = check_name(segment_name(keys, first))
-        self.dir.mkdir(parents=True, exist_ok=True)  # an operator may have removed it
-        structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
-        layout = self._by_structure.get(structure)
-        if layout is None:
-            save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
-            data = _read(self.path(name))
-            try:
-                self.capacity.check(len(data), name)
-            except HurrayError:
-                self.path(name).unlink(missing_ok=True)
-                raise
-            f = HrryFile.from_bytes(data, str(self.path(name)))
-            layout = _FileLayout.learn(data, snapshot_from_file(f), f)
-            self._remember(structure, layout)
-            self.capacity.admit(layout.size, name, written=True, then=self._compact)
-        else:  # room made first: the directory does not pass its capacity even briefly
-            self.capacity.check(layout.size, name)
-            self.capacity.admit(layout.size, name, written=False, then=self._compact)
-            write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
-        lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
-        try:
-            # shared: a compaction (exclusive) never replaces the log under an append
-            with self.capacity.lock(exclusive=False):
-                fd = os.open(self.dir / self.LOG,
-                             os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-                try:
-                    os.write(fd, lines)  # one append: concurrent writers never interleave it
-                finally:
-                    os.close(fd)
-        except OSError as e:
-            raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
-                              field="aliases", value=str(self.dir)) from None
-        self._aliases.update((key, name) for key in keys)
-
-    def _compact(self, remaining: list[Entry]) -> None:
-        """Rewrite the alias log with the aliases of segments still stored, once dead
-        lines outnumber live ones (called under the exclusive lock: no append is in
-        flight, none is lost).  Other processes notice the new log and read it again."""
-        self._refresh()
-        live = {e.name for e in remaining}
-        keep = [(key, name) for key, name in self._aliases.items() if name in live]
-        if self._lines <= 2 * len(keep) + self.COMPACT_SLACK:
-            return
-        text = "".join(f"{key} {name}\n" for key, name in keep).encode("ascii")
-        write_pieces(self.dir / self.LOG, [text], len(text))
-        self._refresh()
-
-    def get(self, name: str) -> KVCacheSnapshot:
-        return self._get(name, verify=False)
-
-    def get_verified(self, name: str) -> KVCacheSnapshot:
-        # A file of a structure read before is hashed while it is read (ReadPlan).
-        return self._get(name, verify=True)
-
-    def _get(self, name: str, verify: bool) -> KVCacheSnapshot:
-        check_name(name)
-        path = self.path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                Capacity.touch(fd)
-                size = os.fstat(fd).st_size
-                known = next((layout for layout in self._by_size.get(size, ())
-                              if layout.plan is not None), None) if verify else None
-                if verify and known is None:
-                    cold = self._first_of_structure(fd, size, path)
-                    if cold is not None:
-                        return cold
-                if known is None or known.plan is None:
-                    data = _read_fd(fd, path, self._buffers)
-                else:
-                    data = memoryview(self._buffers.take(size))
-                    got, computed, hashing = known.plan.read(fd, data)
-                    _whole(path, size, got)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
-                              value=name, rule="a stored segment") from None
-        except OSError as e:
-            raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
-                              value=name) from None
-        what = f"segment {name}"
-        if known is not None and known.matches(data):
-            snap = known.read(data)
-            started = time.perf_counter()
-            checksums.verify(snap, what, known.plan.complete(snap, computed))
-            self.verify_seconds += hashing + time.perf_counter() - started
-            return snap
-        snap = self._parse(data, path)
-        if verify:
-            started = time.perf_counter()
-            checksums.verify(snap, what)
-            self.verify_seconds += time.perf_counter() - started
-        return snap
-
-    def _first_of_structure(self, fd: int, size: int, path: Path) -> KVCacheSnapshot | None:
-        """A verified read of a file of a structure not seen yet, as fast as a known one:
-        its structure parsed from small reads first (header, descriptors, index buffers,
-        index), so that its pages are hashed while the bulk is read; None when the file
-        does not parse (the caller reads it whole and says why)."""
-        data = memoryview(self._buffers.take(size))
-        try:
-            f = HrryFile.over(fd, data, str(path))
-            pools = _pools(f)
-            for off, piece in _complement(data, pools):  # data is not the file yet: offsets
-                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
-            structure = _complement(data, pools)
-            snap = snapshot_from_file(f)
-            plan = checksums.ReadPlan.of(snap, data)
-        except HurrayError:
-            return None
-        if plan is None:
-            return None
-        got, computed, hashing = plan.read(fd, data)
-        _whole(path, size, got)
-        if _complement(data, pools) != structure:  # replaced between the two reads
-            return None
-        snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
-        started = time.perf_counter()
-        checksums.verify(snap, f"segment {path.stem}", plan.complete(snap, computed))
-        self.verify_seconds += hashing + time.perf_counter() - started
-        return snap
-
-    def _parse(self, data: memoryview, path: Path) -> KVCacheSnapshot:
-        for layout in self._by_size.get(len(data), ()):
-            if layout.matches(data):
-                return layout.read(data)
-        f = HrryFile.from_bytes(data, str(path))
-        snap = snapshot_from_file(f)
-        snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
-        return snap
-
-    def discard(self, name: str) -> None:
-        """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""
-        check_name(name)
-        quarantine = self.dir / "quarantine"
-        quarantine.mkdir(exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(self.path(name), quarantine / f"{name}.hrry")
-        kept = sorted(quarantine.glob("*.hrry"), key=lambda p: p.stat().st_mtime_ns)
-        for old in kept[:-self.QUARANTINED]:  # evidence, not a second cache: bounded too
-            old.unlink(missing_ok=True)
-
-
-def _regular(path: Path) -> bool:
-    """A regular file itself, not a link to one."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-class _Buffers:
-    """Read buffers recycled between loads: a buffer is reused once nothing but this pool
-    refers to it (the snapshots over it are gone), so a steady stream of loads reads
-    into memory already faulted in instead of faulting fresh pages every time."""
-
-    KEEP = 8
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-
-    def take(self, size: int) -> np.ndarray:
-        for buf in self._free:
-            # 3: the list, the loop variable and getrefcount's argument
-            if len(buf) >= size and sys.getrefcount(buf) <= 3:
-                return buf[:size]
-        buf = alloc.empty((size,), np.uint8)
-        # Faulted in now: a huge page faulted by the read itself is zeroed in the middle
-        # of it, which evicts what was just read before it is hashed (5x slower hashing).
-        buf[::4096] = 0
-        if len(self._free) >= self.KEEP:
-            self._free.pop(0)
-        self._free.append(buf)
-        return buf[:size]
-
-
-def _read(path: Path) -> memoryview:
-    """A file's bytes, read into memory of our own; opened without following a link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        return _read_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def _read_fd(fd: int, path: Path, buffers: _Buffers | None = None) -> memoryview:
-    """File ``fd``'s bytes, read (``preadv``, in bands on every core) into memory of our
-    own.  Not mapped: a mapped file truncated underneath kills the reader with SIGBUS,
-    where a read just comes up short, which is an error (and a recompute)."""
-    size = os.fstat(fd).st_size
-    if not size:
-        return memoryview(b"")
-    buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
-    view = memoryview(buf)
-    _whole(path, size, read_bands(fd, view))
-    return view
-
-
-def _whole(path: Path, size: int, got: int) -> None:
-    if got != size:
-        raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
-                          field="segment", value=path.name, rule="a file that stays whole")
-
-
-class ServerChunks(ChunkStore):
-    def __init__(self, address: str, prefix: str = "hurraykv-chunks/", **client: Any) -> None:
-        self.address, self.prefix, self._opts = address, prefix, client
-        self.url = f"hurray://{address}"
-        self._client: Any = None
-
-    def _call(self, fn: Any) -> Any:
-        from ..net.client import KVClient
-
-        for attempt in (0, 1):  # one reconnect: the server may have restarted
-            try:
-                if self._client is None:
-                    self._client = KVClient(self.address, **self._opts)
-                return fn(self._client)
-            except TransportError:
-                self.close()
-                if attempt:
-                    raise
-        raise AssertionError
-
-    def connect(self) -> None:
-        self._call(lambda c: c.ping() if hasattr(c, "ping") else None)
-
-    def locate(self, keys: Sequence[str]) -> list[str | None]:
-        if not keys:
-            return []
-        names = self._call(lambda c: c.locate([self.prefix + k for k in keys]))
-        return [_valid(None if n is None else n.removeprefix(self.prefix)) for n in names]
-
-    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
-            metadata: dict[str, Any]) -> None:
-        name = self.prefix + segment_name(keys, first)
-        self._call(lambda c: (c.push(name, snapshot),
-                              c.link([(self.prefix + k, name) for k in keys])))
-
-    def get(self, name: str) -> KVCacheSnapshot:
-        return self._call(lambda c: c.pull(self.prefix + name))
-
-    def discard(self, name: str) -> None:
-        self._call(lambda c: c.delete(self.prefix + check_name(name)))
-
-    def close(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
-
-
-class RedisChunks(ChunkStore):
-    def __init__(self, url: str, prefix: str = "hurraykv-chunks/",
-                 timeout: float | None = None) -> None:
-        from ..store import PageStore
-
-        self.url, self.prefix = url, prefix
-        # a segment Redis evicted a page of is removed on its first failed get: found by
-        # no later lookup, stored again once recomputed (decision H91)
-        self.store = PageStore.from_url(_with_timeout(url, timeout), drop_damaged=True)
-
-    def connect(self) -> None:
-        self.store.client.ping()
-
-    def _alias(self, key: str) -> str:
-        return f"hkv:a:{{{self.prefix}{key}}}"
-
-    def locate(self, keys: Sequence[str]) -> list[str | None]:
-        if not keys:
-            return []
-        pipe = self.store.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(self._alias(key))
-        names = [_valid(None if n is None else n.decode("utf-8", "replace"))
-                 for n in pipe.execute()]
-        alive = self.store.contains_many([self.prefix + n for n in names if n is not None])
-        it = iter(alive)
-        return [n if n is not None and next(it) else None for n in names]
-
-    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
-            metadata: dict[str, Any]) -> None:
-        from ..store.capacity import full_error, is_full
-
-        name = segment_name(keys, first)
-        self.store.put(self.prefix + name, snapshot)
-        pipe = self.store.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.set(self._alias(key), name)
-        try:
-            pipe.execute()
-        except Exception as e:  # Redis full (noeviction): no segment that no alias reaches
-            if not is_full(e):
-                raise
-            with contextlib.suppress(Exception):
-                self.store.delete(self.prefix + name)
-            raise full_error(self.store.client, f"segment {name}",
-                             "it was taken back") from None
-
-    def get(self, name: str) -> KVCacheSnapshot:
-        return self.store.get(self.prefix + name)
-
-    def discard(self, name: str) -> None:
-        self.store.delete(self.prefix + check_name(name))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.store.client.close()
-
-
-def _with_timeout(url: str, timeout: float | None) -> str:
-    """``url`` with redis-py's socket timeouts (seconds) unless it sets its own."""
-    if timeout is None or "socket_timeout" in url:
-        return url
-    sep = "&" if "?" in url else "?"
-    return f"{url}{sep}socket_timeout={timeout:g}&socket_connect_timeout={timeout:g}"
+def url_problem(url: str, options: Sequence[str] = ()) -> str:
+    """Why ``url`` (with open_store keywords ``options``) names no store ("" if it does)."""
+    parsed = urlparse(url)
+    cls = store_class(parsed.scheme)
+    if cls is None:
+        return f"scheme {parsed.scheme!r} is not one of {', '.join(schemes())}"
+    if cls.LOCAL and parsed.netloc not in ("", "localhost"):
+        return f"a {parsed.scheme} URL names a local directory, {cls.FORM}"
+    if not cls.LOCAL and not parsed.netloc:
+        return f"a network store names HOST:PORT ({cls.FORM})"
+    extra = sorted(set(options) - set(cls.OPTIONS))
+    if extra:
+        owners = sorted({c.FORM for c in _REGISTRY.values() if set(extra) & set(c.OPTIONS)})
+        return f"{extra} apply to {' and '.join(owners) or 'no store'}, not {cls.FORM}"
+    return ""
 
 
 class Suffixed(ChunkStore):
@@ -713,42 +261,20 @@ class Suffixed(ChunkStore):
         self.inner.close()
 
 
-def open_store(url: str, *, suffix: str = "", **options: Any) -> ChunkStore:
-    """``file:///DIR``, ``hurray://HOST:PORT``, ``redis://...`` or ``redis+cluster://...``;
-    ``suffix`` marks every key and name (tensor-parallel ranks)."""
-    store = _open(url, **options)
+def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
+               **options: Any) -> ChunkStore:
+    """The store a URL names (see ``url_forms()``); ``suffix`` marks every key and name
+    (tensor-parallel ranks); ``timeout``: seconds a network store waits on a socket;
+    ``options``: those its class takes (``OPTIONS``: TLS files, ``max_bytes``)."""
+    options = {k: v for k, v in options.items() if v is not None}
+    why = url_problem(url, list(options))
+    if why:
+        raise HurrayError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
+                          field="url", value=url, rule="a registered chunk store URL")
+    parsed = urlparse(url)
+    store = _REGISTRY[parsed.scheme].open(url, parsed, timeout=timeout, **options)
     return Suffixed(store, suffix) if suffix else store
 
 
-def _open(url: str, *, timeout: float | None = None, max_bytes: int | None = None,
-          **options: Any) -> ChunkStore:
-    """``timeout``: seconds a network store waits on a socket before failing a call;
-    ``max_bytes``: the capacity of a ``file://`` directory."""
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise HurrayError(f"url {url!r}: a file URL names a local directory, "
-                              "file:///DIR", field="url", value=url, rule="file:///DIR")
-        return FileChunks(unquote(parsed.path), max_bytes=max_bytes)
-    if max_bytes is not None:
-        raise HurrayError(f"url {url!r}: max_bytes bounds a file:// directory; a server's "
-                          "capacity is its own (hurraykv serve --memory-budget, "
-                          "--persist-budget; Redis maxmemory)", field="max_bytes",
-                          value=max_bytes, rule="max_bytes with file://")
-    if parsed.scheme == "hurray":
-        if timeout is not None:
-            options["timeout"] = timeout
-        return ServerChunks(parsed.netloc or unquote(parsed.path), **options)
-    if parsed.scheme in ("redis", "rediss", "redis+cluster"):
-        if options:
-            raise HurrayError(f"url {url!r}: {sorted(options)} apply to hurray:// servers",
-                              field="url", value=url, rule="TLS options for hurray://")
-        return RedisChunks(url, timeout=timeout)
-    raise HurrayError(f"url {url!r}: unknown scheme {parsed.scheme!r}; the chunk store is "
-                      "file:///DIR, hurray://HOST:PORT, redis://HOST:PORT or "
-                      "redis+cluster://HOST:PORT", field="url",
-                      value=url, rule="a supported URL scheme")
-
-
-__all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store",
-           "segment_first", "segment_name"]
+__all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store", "schemes",
+           "segment_first", "segment_name", "store_class", "url_forms", "url_problem"]

@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
-from .. import units
-from ..errors import HurrayError
+from ... import units
+from ...errors import HurrayError
+from ..chunks import url_problem
 
 Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
 
@@ -77,25 +77,13 @@ class ConnectorConfig:
 
     def _check_url(self) -> None:
         """The URL's scheme and form now, not when the store first opens (after three
-        failed requests)."""
-        parsed = urlparse(self.url)
-        tls = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname")
-               if getattr(self, k)]
-        if parsed.scheme not in SCHEMES:
-            why = f"scheme {parsed.scheme!r} is not one of {', '.join(SCHEMES)}"
-        elif parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
-            why = f"a file URL names a local directory, file:///DIR (not host {parsed.netloc!r})"
-        elif parsed.scheme != "file" and not parsed.netloc:
-            why = "a network store names HOST:PORT"
-        elif tls and parsed.scheme != "hurray":
-            why = f"{tls} apply to hurray:// servers"
-        elif self.max_bytes is not None and parsed.scheme != "file":
-            why = ("max_bytes bounds a file:// directory; a server's capacity is its own "
-                   "(hurraykv serve --memory-budget, --persist-budget; Redis maxmemory)")
-        else:
-            return
-        raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
-                          field="url", value=self.url, rule="a chunk store URL")
+        failed requests); the schemes and what each takes come from the store registry."""
+        options = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname",
+                               "max_bytes") if getattr(self, k) is not None]
+        why = url_problem(self.url, options)
+        if why:
+            raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
+                              field="url", value=self.url, rule="a chunk store URL")
 
 
 def _parse(key: str, kind: Any, value: Any) -> Any:
@@ -140,7 +128,6 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
     return value
 
 
-SCHEMES = ("file", "hurray", "redis", "rediss", "redis+cluster")
 LIMIT = 1e9  # finite, and no deadline or count this large is meant
 
 KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig))

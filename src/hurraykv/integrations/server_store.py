@@ -1,0 +1,75 @@
+"""``hurray://HOST:PORT``: segments pushed to a ``hurraykv serve``, aliases with its LINK
+and LOCATE messages (one reconnect per call: the server may have restarted)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import ParseResult, unquote
+
+from ..errors import TransportError
+from ..snapshot import KVCacheSnapshot
+from .chunks import ChunkStore, _valid, check_name, segment_name
+
+
+class ServerChunks(ChunkStore):
+    SCHEMES = ("hurray",)
+    FORM = "hurray://HOST:PORT"
+    OPTIONS = ("tls_cert", "tls_key", "tls_ca", "server_hostname")
+
+    @classmethod
+    def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
+             **options: Any) -> ServerChunks:
+        if timeout is not None:
+            options["timeout"] = timeout
+        return cls(parsed.netloc or unquote(parsed.path), **options)
+
+    def __init__(self, address: str, prefix: str = "hurraykv-chunks/", **client: Any) -> None:
+        self.address, self.prefix, self._opts = address, prefix, client
+        self.url = f"hurray://{address}"
+        self._client: Any = None
+
+    def _call(self, fn: Any) -> Any:
+        from ..net.client import KVClient
+
+        for attempt in (0, 1):  # one reconnect: the server may have restarted
+            try:
+                if self._client is None:
+                    self._client = KVClient(self.address, **self._opts)
+                return fn(self._client)
+            except TransportError:
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError
+
+    def connect(self) -> None:
+        self._call(lambda c: c.ping() if hasattr(c, "ping") else None)
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        if not keys:
+            return []
+        names = self._call(lambda c: c.locate([self.prefix + k for k in keys]))
+        return [_valid(None if n is None else n.removeprefix(self.prefix)) for n in names]
+
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        name = self.prefix + segment_name(keys, first)
+        self._call(lambda c: (c.push(name, snapshot),
+                              c.link([(self.prefix + k, name) for k in keys])))
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self._call(lambda c: c.pull(self.prefix + name))
+
+    def discard(self, name: str) -> None:
+        self._call(lambda c: c.delete(self.prefix + check_name(name)))
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+
+
+__all__ = ["ServerChunks"]

@@ -1,0 +1,289 @@
+"""``HurrayConnector``: vLLM stores and loads KV through hurraykv.
+
+Selected with::
+
+    kv_transfer_config = {"kv_connector": "HurrayConnector",
+                          "kv_connector_module_path": "hurraykv.integrations.vllm",
+                          "kv_role": "kv_both",            # or kv_producer / kv_consumer
+                          "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"url": "file:///var/cache/kv"}}
+
+``url``: ``file:///DIR``, ``hurray://HOST:PORT`` or ``redis[+cluster]://HOST:PORT`` (see
+``chunks.py``); every other key, its type and default: ``config.ConnectorConfig``
+(unknown keys are refused).  Every store call runs behind a deadline and a circuit
+breaker (``guard.py``), and every exception is caught at this class's boundary: a store
+that is down, hung or full is a miss or a recompute, never an engine that dies or waits.
+
+This class is a facade, as vLLM's ``OffloadingConnector`` is: it reads vLLM's
+configuration once (``Context``: the typed config, the cache identity, the guarded store
+connections, the counters) and delegates, by role, to ``scheduler.SchedulerSide``
+(matching, what to load and store; no vLLM or torch import) or ``worker.WorkerSide``
+(layers, loads, copies out, the writer thread).  Metrics reach vLLM's ``/metrics``
+through ``metrics.py``, KV events for routers through ``events.py``.  Multimodal requests
+and hybrid (several KV cache groups) models are passed through without storing or
+loading.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...errors import HurrayError
+from ..chunks import identity_digest, open_store
+from ..guard import Guarded
+from . import events as kv_events
+from . import metrics
+from .common import FP8_NAMES, Context, Plan, log
+from .config import ConnectorConfig
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class HurrayConnectorMetadata(Plan, KVConnectorMetadata):
+    """A step's ``Plan`` as the metadata vLLM hands from the scheduler to the workers."""
+
+
+class HurrayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.config = conf = ConnectorConfig.from_extra(cfg.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        chunk_size = conf.chunk_size or block_size
+        if chunk_size % block_size:
+            raise HurrayError(f"chunk_size {chunk_size} is not a positive multiple of "
+                              f"the block size {block_size}", field="chunk_size",
+                              value=chunk_size)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        # Each tensor-parallel rank holds its own heads: it stores and loads its own
+        # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
+        rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
+                                             "server_hostname") if getattr(conf, k)}
+
+        def open_one() -> Any:
+            return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
+                              timeout=conf.load_timeout_ms / 1000 + 5,
+                              max_bytes=conf.max_bytes, **tls)
+
+        # Stores open lazily, each behind its own deadline and breaker (guard.py): an
+        # unreachable store at start is a miss, not an engine that fails to start.
+        guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
+                 "max_backoff": conf.max_backoff_s}
+        identity = _identity(vllm_config, kv_cache_config, conf, chunk_size)
+        self.ctx = ctx = Context(
+            conf, block_size, chunk_size, identity, identity_digest(identity),
+            can_load=cfg.is_kv_consumer, can_save=cfg.is_kv_producer,
+            lookups=Guarded(open_one, what="lookup", timeout=conf.lookup_timeout_ms / 1000,
+                            **guard),
+            loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
+            saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
+            disabled=_why_disabled(vllm_config, kv_cache_config))
+        # vLLM's /metrics: what changed since the last report (metrics.py)
+        self._deltas = metrics.CounterDeltas(
+            ctx.stats, chunk_size=chunk_size, rank=rank, lock=ctx.stats_lock,
+            extra=lambda: {"store_outages": sum(g.stats["outages"] for g in (
+                ctx.lookups, ctx.loads, ctx.saves))})
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            ctx.lookups.warm()
+            # KV events for routers (events.py): announced once every worker wrote a segment
+            wanted = getattr(vllm_config, "kv_events_config", None)
+            self.scheduler = SchedulerSide(ctx, kv_events.HurrayKVEvents(
+                block_size, chunk_size,
+                hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
+                ranks=tp, locality=kv_events.locality_of(conf.url),
+                enabled=bool(wanted and wanted.enable_kv_cache_events)),
+                new_plan=HurrayConnectorMetadata)
+        else:
+            for needed, guarded in ((ctx.can_load, ctx.loads), (ctx.can_save, ctx.saves)):
+                if needed:
+                    guarded.warm()
+            kv_cache_dtype = vllm_config.cache_config.cache_dtype
+            model_dtype = vllm_config.model_config.dtype
+            self.worker = WorkerSide(
+                ctx, spec=_spec(kv_cache_config),
+                context=vllm_config.compilation_config.static_forward_context,
+                model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
+                segment_dtype=FP8_NAMES.get(kv_cache_dtype) or str(model_dtype).removeprefix(
+                    "torch."))
+        log.info("HurrayConnector (%s side, %s) with chunks of %d tokens in %s; identity %s; "
+                 "deadlines: lookup %g ms, load %g ms, save %g ms", role.name.lower(),
+                 cfg.kv_role, chunk_size, conf.url, identity,
+                 conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
+        if ctx.disabled:
+            log.warning("HurrayConnector passes requests through: %s", ctx.disabled)
+        if conf.url.startswith("file:") and conf.max_bytes is None and ctx.can_save:
+            log.warning("HurrayConnector: %s has no capacity and grows without bound; set "
+                        "kv_connector_extra_config max_bytes (e.g. \"64G\") to evict the "
+                        "least recently used segments", conf.url)
+        if role == KVConnectorRole.SCHEDULER and cfg.kv_load_failure_policy != "recompute":
+            log.warning("kv_load_failure_policy is %r: a damaged stored chunk fails its request"
+                        " instead of being recomputed; set it to 'recompute'",
+                        cfg.kv_load_failure_policy)
+
+    # What tests and operators read: the shared state, by its old names.
+    stats = property(lambda self: self.ctx.stats)
+    identity = property(lambda self: self.ctx.identity)
+    seed = property(lambda self: self.ctx.seed)
+    disabled = property(lambda self: self.ctx.disabled)
+    lookups = property(lambda self: self.ctx.lookups)
+    loads = property(lambda self: self.ctx.loads)
+    saves = property(lambda self: self.ctx.saves)
+
+    # ------------------------------------------------------------------ scheduler side
+    # vLLM calls these on its scheduler thread: whatever goes wrong in them (a bug of ours,
+    # a store answering nonsense) is a miss or a request not stored, never an exception.
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._safely("get_num_new_matched_tokens", (0, False),
+                            self.scheduler.matched, request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._safely("update_state_after_alloc", None, self.scheduler.after_alloc, request,
+                     num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = self._safely("build_connector_meta", None, self.scheduler.plan,
+                            scheduler_output)
+        return meta if meta is not None else self.scheduler.failed_plan(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._safely("update_connector_output", None, self.scheduler.output,
+                     connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.finished(request)
+        return False, None
+
+    def take_events(self) -> Any:  # what vLLM publishes to routers
+        return self.scheduler.events.take_events()
+
+    def _safely(self, hook: str, default: Any, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            stats = self.ctx.stats
+            stats["hook_errors"] += 1
+            if stats["hook_errors"] == 1 or stats["hook_errors"] % 1000 == 0:
+                log.warning("%s failed (%s: %s; %d so far): computing instead", hook,
+                            type(e).__name__, e, stats["hook_errors"])
+            return default
+
+    # ------------------------------------------------------------------ worker side
+    def _plan(self) -> Plan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HurrayConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name, self._plan())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:  # segments written
+        return self.worker.saved.take()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every segment handed to the writer is stored or dropped."""
+        if self.worker is not None:
+            self.worker.drain(timeout)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        for guard in (self.ctx.lookups, self.ctx.loads, self.ctx.saves):
+            guard.close()
+
+    # -------------------------------------------------- metrics (both sides)
+    def get_kv_connector_stats(self) -> Any:
+        return self._deltas.take()  # None when nothing changed
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return metrics.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        return metrics.build_prom_metrics(vllm_config, metric_types, labelnames,
+                                          per_engine_labelvalues)
+
+
+def _identity(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
+              chunk_size: int) -> str:
+    """What makes two engines' KV interchangeable, in every chunk key's seed."""
+    spec = _spec(kv_cache_config)
+    kv_cache_dtype = vllm_config.cache_config.cache_dtype
+    cache_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else str(
+        vllm_config.model_config.dtype).removeprefix("torch.")
+    parts = {"model": conf.model_id or vllm_config.model_config.model,
+             "cache_dtype": cache_dtype, "chunk_size": chunk_size,
+             "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+    if spec is not None:
+        parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
+                  "kv_heads": getattr(spec, "num_kv_heads", None),
+                  "head_size": getattr(spec, "head_size", None),
+                  "head_size_v": getattr(spec, "head_size_v", None)}
+    return ";".join(f"{k}={v}" for k, v in parts.items())
+
+
+def _spec(kv_cache_config: Any) -> Any:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return groups[0].kv_cache_spec if len(groups) == 1 else None
+
+
+def _why_disabled(vllm_config: Any, kv_cache_config: Any) -> str:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        return f"{len(groups)} KV cache groups (hybrid model): not supported"
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism (each stage holds other layers): not supported"
+    return ""
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised: a single worker
+        return 0
+
+
+__all__ = ["HurrayConnector", "HurrayConnectorMetadata"]

@@ -1,0 +1,194 @@
+"""The connector's scheduler part: which prompt tokens the store holds, what each step's
+workers load and store (no vLLM or torch import: tested without an engine,
+``tests/test_vllm_scheduler.py``).
+
+``matched`` finds the longest run of stored chunks at the start of a prompt (one lookup);
+``plan`` turns a step's ``SchedulerOutput`` into a ``Plan``: the chunks to load into the
+blocks vLLM allocated, and the newly computed chunks the store lacks, one segment per run
+of consecutive chunks.  A failed load (reported back by the workers) makes the chunks
+from it on stored again once recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..chunks import ChunkKeys, segment_first
+from .common import Context, Plan, Transfer, holds
+from .events import HurrayKVEvents
+from .request_keys import passed_through, request_seed
+
+
+@dataclass
+class RequestState:
+    request: Any
+    keys: ChunkKeys
+    local: int = 0  # tokens vLLM had cached itself when matching
+    matched: int = 0  # tokens the store holds for this prompt
+    load: int = 0  # tokens to load (0: none)
+    located: list[str] = field(default_factory=list)  # segment of each matched chunk
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    stored: int = 0  # chunks known to be in the store
+    rewrite: bool = False  # a load from the store failed: store again, present or not
+
+
+class SchedulerSide:
+    def __init__(self, ctx: Context, events: HurrayKVEvents,
+                 new_plan: Callable[[], Plan] = Plan) -> None:
+        self.ctx, self.events, self.new_plan = ctx, events, new_plan
+        self.requests: dict[str, RequestState] = {}
+
+    def state(self, request: Any) -> RequestState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            st = RequestState(request, ChunkKeys(request_seed(self.ctx.seed, request),
+                                                 self.ctx.chunk_size))
+            self.requests[request.request_id] = st
+        return st
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        ctx, stats = self.ctx, self.ctx.stats
+        st = self.state(request)
+        st.local = num_computed_tokens
+        if not ctx.can_load or ctx.disabled or passed_through(request):
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        chunks = (len(prompt) - 1) // ctx.chunk_size  # the last token is always computed
+        keys = st.keys.upto(prompt, chunks)
+        stats["lookups"] += 1
+        located = ctx.lookups.call("locate", lambda store: store.locate(keys), None)
+        if located is None:  # store down, late or failing: a miss (guard.py logs it)
+            stats["lookups_missed"] += 1
+            return 0, False
+        # a chunk counts only behind a well-formed name whose first chunk is not after it
+        found = next((i for i, name in enumerate(located) if not holds(name, i)),
+                     len(located))
+        st.located = [str(name) for name in located[:found]]
+        st.matched = found * ctx.chunk_size
+        st.stored = max(st.stored, found)
+        new = max(0, st.matched - num_computed_tokens)
+        stats["lookup_hits" if new else "lookup_misses"] += 1
+        stats["tokens_hit"] += new
+        return new, False
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        self.state(request).load = num_external_tokens
+
+    def plan(self, scheduler_output: Any) -> Plan:
+        plan = self.new_plan()
+        scheduled: list[RequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.blocks = list(new.block_ids[0]) if new.block_ids else []
+            st.computed = new.num_computed_tokens
+            if st.load > 0:
+                plan.loads.append(self._transfer(st, st.local, st.local + st.load))
+                st.load = 0
+            scheduled.append(st)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.blocks = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.blocks.extend(new_blocks[0])
+            st.computed = cached.num_computed_tokens[i]
+            scheduled.append(st)
+        if self.ctx.can_save and not self.ctx.disabled:
+            for st in scheduled:
+                plan.saves += self._saves(st, scheduler_output.num_scheduled_tokens.get(
+                    st.request.request_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        return plan
+
+    def failed_plan(self, scheduler_output: Any) -> Plan:
+        """When planning failed: nothing stored this step, and what vLLM expects loaded
+        is reported failed by the workers, so it is recomputed."""
+        plan = self.new_plan()
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
+            st = self.requests.get(new.req_id)
+            if st is not None and st.load > 0 and new.block_ids:
+                plan.failed += list(new.block_ids[0])[st.local // self.ctx.block_size:]
+                st.load = 0
+        return plan
+
+    def _transfer(self, st: RequestState, start: int, end: int) -> Transfer:
+        """The chunks covering tokens ``[start, end)`` (whole blocks) and their blocks."""
+        out = Transfer(st.request.request_id)
+        per, block = self.ctx.per, self.ctx.block_size
+        first_block, last_block = start // block, end // block
+        for c in range(first_block // per, -(-last_block // per)):
+            lo, hi = max(c * per, first_block), min((c + 1) * per, last_block)
+            name = st.located[c]
+            out.names.append(name)
+            out.blocks.append(st.blocks[lo:hi])
+            out.pages.append((c - segment_first(name)) * per + lo - c * per)
+        return out
+
+    def _saves(self, st: RequestState, scheduled: int) -> list[Transfer]:
+        """Segments of the chunks this step completes that the store lacks (one per run
+        of consecutive chunks)."""
+        ctx, request = self.ctx, st.request
+        if passed_through(request):
+            return []
+        upto = st.computed + scheduled
+        if not ctx.config.save_decode:
+            upto = min(upto, len(request.prompt_token_ids or []))
+        known = len(request.all_token_ids)  # async scheduling runs ahead of the tokens
+        chunks = min(upto, len(st.blocks) * ctx.block_size, known) // ctx.chunk_size
+        if chunks <= st.stored:
+            return []
+        keys = st.keys.upto(request.all_token_ids, chunks)
+        todo = list(range(st.stored, chunks))
+        present = [False] * len(todo) if st.rewrite else ctx.lookups.call(
+            "has", lambda store: store.has([keys[c] for c in todo]), None)
+        if present is None:  # the store cannot say: not storing now (guard.py logs it)
+            return []
+        st.stored, st.rewrite = chunks, False
+        per = ctx.per
+        out: list[Transfer] = []
+        for c, here in zip(todo, present, strict=True):
+            if here:
+                continue
+            if not out or out[-1].first_chunk + len(out[-1].keys) != c:
+                out.append(Transfer(request.request_id, first_chunk=c))
+            out[-1].keys.append(keys[c])
+            out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
+        for t in out:  # announced to routers once the workers say it is stored
+            self.events.expect(f"{t.req_id}/{t.keys[0]}", request, t.first_chunk,
+                               len(t.keys))
+        return out
+
+    def output(self, connector_output: Any) -> None:
+        """Chunks whose load failed are stored again once recomputed (the damaged object
+        is replaced), instead of failing every later request that finds them."""
+        saved = getattr(connector_output, "kv_cache_events", None)
+        if saved:
+            self.events.confirm(saved.get_all_events())
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        per = self.ctx.per
+        for st in self.requests.values():
+            hits = [i for i, b in enumerate(st.blocks) if b in invalid]
+            if hits:
+                first = hits[0] // per
+                # what could not be loaded is gone from the store, as far as a router knows
+                self.events.removed(st.request, first, max(0, len(st.located) - first))
+                st.stored = min(st.stored, first)
+                st.rewrite = True
+
+    def finished(self, request: Any) -> None:
+        self.requests.pop(getattr(request, "request_id", None), None)
+
+
+__all__ = ["RequestState", "SchedulerSide"]

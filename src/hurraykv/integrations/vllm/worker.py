@@ -1,0 +1,336 @@
+"""The connector's worker part: the engine's KV cache layers, loads into them, and the
+copies out of them that one writer thread stores.
+
+``start_load`` fetches (and verifies) a step's segments before the forward pass;
+``wait_for_layer_load`` writes each layer's pages into the blocks vLLM allocated (in
+place, through ``adapters.vllm``); ``save_kv_layer`` copies each layer's newly computed
+blocks out as the forward pass goes, and ``wait_for_save`` hands the finished segments to
+the writer (so the engine's blocks are free when it returns, and the store's latency
+stays off the next forward pass).  A chunk that is missing, damaged or does not fit is
+never written into the cache: its blocks (and those after them) are reported by
+``load_errors`` so vLLM recomputes them, and one line is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ... import threads
+from ...adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
+from ...errors import HurrayError, TransportError
+from ...io import checksums
+from ...io.checksums import ChecksumError
+from ...snapshot import KVCacheSnapshot
+from .common import Context, Plan, Transfer, log
+from .events import WorkerSegments
+
+
+class WorkerSide:
+    def __init__(self, ctx: Context, *, spec: Any, context: dict[str, Any], model_dtype: Any,
+                 kv_cache_dtype: str, segment_dtype: str) -> None:
+        self.ctx, self.spec, self.forward_context = ctx, spec, context
+        self.model_dtype, self.kv_cache_dtype = model_dtype, kv_cache_dtype
+        self.segment_dtype = segment_dtype  # what this engine writes, and only loads
+        self.saved = WorkerSegments()
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._dropped_since = 0  # segments the writer had no room for since it last stored
+        self._layers: list[tuple[str, LayerView]] = []
+        self._index: dict[str, int] = {}
+        self._scales: list[tuple[float, float]] | None = None
+        self._fetched: list[tuple[list[int], KVCacheSnapshot, int]] = []
+        self._written: set[str] = set()
+        self._staged: dict[int, list[list[np.ndarray]]] = {}
+        self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
+        self._failed: set[int] = set()
+
+    # ------------------------------------------------------------------ layers
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        if self.ctx.disabled:
+            return
+        try:
+            self._register(kv_caches)
+        except Exception as e:  # a layout we cannot read: the engine runs without us
+            self._layers, self._index = [], {}
+            self.ctx.disabled = f"the KV cache cannot be read ({type(e).__name__}: {e})"
+            log.warning("HurrayConnector passes requests through on this worker: %s; "
+                        "every matched chunk is recomputed", self.ctx.disabled)
+
+    def _register(self, kv_caches: dict[str, Any]) -> None:
+        ctx = self.ctx
+        layers = ordered_layers(kv_caches)
+        first = self.forward_context.get(layers[0][0])
+        backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
+        head_size = getattr(self.spec, "head_size", None)
+        isa = None
+        if backend == "CPU_ATTN":
+            isa = cpu_isa(self.model_dtype, ctx.block_size, head_size, self.kv_cache_dtype)
+        kind = backend_kind(backend, kv_cache_dtype=self.kv_cache_dtype, isa=isa)
+        self._layers = [(name, LayerView(t, kind, kv_cache_dtype=self.kv_cache_dtype,
+                                         head_size=head_size if kind != "mla" else None,
+                                         isa=isa))
+                        for name, t in layers]
+        self._index = {name: i for i, (name, _) in enumerate(self._layers)}
+        if self.kv_cache_dtype != "auto":
+            self._scales = []
+            for name, _ in self._layers:
+                layer = self.forward_context.get(name)
+                self._scales.append((float(getattr(layer, "_k_scale_float", 1.0)),
+                                     float(getattr(layer, "_v_scale_float", 1.0))))
+        checksums.warm()  # compiled now, not inside the first load's time
+        log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
+                 "segments read on %d core(s) %s", len(self._layers), backend, kind,
+                 ctx.chunk_size, ctx.url, threads.workers(), sorted(os.sched_getaffinity(0)))
+
+    def _check_segment(self, snap: KVCacheSnapshot) -> None:
+        ctx = self.ctx
+        view = self._layers[0][1]
+        want = (len(self._layers), ctx.block_size, view.heads, *view.dims)
+        have = (snap.num_layers, snap.page_size, snap.num_kv_heads,
+                *(t.head_dim for t in snap.layer(0)))
+        if snap.model != ctx.identity or snap.dtype != self.segment_dtype:
+            # same geometry is not the same cache: another model's KV would load silently
+            raise HurrayError(f"a stored segment of identity {snap.model!r} and dtype "
+                              f"{snap.dtype} is not this engine's ({ctx.identity!r}, "
+                              f"{self.segment_dtype})", field="segment.model",
+                              value=snap.model, rule="the cache identity")
+        if want != have or snap.num_seqs != 1 or snap.total_tokens % ctx.chunk_size:
+            raise HurrayError(f"a stored segment holds (layers, page_size, heads, dims) "
+                              f"{list(have)} and {snap.total_tokens} tokens in "
+                              f"{snap.num_seqs} sequences, this engine needs {list(want)} "
+                              f"in whole chunks of {ctx.chunk_size}", field="segment",
+                              value=list(have), rule="the cache identity")
+        snap.tensors()  # builds every member: index buffers and token counts checked
+
+    # ------------------------------------------------------------------ loads
+    def start_load(self, plan: Plan | None) -> None:
+        self._fetched, self._written = [], set()
+        if plan is None:
+            return
+        stats = self.ctx.stats
+        self._failed.update(plan.failed)
+        started = time.perf_counter()
+        segments: dict[str, KVCacheSnapshot] = {}
+        for load in plan.loads:
+            if self.ctx.disabled:  # the scheduler matched, but this worker cannot write
+                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
+                           f"not loaded: {self.ctx.disabled}")
+                continue
+            try:
+                self._fetch(load, segments)
+            except Exception as e:  # a bug of ours is a recompute too, never a dead engine
+                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
+                           f"{type(e).__name__}: {e}")
+        stats["fetch_seconds"] += time.perf_counter() - started
+        stats["load_seconds"] += time.perf_counter() - started
+
+    def _fetch(self, load: Transfer, segments: dict[str, KVCacheSnapshot]) -> None:
+        """Fetch and check a load's segments; from the first chunk that cannot be
+        loaded on, its blocks are recomputed."""
+        stats = self.ctx.stats
+        for i, name in enumerate(load.names):
+            snap = segments.get(name)
+            if snap is None:
+                got = self.ctx.loads.call(
+                    "get", lambda store, n=name: self._get_checked(store, n), None)
+                if not isinstance(got, KVCacheSnapshot):
+                    why = str(got) if got is not None else "the store did not answer in time"
+                    self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
+                               f"segment {name} could not be loaded ({why})")
+                    return
+                snap = segments[name] = got
+                stats["segments_loaded"] += 1
+            first = load.pages[i]
+            if first + len(load.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
+                self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
+                           f"segment {name} holds fewer pages than chunk {i} needs")
+                return
+            last = self._fetched[-1] if self._fetched else None
+            if last is not None and last[1] is snap and last[2] + len(last[0]) == first:
+                last[0].extend(load.blocks[i])  # one write per run of a segment's pages
+            else:
+                self._fetched.append((list(load.blocks[i]), snap, first))
+            stats["chunks_loaded"] += 1
+
+    def _get_checked(self, store: Any, name: str) -> KVCacheSnapshot | HurrayError:
+        """A segment that fits this engine, or the error that says why the object is bad
+        (the store answered: not a store failure)."""
+        stats = self.ctx.stats
+        before = store.verify_seconds
+        try:
+            snap = store.get_verified(name)
+            self._check_segment(snap)
+            return snap
+        except TransportError:
+            raise
+        except ChecksumError as e:  # damaged: out of the store, stored again once computed
+            stats["chunks_corrupt"] += 1
+            with contextlib.suppress(Exception):
+                store.discard(name)
+            return e
+        except HurrayError as e:
+            return e
+        finally:
+            stats["verify_seconds"] += store.verify_seconds - before
+
+    def _fail(self, blocks: list[int], req_id: str, why: str) -> None:
+        self._failed.update(blocks)
+        self.ctx.stats["chunks_failed"] += 1
+        log.warning("request %s: %s; %d blocks will be recomputed", req_id, why, len(blocks))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._fetched or layer_name in self._written or layer_name not in self._index:
+            return
+        stats = self.ctx.stats
+        started = time.perf_counter()
+        layer = self._index[layer_name]
+        view = self._layers[layer][1]
+        try:
+            for blocks, snap, first in self._fetched:
+                pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
+                view.write(blocks, pages)
+                stats["bytes_loaded"] += sum(p.nbytes for p in pages)
+        except Exception as e:  # e.g. a file changed underneath: every loaded block again
+            blocks = [b for fetched in self._fetched for b in fetched[0]]
+            self._fetched = []
+            self._fail(blocks, "(this step)", f"writing layer {layer_name} failed "
+                       f"({type(e).__name__}: {e})")
+            return
+        self._written.add(layer_name)
+        stats["layers_written"] += 1
+        stats["load_seconds"] += time.perf_counter() - started
+
+    def load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ------------------------------------------------------------------ saves
+    def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
+        if plan is None or not plan.saves or layer_name not in self._index:
+            return
+        stats = self.ctx.stats
+        started = time.perf_counter()
+        layer = self._index[layer_name]
+        view = self._layers[layer][1]
+        try:
+            for i, save in enumerate(plan.saves):
+                blocks = [b for chunk in save.blocks for b in chunk]
+                staged = self._staged.setdefault(i, [[] for _ in self._layers])
+                staged[layer] = pages_to_numpy(view.read(blocks))
+                stats["bytes_saved"] += sum(p.nbytes for p in staged[layer])
+        except Exception as e:  # nothing stored this step; the engine goes on
+            self._staged.clear()
+            stats["saves_dropped"] += len(plan.saves)
+            log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
+                        "stored", layer_name, type(e).__name__, e)
+        stats["save_seconds"] += time.perf_counter() - started
+
+    def wait_for_save(self, plan: Plan | None) -> None:
+        if plan is None:
+            return
+        stats = self.ctx.stats
+        started = time.perf_counter()
+        for i, save in enumerate(plan.saves):
+            staged = self._staged.pop(i, None)
+            if staged is None or any(not parts for parts in staged):
+                continue
+            try:
+                segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            except Exception as e:
+                stats["saves_dropped"] += 1
+                log.warning("request %s: building a segment failed (%s: %s); not stored",
+                            save.req_id, type(e).__name__, e)
+                continue
+            if not self.ctx.config.async_save:
+                self._put(save, segment)
+                continue
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
+            self._pending = [f for f in self._pending if not f.done()]
+            if len(self._pending) >= self.ctx.config.max_pending_saves:
+                self._drop_save(save)  # a slow store never grows the queue without bound
+                continue
+            self._pending.append(self._writer.submit(self._put, save, segment))
+        self._staged.clear()
+        stats["save_seconds"] += time.perf_counter() - started
+
+    def _drop_save(self, save: Transfer) -> None:
+        with self.ctx.stats_lock:
+            self.ctx.stats["saves_dropped"] += 1
+            self._dropped_since += 1
+            if self._dropped_since > 1 or self.ctx.saves.down:
+                return  # logged once per episode (guard.py logs a store that is down)
+        log.warning("the writer to %s has %d segments waiting: new chunks are not stored "
+                    "until it catches up (request %s first)", self.ctx.url,
+                    len(self._pending), save.req_id)
+
+    def _put(self, save: Transfer, segment: KVCacheSnapshot) -> None:
+        ctx, stats = self.ctx, self.ctx.stats
+        started = time.perf_counter()
+        evicted = [0]
+
+        def put(store: Any) -> bool:
+            before = store.evictions
+            try:  # checksummed here, on the writer's thread: off the forward pass
+                store.put(save.keys, save.first_chunk, checksums.with_checksums(segment),
+                          {"vllm.identity": ctx.identity})
+            finally:
+                evicted[0] = store.evictions - before
+            return True
+
+        done = ctx.saves.call("put", put, False)
+        with ctx.stats_lock:
+            stats["evictions"] += evicted[0]
+            if not done:
+                stats["saves_dropped"] += 1
+                return
+            stats["chunks_saved"] += len(save.keys)
+            stats["segments_saved"] += 1
+            self.saved.saved(f"{save.req_id}/{save.keys[0]}")
+            stats["write_seconds"] += time.perf_counter() - started
+            caught_up, self._dropped_since = self._dropped_since, 0
+        if caught_up:
+            log.warning("the writer to %s caught up; %d segments were not stored meanwhile",
+                        ctx.url, caught_up)
+
+    def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
+        """A segment snapshot of these pages: built and validated once per length, then
+        the same structure over each new segment's pools (``with_pools``)."""
+        pages = pools[0][0].shape[0]
+        template = self._templates.get(pages)
+        if template is None:
+            fused = len(pools[0]) == 1
+            keys = [p[0] for p in pools]
+            values = None if fused else [p[1] for p in pools]
+            scales = None if self._scales is None else np.array(self._scales, np.float32)
+            first = KVCacheSnapshot.from_arrays(keys, values, np.arange(pages), [0, pages],
+                                                [pages * self.ctx.block_size],
+                                                kv_scales=scales, model=self.ctx.identity)
+            if len(self._templates) >= 64:
+                self._templates.clear()
+            self._templates[pages] = first.skeleton()
+            return first
+        roles = template.roles
+        return template.with_pools({(layer, role): parts[r] for layer, parts in
+                                    enumerate(pools) for r, role in enumerate(roles)})
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every segment handed to the writer is stored or dropped."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            with contextlib.suppress(Exception):
+                f.result(timeout=timeout)
+
+    def shutdown(self) -> None:
+        self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
+        if self._writer is not None:
+            self._writer.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["WorkerSide"]

@@ -1,0 +1,144 @@
+"""The contract every chunk store keeps (``integrations/chunks.py``'s ``ChunkStore``), as one
+test class that each backend's test class inherits (as zarr-python's ``StoreTests``): a new
+backend gets every test below by subclassing and giving two fixtures,
+
+* ``make``: a callable opening a new client of the backend (another engine), and
+* ``capped``: a client of the backend with a small capacity, or None when it has none.
+
+Segments are small real snapshots with checksums; each test keys its own chunks, so a
+shared server's earlier contents never match."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.integrations.chunks import ChunkKeys, ChunkStore, identity_digest
+from hurraykv.io import checksums
+
+CHUNK = 4
+_names = itertools.count()
+
+
+def segment(pages: int, seed: int, summed: bool = True) -> hk.KVCacheSnapshot:
+    rng = np.random.default_rng(seed)
+    pools = [rng.standard_normal((pages, CHUNK, 2, 8)).astype(np.float16) for _ in range(2)]
+    snap = hk.KVCacheSnapshot.from_arrays(pools, [p * 2 for p in pools], np.arange(pages),
+                                          [0, pages], [pages * CHUNK])
+    return checksums.with_checksums(snap) if summed else snap
+
+
+def keys(chunks: int) -> list[str]:
+    """Chunk keys no other test uses."""
+    return ChunkKeys(identity_digest(f"contract-{next(_names)}-{np.random.random()}"),
+                     CHUNK).upto(list(range(chunks * CHUNK)), chunks)
+
+
+class ChunkStoreContract:
+    @pytest.fixture
+    def store(self, make: Callable[[], ChunkStore]):
+        s = make()
+        yield s
+        s.close()
+
+    def test_a_segment_is_found_by_every_chunk_key(self, store):
+        k = keys(6)
+        assert store.locate(k) == [None] * 6 and store.has(k) == [False] * 6
+        snap = segment(3, 1)
+        store.put(k[2:5], 2, snap, {"vllm.first_chunk": 2})
+        located = store.locate(k)
+        assert located[:2] == [None, None] and located[5] is None
+        assert len(set(located[2:5])) == 1
+        assert store.has(k) == [False, False, True, True, True, False]
+        assert store.get(located[3]).equal(snap)
+        assert store.get_verified(located[3]).equal(snap)
+
+    def test_another_client_finds_what_one_stored(self, store, make):
+        k, snap = keys(2), segment(2, 2)
+        store.put(k, 0, snap, {})
+        other = make()
+        try:
+            assert other.get_verified(other.locate(k)[0]).equal(snap)
+        finally:
+            other.close()
+
+    def test_a_name_never_stored_is_a_hurray_error(self, store):
+        with pytest.raises(hk.HurrayError):
+            store.get("0" * 32 + "-0")
+
+    def test_damaged_values_are_refused_and_discarded(self, store):
+        """Stored values that do not match the checksums written with them (a damaged
+        object, as any backend can hold one) are a ChecksumError, never data; once
+        discarded, the chunks are misses."""
+        k, snap = keys(2), segment(2, 3)
+        damaged = checksums.with_checksums(snap)
+        np.frombuffer(memoryview(damaged.tensor(1, "value").page_pool).cast("B"),
+                      np.uint8)[7] ^= 0x20
+        store.put(k, 0, damaged, {})
+        name = store.locate(k)[0]
+        with pytest.raises(checksums.ChecksumError, match=r"member layers\.1\.value"):
+            store.get_verified(name)
+        store.discard(name)
+        assert store.locate(k) == [None, None]
+
+    def test_a_segment_without_checksums_is_not_vouched_for(self, store):
+        k = keys(1)
+        store.put(k, 0, segment(1, 4, summed=False), {})
+        with pytest.raises(checksums.ChecksumError):
+            store.get_verified(store.locate(k)[0])
+
+    def test_concurrent_writers_lose_nothing(self, make):
+        clients = [make() for _ in range(2)]
+        work = [(keys(2), segment(2, 10 + i)) for i in range(8)]
+        errors: list[BaseException] = []
+
+        def write(client: ChunkStore, part: list) -> None:
+            try:
+                for k, snap in part:
+                    client.put(k, 0, snap, {})
+            except BaseException as e:  # reported below, not lost in the thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(c, work[i::2]))
+                   for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        try:
+            assert errors == []
+            for k, snap in work:
+                assert clients[0].get_verified(clients[0].locate(k)[0]).equal(snap)
+        finally:
+            for c in clients:
+                c.close()
+
+    def test_past_its_capacity_a_store_evicts_and_every_read_is_exact_or_an_error(
+            self, capped):
+        if capped is None:
+            pytest.skip("this backend's capacity is set elsewhere (see its test class)")
+        stored = []
+        for i in range(60):
+            k, snap = keys(4), segment(16, 100 + i)
+            try:
+                capped.put(k, 0, snap, {})
+            except hk.HurrayError:  # refused for room: nothing stored, nothing lost
+                continue
+            stored.append((k, snap))
+        found = 0
+        for k, snap in stored:
+            name = capped.locate(k)[0]
+            if name is None:
+                continue
+            try:
+                got = capped.get_verified(name)
+            except hk.HurrayError:  # evicted between locate and read: a miss
+                continue
+            assert got.equal(snap)
+            found += 1
+        assert 0 < found < len(stored), (found, len(stored))

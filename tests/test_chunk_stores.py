@@ -1,0 +1,115 @@
+"""Every registered chunk store against the one contract (``tests/store_contract.py``),
+plus what the registry itself promises: the URL forms in messages, the config and the
+docs are the registered ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hurraykv.errors import HurrayError
+from hurraykv.integrations.chunks import open_store, schemes, store_class, url_forms
+from hurraykv.net.server import KVServer
+from tests.redis_servers import free_port, redis_server_binary, start_redis
+from tests.store_contract import ChunkStoreContract, segment
+
+ROOT = Path(__file__).resolve().parents[1]
+SEGMENT_BYTES = 16 * 4 * 2 * 8 * 2 * 4  # pages x tokens x heads x dim x fp16 x pools
+
+
+class TestFileStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self, tmp_path):
+        return lambda: open_store((tmp_path / "kv").as_uri())
+
+    @pytest.fixture
+    def capped(self, tmp_path):
+        return open_store((tmp_path / "capped").as_uri(), max_bytes=12 * SEGMENT_BYTES)
+
+
+class TestServerStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self):
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+            yield lambda: open_store(f"hurray://{st.address}")
+
+    @pytest.fixture
+    def capped(self):
+        with KVServer(listen="127.0.0.1:0",
+                      memory_budget=12 * SEGMENT_BYTES).run_in_thread() as st:
+            s = open_store(f"hurray://{st.address}")
+            yield s
+            s.close()
+
+
+class TestRedisStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self, redis_url):
+        return lambda: open_store(redis_url)
+
+    @pytest.fixture
+    def capped(self, tmp_path):
+        proc = start_redis(redis_server_binary(), tmp_path, port := free_port(),
+                           "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+        try:
+            s = open_store(f"redis://127.0.0.1:{port}")
+            yield s
+            s.close()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+class TestRedisClusterStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self, redis_cluster_url):
+        return lambda: open_store(redis_cluster_url)
+
+    @pytest.fixture
+    def capped(self):
+        return None  # each node's maxmemory, as TestRedisStore's
+
+
+def test_every_scheme_is_registered_once_with_a_form():
+    assert set(schemes()) == {"file", "hurray", "redis", "rediss", "redis+cluster"}
+    for scheme in schemes():
+        cls = store_class(scheme)
+        assert scheme in cls.SCHEMES and cls.FORM
+    assert {store_class(s).__name__ for s in schemes()} == {
+        "FileChunks", "ServerChunks", "RedisChunks"}
+
+
+@pytest.mark.parametrize(("url", "options", "why"), [
+    ("ftp://x/y", {}, r"scheme 'ftp' is not one of file, hurray, redis"),
+    ("file://host/x", {}, "local directory"),
+    ("hurray://", {}, "HOST:PORT"),
+    ("redis://127.0.0.1:1", {"max_bytes": 10}, r"\['max_bytes'\] apply to file:///DIR"),
+    ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"apply to hurray://HOST:PORT"),
+])
+def test_a_bad_url_is_refused_with_the_registered_forms(url, options, why):
+    with pytest.raises(HurrayError, match=why) as e:
+        open_store(url, **options)
+    assert url_forms() in str(e.value)
+
+
+def test_the_docs_and_the_module_docstring_name_every_form():
+    from hurraykv.integrations import chunks
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    url_row = next(line for line in text.splitlines() if line.startswith("| `url` |"))
+    for scheme in schemes():
+        form = store_class(scheme).FORM
+        assert all(f in url_row or f.replace("HOST:PORT", "...") in url_row
+                   for f in form.split(" or ")), form
+        assert store_class(scheme).__name__ in chunks.__doc__
+
+
+def test_a_segment_reads_back_through_every_scheme_alias(tmp_path):
+    # the same class serves each of its schemes: file:// and file://localhost
+    for url in ((tmp_path / "a").as_uri(), f"file://localhost{tmp_path / 'b'}"):
+        s = open_store(url)
+        assert type(s).__name__ == "FileChunks"
+        assert s.locate([]) == []
+        s.put(["a" * 32], 0, segment(1, 0), {})
+        assert s.get_verified(s.locate(["a" * 32])[0]).equal(segment(1, 0))

@@ -1,0 +1,142 @@
+"""The connector's scheduler part without an engine (``integrations/vllm/scheduler.py``):
+requests and scheduler outputs are ``SimpleNamespace`` stand-ins with exactly the fields
+vLLM 0.32 gives them (``vllm/v1/request.py``: ``request_id``, ``prompt_token_ids``,
+``all_token_ids``, ``cache_salt``, ``lora_request``; ``vllm/v1/core/sched/output.py``:
+``NewRequestData`` lines 41-48, ``CachedRequestData`` 138-151, ``SchedulerOutput``
+232-260), over a real ``file://`` store.  The real-engine tests stay in ``engine_tests/``."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.integrations.guard import Guarded
+from hurraykv.integrations.vllm.common import Context
+from hurraykv.integrations.vllm.config import ConnectorConfig
+from hurraykv.integrations.vllm.events import HurrayKVEvents
+from hurraykv.integrations.vllm.request_keys import request_seed
+from hurraykv.integrations.vllm.scheduler import SchedulerSide
+from hurraykv.io import checksums
+
+BLOCK, CHUNK = 16, 32  # two blocks a chunk
+IDENTITY = "model=tiny;cache_dtype=float16;chunk_size=32;tp_size=1"
+
+
+@pytest.fixture
+def side(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    guards = [Guarded(lambda: open_store(url), url=url, what=what, timeout=5.0,
+                      log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
+    ctx = Context(ConnectorConfig.from_extra({"url": url}), BLOCK, CHUNK, IDENTITY,
+                  identity_digest(IDENTITY), can_load=True, can_save=True,
+                  lookups=guards[0], loads=guards[1], saves=guards[2])
+    yield SchedulerSide(ctx, HurrayKVEvents(BLOCK, CHUNK, enabled=False)), open_store(url)
+    for g in guards:
+        g.close()
+
+
+def request(req_id: str, tokens: list[int], **extra) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens,
+                           all_token_ids=list(tokens), cache_salt=extra.get("salt"),
+                           lora_request=extra.get("lora"), prompt_embeds=None,
+                           mm_features=extra.get("mm"))
+
+
+def step(new=(), cached=(), scheduled=None, finished=()) -> SimpleNamespace:
+    """A SchedulerOutput: ``new`` as (req_id, blocks, computed), ``cached`` as
+    (req_id, new blocks, computed)."""
+    new_reqs = [SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=c)
+                for r, b, c in new]
+    cached_reqs = SimpleNamespace(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+                                  new_block_ids=[(list(b),) if b else None
+                                                 for _, b, _ in cached],
+                                  num_computed_tokens=[c for _, _, c in cached])
+    return SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                           num_scheduled_tokens=scheduled or {}, finished_req_ids=set(finished))
+
+
+def store_chunks(store, seed: bytes, tokens: list[int], chunks: int) -> None:
+    pages = chunks * (CHUNK // BLOCK)
+    pool = np.zeros((pages, BLOCK, 1, 8), np.float16)
+    snap = checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+        [pool], [pool], np.arange(pages), [0, pages], [pages * BLOCK], model=IDENTITY))
+    store.put(ChunkKeys(seed, CHUNK).upto(tokens, chunks), 0, snap, {})
+
+
+PROMPT = list(range(1, 101))  # 100 tokens: 3 whole chunks before the last token
+
+
+def test_a_stored_prefix_is_matched_and_planned_into_the_allocated_blocks(side):
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)  # the first 64 tokens
+    req = request("a", PROMPT)
+    assert sched.matched(req, 16) == (48, False)  # 64 stored, 16 cached by vLLM itself
+    sched.after_alloc(req, 48)
+    blocks = list(range(10, 17))
+    plan = sched.plan(step(new=[("a", blocks, 16)], scheduled={"a": 84}))
+    load, = plan.loads
+    assert load.blocks == [[11], [12, 13]]  # block 10 is vLLM's; chunks 0 and 1 after it
+    assert load.pages == [1, 2] and len(set(load.names)) == 1
+    save, = plan.saves  # the third chunk (tokens 64..96) is computed this step
+    assert save.first_chunk == 2 and save.blocks == [[14, 15]]
+    stats = sched.ctx.stats
+    assert (stats["lookups"], stats["lookup_hits"], stats["tokens_hit"]) == (1, 1, 48)
+
+
+def test_nothing_stored_is_a_miss_and_every_computed_chunk_is_saved(side):
+    sched, _ = side
+    req = request("b", PROMPT)
+    assert sched.matched(req, 0) == (0, False)
+    sched.after_alloc(req, 0)
+    plan = sched.plan(step(new=[("b", range(7), 0)], scheduled={"b": 100}))
+    assert plan.loads == []
+    assert [(s.first_chunk, len(s.keys)) for s in plan.saves] == [(0, 3)]  # one segment
+    plan = sched.plan(step(cached=[("b", [], 100)], scheduled={"b": 1}))
+    assert plan.saves == []  # already planned
+    assert sched.ctx.stats["lookup_misses"] == 1
+
+
+def test_salted_tenants_and_adapters_never_match_each_other(side):
+    sched, store = side
+    store_chunks(store, request_seed(sched.ctx.seed, request("s", PROMPT, salt="tenant-a")),
+                 PROMPT, 3)
+    assert sched.matched(request("s2", PROMPT, salt="tenant-a"), 0)[0] == 96
+    assert sched.matched(request("s3", PROMPT, salt="tenant-b"), 0)[0] == 0
+    assert sched.matched(request("plain", PROMPT), 0)[0] == 0
+    lora = SimpleNamespace(lora_name="adapter", lora_int_id=1, lora_path="/nonexistent")
+    assert sched.matched(request("l", PROMPT, salt="tenant-a", lora=lora), 0)[0] == 0
+    assert sched.matched(request("mm", PROMPT, mm=["image"]), 0)[0] == 0  # passed through
+
+
+def test_a_failed_load_makes_its_chunks_stored_again(side):
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 3)
+    req = request("c", PROMPT)
+    assert sched.matched(req, 0)[0] == 96
+    sched.after_alloc(req, 96)
+    sched.plan(step(new=[("c", range(20, 27), 0)], scheduled={"c": 4}))
+    sched.output(SimpleNamespace(invalid_block_ids={22}, kv_cache_events=None))
+    plan = sched.plan(step(cached=[("c", [], 100)], scheduled={"c": 1}))
+    assert [(s.first_chunk, len(s.keys)) for s in plan.saves] == [(1, 2)]  # from chunk 1
+
+
+def test_a_plan_that_cannot_be_made_reports_the_expected_loads_failed(side):
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)
+    req = request("d", PROMPT)
+    sched.matched(req, 16)
+    sched.after_alloc(req, 48)
+    plan = sched.failed_plan(step(new=[("d", range(30, 37), 16)]))
+    assert plan.failed == [31, 32, 33, 34, 35, 36] and plan.loads == plan.saves == []
+
+
+def test_finished_requests_are_forgotten(side):
+    sched, _ = side
+    sched.matched(request("e", PROMPT), 0)
+    sched.plan(step(finished=["e"]))
+    assert "e" not in sched.requests
