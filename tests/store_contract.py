@@ -56,7 +56,9 @@ class ChunkStoreContract:
         assert len(set(located[2:5])) == 1
         assert store.has(k) == [False, False, True, True, True, False]
         assert store.get(located[3]).equal(snap)
-        assert store.get_verified(located[3]).equal(snap)
+        back = store.get_verified(located[3])
+        assert back.equal(snap)
+        assert back.metadata["vllm.first_chunk"] == 2  # what put was given comes back
 
     def test_another_client_finds_what_one_stored(self, store, make):
         k, snap = keys(2), segment(2, 2)

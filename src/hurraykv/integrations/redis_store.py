@@ -54,7 +54,7 @@ class RedisChunks(ChunkStore):
         from ..store.capacity import full_error, is_full
 
         name = segment_name(keys, first)
-        self.store.put(self.prefix + name, snapshot)
+        self.store.put(self.prefix + name, snapshot.with_info(metadata=metadata))
         pipe = self.store.client.pipeline(transaction=False)
         for key in keys:
             pipe.set(self._alias(key), name)

@@ -56,6 +56,7 @@ class ServerChunks(ChunkStore):
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         name = self.prefix + segment_name(keys, first)
+        snapshot = snapshot.with_info(metadata=metadata)  # carried as the file store does
         self._call(lambda c: (c.push(name, snapshot),
                               c.link([(self.prefix + k, name) for k in keys])))
 
