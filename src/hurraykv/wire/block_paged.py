@@ -18,23 +18,15 @@ from typing import TYPE_CHECKING
 from ..errors import BufferError, LayoutError, QuantizationError, UnsupportedError
 from .cursor import Cursor
 from .layouts import BlockPaged
-from .quantization import (
-    MXFP,
-    NF4,
-    PerBlockAffine,
-    PerChannel,
-    PerTensor,
-    check_in_context,
-    check_param_sizes,
-    scheme_name,
-)
+from .quant_registry import SCALE_WIDTHS
+from .quantization import RawQuantization, check_in_context, check_param_sizes
 
 if TYPE_CHECKING:
     from .descriptor import TensorDescriptor
 
 DYNAMIC = 0xFFFFFFFFFFFFFFFF
 U32_MAX = 0xFFFFFFFF
-SCALE_WIDTH = {1: 2, 2: 2, 3: 4}
+SCALE_WIDTH = SCALE_WIDTHS  # bytes per scale_type; use a scheme's ``scale_width``
 
 
 def pool_nbytes(d: TensorDescriptor, elements: int) -> int | None:
@@ -141,35 +133,24 @@ def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
 def _check_quantization(d: TensorDescriptor, cur: Cursor, L: BlockPaged, handle_off) -> None:
     q = d.quantization
     at = cur.at
-    if isinstance(q, NF4 | MXFP):  # MXFP subclasses NF4
+    if isinstance(q, RawQuantization):
+        return  # unknown scheme, already relaxed by the decoder
+    if not q.BLOCK_PAGED:
         cur.relax(QuantizationError.at(
             "q.scheme_tag", at("q.scheme_tag"), q.TAG,
-            f"{scheme_name(q.TAG)} has no composition rule with block-paged; rejected in "
+            f"{q.NAME} has no composition rule with block-paged; rejected in "
             "strict mode (decision D3)"))
         return
-    if not isinstance(q, PerTensor | PerChannel | PerBlockAffine):
-        return  # unknown scheme, already relaxed by the decoder
     params = q.buffers
     for i in params:
         if i < 3:
+            field = ("q.scale_buffer_index" if i == q.scale_buffer  # type: ignore[attr-defined]
+                     else "q.zero_point_buffer_index")
             raise QuantizationError.at(
-                "q.scale_buffer_index" if i == q.scale_buffer else "q.zero_point_buffer_index",
-                at("q.scale_buffer_index" if i == q.scale_buffer else
-                   "q.zero_point_buffer_index"), i,
+                field, at(field), i,
                 "block-paged quantization parameters MUST live at buffer index >= 3 "
                 "(0-2 are page_pool, block_table, seq_ptr)")
-    if isinstance(q, PerChannel) and q.axis == 0:
-        raise QuantizationError.at("q.axis", at("q.axis"), 0,
-                                   "per-channel MUST NOT quantize the paged axis 0; use "
-                                   "per-block-affine with block_size == page_size")
-    if isinstance(q, PerBlockAffine):
-        if q.axis != 0:
-            raise QuantizationError.at("q.axis", at("q.axis"), q.axis,
-                                       "per-block-affine on block-paged MUST use axis 0")
-        if q.block_size != L.page_size:
-            raise QuantizationError.at("q.block_size", at("q.block_size"), q.block_size,
-                                       f"per-block-affine on block-paged MUST have block_size "
-                                       f"== page_size ({L.page_size})")
+    q.check_block_paged(L.page_size, cur)
     check_in_context(q, d, cur, paged=True)
     expected = sorted(set(params))
     present = list(range(3, len(d.buffers)))
@@ -177,10 +158,9 @@ def _check_quantization(d: TensorDescriptor, cur: Cursor, L: BlockPaged, handle_
         raise BufferError.at(
             "buffer_count", at("buffer_count"), len(d.buffers),
             f"buffers 3 and up MUST be exactly the parameter buffers the "
-            f"{scheme_name(q.TAG)} section names ({expected or 'none'})")
-    if isinstance(q, PerBlockAffine):
+            f"{q.NAME} section names ({expected or 'none'})")
+    if q.per_slot:
         slots = L.num_pages * L.page_size
-        check_param_sizes(q, d.buffers, slots, SCALE_WIDTH[q.scale_type], cur)
-
+        check_param_sizes(q, d.buffers, slots, q.scale_width, cur)
 
 __all__ = ["check_descriptor", "pool_nbytes"]

@@ -1,0 +1,254 @@
+"""The quantization scheme registry and the base class every scheme subclasses.
+
+A scheme is one frozen dataclass subclassing ``QuantScheme`` and decorated with
+``@register`` (the five the spec assigns are in ``quant_schemes.py``); everything that
+enumerates schemes asks the registry (``scheme_class``, ``scheme_by_name``, ``schemes``,
+``RegistryView``) or a scheme's properties.  docs/extending-quant.md has the recipe.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import QuantizationError
+from .cursor import Cursor
+from .dtypes import BY_NAME
+
+NO_BUFFER = 0xFFFFFFFF
+SYMMETRIC = 0x0001
+SCALE_TYPE_NAMES = {0x01: "float16", 0x02: "bfloat16", 0x03: "float32"}
+SCALE_WIDTHS = {t: BY_NAME[n].itemsize for t, n in SCALE_TYPE_NAMES.items()}
+INT_STORAGE = ("int8", "uint8", "int4", "uint4", "int2", "uint2")
+_HEAD = struct.Struct("<BBH")
+
+_REGISTRY: dict[int, type[QuantScheme]] = {}
+_LISTENERS: list[Callable[[], object]] = []
+
+
+def on_registry_change(fn: Callable[[], object]) -> None:
+    """Call ``fn`` whenever a scheme is registered or unregistered (the descriptor
+    decoder's cache of verdicts)."""
+    _LISTENERS.append(fn)
+
+
+def _changed() -> None:
+    for fn in _LISTENERS:
+        fn()
+
+
+def _assignable(tag: int) -> bool:
+    """Tags a scheme may take: 0x01-0x5F (spec-assigned and future) and 0xF0-0xFE
+    (private); 0x00/0xFF are invalid and 0x60-0xEF reserved."""
+    return 0x01 <= tag <= 0x5F or 0xF0 <= tag <= 0xFE
+
+
+def register(cls: type[QuantScheme]) -> type[QuantScheme]:
+    """Class decorator: make ``cls`` the scheme of its ``TAG`` for every table, the
+    decoder, the validation and the reports."""
+    if not _assignable(cls.TAG):
+        raise ValueError(f"scheme tag 0x{cls.TAG:02x} is invalid or reserved")
+    for other in _REGISTRY.values():
+        if other.TAG == cls.TAG or other.NAME == cls.NAME:
+            raise ValueError(f"{cls.NAME} (0x{cls.TAG:02x}) collides with {other.NAME} "
+                             f"(0x{other.TAG:02x})")
+    cls.STORAGE_TAGS = frozenset(BY_NAME[n].tag for n in cls.STORAGE)
+    _REGISTRY[cls.TAG] = cls
+    _changed()
+    return cls
+
+
+def unregister(cls: type[QuantScheme]) -> None:
+    if _REGISTRY.get(cls.TAG) is cls:
+        del _REGISTRY[cls.TAG]
+        _changed()
+
+
+def scheme_class(tag: int) -> type[QuantScheme] | None:
+    return _REGISTRY.get(tag)
+
+
+def scheme_by_name(name: str) -> type[QuantScheme] | None:
+    found = [c for c in _REGISTRY.values() if c.NAME == name]  # noqa: SIM300
+    return found[0] if found else None
+
+
+def schemes() -> tuple[type[QuantScheme], ...]:
+    """The registered scheme classes, by tag."""
+    return tuple(_REGISTRY[t] for t in sorted(_REGISTRY))
+
+
+class RegistryView(Mapping):
+    """A read-only table computed from the registry on every access, so a scheme
+    registered later appears in it too."""
+
+    def __init__(self, value: Callable[[type[QuantScheme]], Any],
+                 key: Callable[[type[QuantScheme]], Any] = lambda c: c.TAG,
+                 where: Callable[[type[QuantScheme]], bool] = lambda c: True) -> None:
+        self._value, self._key, self._where = value, key, where
+
+    def _table(self) -> dict:
+        return {self._key(c): self._value(c) for c in schemes() if self._where(c)}
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._table()[k]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return repr(self._table())
+
+
+def storage_range(type_name: str) -> tuple[int, int]:
+    et = BY_NAME[type_name]
+    if et.is_signed:
+        return -(1 << (et.bits - 1)), (1 << (et.bits - 1)) - 1
+    return 0, (1 << et.bits) - 1
+
+
+def is_pow2(v: int) -> bool:
+    return v > 0 and not v & (v - 1)
+
+
+def product(values: tuple[int, ...]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def check_param_sizes(q: QuantScheme, handles: tuple, count: int, scale_width: int,
+                      cur: Cursor) -> None:
+    """Scale (and zero-point) buffers hold exactly ``count`` entries; a shared entry
+    holds ``[scales | zero_points]``."""
+    zp = getattr(q, "zero_point_buffer", None)
+    want = {q.scale_buffer: count * scale_width}  # type: ignore[attr-defined]
+    if zp is not None:
+        want[zp] = want.get(zp, 0) + count * 4
+    for i, nbytes in want.items():
+        got = handles[i].byte_size
+        if got != nbytes:
+            what = "scales and zero-points" if zp == q.scale_buffer else (  # type: ignore
+                "zero-points" if i == zp else "scales")
+            raise QuantizationError.at(
+                f"buffers[{i}].byte_size", (cur.at("buffer_count") or 0) + 1 + 16 * i, got,
+                f"{scheme_name(q.TAG)} {what} take exactly {nbytes} bytes "
+                f"({count} entries)")
+
+
+class QuantScheme:
+    """What every scheme has; subclasses are frozen dataclasses ending in ``padding``."""
+
+    TAG: ClassVar[int]
+    NAME: ClassVar[str]
+    LENGTH: ClassVar[int] = 4
+    FLAGS: ClassVar[int] = 0
+    STORAGE: ClassVar[tuple[str, ...]] = ()
+    STORAGE_TAGS: ClassVar[frozenset[int]] = frozenset()  # set by register()
+    SCALE_TYPES: ClassVar[tuple[int, ...]] = ()
+    GRANULARITY: ClassVar[str | None] = None
+    AFFINE: ClassVar[bool] = False
+    BLOCK_PAGED: ClassVar[bool] = False
+
+    padding: bytes
+    zero_point_buffer: int | None = None  # a dataclass field where a scheme has one
+
+    # -- codec
+    @classmethod
+    def decode_body(cls, cur: Cursor, start: int, flags: int) -> QuantScheme:
+        """The fields after the 4-byte header (``LENGTH - 4`` bytes), their byte rules
+        checked; ``start`` is the offset of the scheme tag."""
+        raise NotImplementedError
+
+    def encode_body(self) -> bytes:
+        raise NotImplementedError
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(self.TAG, 1, self.flags) + self.encode_body() + self.padding
+
+    # -- properties
+    @property
+    def flags(self) -> int:
+        return 0
+
+    @property
+    def buffers(self) -> tuple[int, ...]:
+        """Indices of the parameter buffers the section names."""
+        return ()
+
+    @property
+    def per_slot(self) -> bool:
+        """One parameter per page slot: parameters travel with their page (D4)."""
+        return self.GRANULARITY == "slot"
+
+    @property
+    def scale_dtype(self) -> str:
+        """Element type of a stored scale."""
+        return "float32"
+
+    @property
+    def scale_width(self) -> int:
+        """Bytes of one stored scale."""
+        return BY_NAME[self.scale_dtype].itemsize
+
+    def param_count(self, shape: tuple[int, ...]) -> int:
+        """Parameter entries a tensor of ``shape`` needs (outside block-paged slots)."""
+        return 0
+
+    # -- context rules
+    def check_in_context(self, desc: Any, cur: Cursor, *, paged: bool) -> None:
+        type_tag: int = desc.type_tag
+        if type_tag not in self.STORAGE_TAGS:
+            raise QuantizationError.at(
+                "type_tag", 14, type_tag,
+                f"{self.NAME} storage MUST be one of {', '.join(self.STORAGE)}")
+
+    def check_block_paged(self, page_size: int, cur: Cursor) -> None:
+        """Rules of this scheme on a block-paged tensor (only if ``BLOCK_PAGED``)."""
+
+
+@dataclass(frozen=True)
+class RawQuantization(QuantScheme):
+    """An unknown or private scheme, carried verbatim by a permissive reader (never
+    registered)."""
+
+    scheme_tag: int
+    payload: bytes  # the whole section, header included
+
+    @property
+    def TAG(self) -> int:  # type: ignore[override]
+        return self.scheme_tag
+
+    @property
+    def NAME(self) -> str:  # type: ignore[override]
+        return scheme_name(self.scheme_tag)
+
+    def encode(self) -> bytes:
+        return self.payload
+
+    def check_in_context(self, desc: Any, cur: Cursor, *, paged: bool) -> None:
+        return
+
+
+def scheme_name(tag: int) -> str:
+    cls = _REGISTRY.get(tag)
+    if cls is not None:
+        return cls.NAME
+    return f"private_0x{tag:02x}" if 0xF0 <= tag <= 0xFE else f"0x{tag:02x}"
+
+
+__all__ = [
+    "INT_STORAGE", "NO_BUFFER", "SCALE_TYPE_NAMES", "SCALE_WIDTHS", "SYMMETRIC", "QuantScheme",
+    "RawQuantization", "RegistryView", "check_param_sizes", "is_pow2", "on_registry_change",
+    "product", "register",
+    "scheme_by_name", "scheme_class", "scheme_name", "schemes", "storage_range", "unregister",
+]
+
+# The schemes the spec assigns register themselves when their module is imported.
+from . import quant_schemes as _builtin  # noqa: E402, F401
