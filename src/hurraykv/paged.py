@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ from .wire.buffers import handle
 from .wire.descriptor import TensorDescriptor
 from .wire.dtypes import ElementType, element_type, pack, unpack
 from .wire.layouts import KV_ROLES, BlockPaged
-from .wire.quantization import PerBlockAffine, PerChannel, Quantization, storage_range
+from .wire.quantization import Quantization, storage_range
 
 _ROLE_CODES = {v: k for k, v in KV_ROLES.items()}
 _INDEX_NAMES = {"uint32": 0, "uint64": 1}
@@ -396,8 +397,8 @@ class BlockPagedTensor:
     def _check_quant_params(self) -> None:
         """Row 31 and the zero-point range, on the parameter arrays themselves."""
         q = self.quantization
-        if not isinstance(q, PerChannel | PerBlockAffine):
-            return
+        if q is None or not q.AFFINE or not q.buffers:
+            return  # per-tensor parameters are checked by the decoder
         scales, zps = _quant.params_arrays(q, self.quant_params, self._param_count())
         bad = ~np.isfinite(scales) | (scales == 0)
         if bad.any():
@@ -426,10 +427,15 @@ class BlockPagedTensor:
             self._slot_params_cache = cached
         return cached[1], cached[2]
 
+    @property
+    def _per_slot(self) -> bool:
+        """Quantization parameters per page slot (per-block-affine, D4)."""
+        return self.quantization is not None and self.quantization.per_slot
+
     def _param_count(self) -> int:
         q = self.quantization
-        if isinstance(q, PerChannel):
-            return self.shape[q.axis]
+        if q is not None and not q.per_slot:
+            return q.param_count(self.shape)
         return self.num_pages * self.page_size
 
     def _lens(self) -> np.ndarray:
@@ -567,7 +573,7 @@ class BlockPagedTensor:
                                  f"out must be a C-contiguous {shape} float32 array")
         if self.quantization is not None:
             fused = None
-            if isinstance(self.quantization, PerBlockAffine):
+            if self._per_slot and self.quantization.AFFINE:
                 fused = _quant.gather_dequantized(self._rows, self.element_type,
                                                   self.page_size, self.num_heads,
                                                   self.head_dim, slots, *self._slot_params(),
@@ -643,7 +649,7 @@ class BlockPagedTensor:
             return 0
         unused = ~self.used_slots()
         self._zero_rows(self._rows, unused)
-        if isinstance(self.quantization, PerBlockAffine):
+        if self._per_slot:
             self.quant_params = _quant.reset_unused(self.quantization, self.quant_params,
                                                     unused)
         return int(unused.sum())
@@ -699,7 +705,7 @@ class BlockPagedTensor:
         """Quantization parameters of the kept pages: per-page-slot arrays (per-block
         affine, D4) follow their page; per-tensor and per-channel ones are unchanged."""
         q = self.quantization
-        if not isinstance(q, PerBlockAffine) or self.num_pages == 0:
+        if q is None or not q.per_slot or self.num_pages == 0:
             return tuple(p.copy() for p in self.quant_params)
         out = []
         for i, p in enumerate(self.quant_params, start=3):
@@ -755,9 +761,8 @@ class BlockPagedTensor:
         codes, q, params = _quant.quantize_slots(
             values, self.used_slots(), scheme, et, symmetric, axis,
             _quant.SCALE_TAGS[scale_dtype])
-        if isinstance(q, PerBlockAffine):
-            q = PerBlockAffine(0, self.page_size, q.scale_buffer, q.zero_point_buffer,
-                               q.scale_type)
+        if q.per_slot:  # one parameter per page slot: block_size == page_size (D4)
+            q = replace(q, block_size=self.page_size)
         if et.sub_byte:
             rows = _quant.pack_codes(codes, et).reshape(self.num_pages, -1)
         else:
@@ -771,7 +776,7 @@ class BlockPagedTensor:
         slots = np.arange(self.num_pages * self.page_size)
         values = _quant.gather_dequantized(
             self._rows, self.element_type, self.page_size, self.num_heads, self.head_dim,
-            slots, *self._slot_params()) if isinstance(self.quantization, PerBlockAffine) \
+            slots, *self._slot_params()) if self._per_slot and self.quantization.AFFINE \
             and self._has_data() else None
         if values is None:
             codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)

@@ -30,15 +30,15 @@ from .threads import run_bands
 from .wire.dtypes import BY_NAME, ElementType, pack
 from .wire.quantization import (
     SCALE_TYPES,
-    VALID_STORAGE,
-    PerBlockAffine,
-    PerChannel,
-    PerTensor,
     Quantization,
+    RegistryView,
+    scheme_by_name,
     storage_range,
 )
 
-SCHEMES = {"per_tensor": 0x01, "per_channel": 0x02, "per_block_affine": 0x03}
+# The schemes hurraykv quantizes and dequantizes (the affine ones), name -> tag: a view
+# of the scheme registry (wire/quant_schemes.py).
+SCHEMES = RegistryView(lambda c: c.TAG, key=lambda c: c.NAME, where=lambda c: c.AFFINE)
 SCALE_TAGS = {v: k for k, v in SCALE_TYPES.items()}
 TINY = np.finfo(np.float32).tiny
 CHUNK_ELEMENTS = 1 << 18  # per chunk of slot rows: float32 temporaries of 1 MiB stay in cache
@@ -125,31 +125,35 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
     parameter buffers at 3 (scales) and 4 (zero-points, asymmetric only), and the
     parameter buffers as byte arrays.
     """
-    if scheme not in SCHEMES:
+    cls = scheme_by_name(scheme)
+    if cls is None or not cls.AFFINE:
+        *first, last = SCHEMES
         raise QuantizationError.at("scheme", None, scheme,
-                                   "scheme is per_tensor, per_channel or per_block_affine")
-    if et.name not in VALID_STORAGE[SCHEMES[scheme]]:
+                                   f"scheme is {', '.join(first)} or {last}")
+    if et.name not in cls.STORAGE:
         raise QuantizationError.at("dtype", None, et.name,
-                                   f"{scheme} storage is one of "
-                                   f"{', '.join(VALID_STORAGE[SCHEMES[scheme]])}")
+                                   f"{scheme} storage is one of {', '.join(cls.STORAGE)}")
     if symmetric and not et.is_signed:
         raise QuantizationError.at("symmetric", None, True,
                                    f"symmetric quantization keeps zero-point 0 and needs a "
                                    f"signed storage type, not {et.name}; use symmetric=False")
-    if scheme == "per_channel" and axis not in (1, 2):
+    granularity = cls.GRANULARITY
+    if granularity == "channel" and axis not in (1, 2):
         raise QuantizationError.at("axis", None, axis,
-                                   "per_channel quantizes axis 1 (heads) or 2 (head_dim); the "
+                                   f"{scheme} quantizes axis 1 (heads) or 2 (head_dim); the "
                                    "paged axis 0 is quantized with per_block_affine")
-    if scheme != "per_channel" and axis not in (None, 0 if scheme == "per_block_affine" else None):
+    if granularity != "channel" and axis not in (None, 0 if granularity == "slot" else None):
         raise QuantizationError.at("axis", None, axis, f"{scheme} takes no axis")
-    if scheme != "per_block_affine" and scale_type != 3:
+    if scale_type not in cls.SCALE_TYPES:
         raise QuantizationError.at("scale_dtype", None, SCALE_TYPES[scale_type],
-                                   f"{scheme} scales are float32")
+                                   f"{scheme} scales are "
+                                   f"{' or '.join(SCALE_TYPES[t] for t in cls.SCALE_TYPES)}")
     qmin, qmax = storage_range(et.name)
     n = x.shape[0]
     codes = alloc.empty(x.shape, _code_dtype(et))
     step = _chunk_rows(x.shape[1] * x.shape[2])
-    if scheme == "per_block_affine":
+    stype = BY_NAME[SCALE_TYPES[scale_type]].numpy
+    if granularity == "slot":
         scales = np.ones(n, np.float32)
         zps = np.zeros(n, np.int32)
         done = _block_affine_kernel(x, used, qmin, qmax, symmetric, scale_type, codes, scales,
@@ -167,14 +171,13 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
             scales[a:b], zps[a:b] = s, z
             _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
                     symmetric)
-        q: Quantization = PerBlockAffine(0, 0, 3, None if symmetric else 4, scale_type)
-        stype = BY_NAME[SCALE_TYPES[scale_type]].numpy
+        q = cls.for_buffers(axis=0, symmetric=symmetric, scale_type=scale_type)
         params = [scales.astype(stype).view(np.uint8)]
         if not symmetric:
             params.append(zps.view(np.uint8))
         return codes, q, tuple(params)
     # per-tensor and per-channel: ranges over the used slots only (unused are undefined)
-    red = (0, 1, 2) if scheme == "per_tensor" else tuple(i for i in (0, 1, 2) if i != axis)
+    red = (0, 1, 2) if granularity == "tensor" else tuple(i for i in (0, 1, 2) if i != axis)
     lo = np.full([1 if i in red else x.shape[i] for i in range(3)], np.inf, np.float32)
     hi = np.full(lo.shape, -np.inf, np.float32)
     for a in range(0, n, step):
@@ -187,17 +190,19 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
             hi = np.maximum(hi, xc.max(axis=red, keepdims=True))
     lo, hi = np.where(np.isfinite(lo), lo, 0), np.where(np.isfinite(hi), hi, 0)
     s, z = _affine(lo, hi, qmin, qmax, symmetric, where="quantization channel"
-                   if scheme == "per_channel" else "quantization range")
+                   if granularity == "channel" else "quantization range")
     for a in range(0, n, step):
         b = min(a + step, n)
         xc = x[a:b].astype(np.float32)
         if not used[a:b].all():
             xc[~used[a:b]] = 0
         _encode(xc, s, z, qmin, qmax, codes[a:b], symmetric)
-    if scheme == "per_tensor":
-        return codes, PerTensor(float(s.reshape(-1)[0]), int(z.reshape(-1)[0])), ()
-    q = PerChannel(axis, 3, None if symmetric else 4)
-    params = [s.reshape(-1).astype("<f4").view(np.uint8)]
+    if granularity == "tensor":
+        return codes, cls.for_buffers(axis=None, symmetric=symmetric, scale_type=scale_type,
+                                      scale=float(s.reshape(-1)[0]),
+                                      zero_point=int(z.reshape(-1)[0])), ()
+    q = cls.for_buffers(axis=axis, symmetric=symmetric, scale_type=scale_type)
+    params = [s.reshape(-1).astype(stype).view(np.uint8)]
     if not symmetric:
         params.append(z.reshape(-1).astype("<i4").view(np.uint8))
     return codes, q, tuple(params)
@@ -264,9 +269,9 @@ def params_arrays(q: Quantization, params: tuple[np.ndarray, ...], count: int
                   ) -> tuple[np.ndarray, np.ndarray | None]:
     """float32 scales and int32 zero-points (None when symmetric) from the parameter
     buffers, handling a shared ``[scales | zero_points]`` buffer."""
-    if isinstance(q, PerTensor):
+    if q.GRANULARITY == "tensor":  # parameters in the section itself
         return np.array([q.scale], np.float32), np.array([q.zero_point], np.int32)
-    stype = BY_NAME[SCALE_TYPES[q.scale_type]]
+    stype = BY_NAME[q.scale_dtype]
     sbuf = params[q.scale_buffer - 3]
     scales = sbuf[: count * stype.itemsize].view(stype.numpy).astype(np.float32)
     if q.zero_point_buffer is None:
@@ -282,24 +287,25 @@ def dequantize(codes: np.ndarray, slots: np.ndarray, q: Quantization,
     """float32 values of ``codes`` ``[n, H, D]`` taken from pool slots ``slots``."""
     n, heads, dim = codes.shape
     shape = [1, 1, 1]
-    if isinstance(q, PerBlockAffine):
+    if q is None or not q.AFFINE:
+        *first, last = (name.replace("_", "-") for name in SCHEMES)
+        raise QuantizationError.at("quantization", None, type(q).__name__,
+                                   f"hurraykv dequantizes {', '.join(first)} and {last} "
+                                   "block-paged tensors")
+    if q.per_slot:
         scales, zps = params_arrays(q, params, num_slots)
         scale = scales[slots][:, None, None]
         zero = None if zps is None else zps[slots][:, None, None]
         per_row = True
-    elif isinstance(q, PerChannel):
+    elif q.GRANULARITY == "channel":
         shape[q.axis] = codes.shape[q.axis]
         scales, zps = params_arrays(q, params, shape[q.axis])
         scale, zero, per_row = scales.reshape(shape), zps, False
         zero = None if zps is None else zps.reshape(shape)
-    elif isinstance(q, PerTensor):
+    else:  # per tensor: parameters in the section itself
         scale = np.float32(q.scale)
         zero = None if q.zero_point == 0 else np.int32(q.zero_point)
         per_row = False
-    else:
-        raise QuantizationError.at("quantization", None, type(q).__name__,
-                                   "hurraykv dequantizes per-tensor, per-channel and "
-                                   "per-block-affine block-paged tensors")
     out = alloc.empty(codes.shape, np.float32)
     wide = np.int64 if codes.dtype.itemsize >= 4 else np.int32
     step = _chunk_rows(heads * dim)
@@ -365,11 +371,11 @@ def pack_codes(codes: np.ndarray, et: ElementType) -> np.ndarray:
     return out
 
 
-def reset_unused(q: PerBlockAffine, params: tuple[np.ndarray, ...], unused: np.ndarray
+def reset_unused(q: Quantization, params: tuple[np.ndarray, ...], unused: np.ndarray
                  ) -> tuple[np.ndarray, ...]:
     """Per-slot parameters with scale 1.0 and zero-point 0 on ``unused`` slots (copies)."""
     n = len(unused)
-    stype = BY_NAME[SCALE_TYPES[q.scale_type]].numpy
+    stype = BY_NAME[q.scale_dtype].numpy
     out = [p.copy() for p in params]
     sbuf = out[q.scale_buffer - 3]
     sbuf[: n * stype.itemsize].view(stype)[unused] = 1.0

@@ -15,7 +15,6 @@ from ..snapshot import KVCacheSnapshot, member_name
 from ..wire.annotate import quantization_fields
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, layout_name
-from ..wire.quantization import PerBlockAffine
 
 
 def member_row(name: str | None, desc: TensorDescriptor,
@@ -29,9 +28,9 @@ def member_row(name: str | None, desc: TensorDescriptor,
     if desc.quantization is not None:
         row["quantization"] = quantization_fields(desc)
     if t is not None:
+        q = desc.quantization
         paged = [desc.buffers[0].byte_size] + ([h.byte_size for h in desc.buffers[3:]]
-                                               if isinstance(desc.quantization, PerBlockAffine)
-                                               else [])
+                                               if q is not None and q.per_slot else [])
         referenced = len(t.referenced_pages)
         per_page = sum(paged) / t.num_pages if t.num_pages else 0
         row |= {"num_pages": t.num_pages, "pages_referenced": referenced,

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from ..paged import BlockPagedTensor, byte_view
-from ..wire.quantization import PerBlockAffine
 
 DIGEST = 16
 ZERO = bytes(DIGEST)
@@ -27,7 +26,7 @@ class Member:
         self.tensor = t
         self.desc = t.descriptor()
         q = t.quantization
-        self.per_slot = isinstance(q, PerBlockAffine)
+        self.per_slot = q is not None and q.per_slot
         views = t.clean_buffers() if zero_unused and t.seq_lens is not None else list(
             t.buffers())
         pool_parts = len(views) - (len(t.buffers()) - 1)

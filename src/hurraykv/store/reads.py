@@ -12,7 +12,6 @@ from ..errors import StoreError
 from ..wire.descriptor import TensorDescriptor
 from ..wire.dtypes import BY_NAME
 from ..wire.layouts import BlockPaged, Composite
-from ..wire.quantization import SCALE_TYPES, PerBlockAffine
 from . import resp
 from .capacity import MissingPagesError
 from .members import ZERO
@@ -27,7 +26,7 @@ def page_width(desc: TensorDescriptor) -> int:
     if not n:
         return 0
     width = desc.buffers[0].byte_size // n
-    if isinstance(desc.quantization, PerBlockAffine):
+    if desc.quantization is not None and desc.quantization.per_slot:
         width += sum(h.byte_size for h in desc.buffers[3:]) // n
     return width
 
@@ -153,11 +152,11 @@ def member_buffers(desc: TensorDescriptor, skeleton: list, digests: list[bytes],
     present = np.array([d != ZERO for d in digests], bool)
     buffers = [rows[:, :row].reshape(-1) if width == row else
                np.ascontiguousarray(rows[:, :row]).reshape(-1), *skeleton[:2]]
-    if not isinstance(q, PerBlockAffine):
+    if q is None or not q.per_slot:
         return buffers + skeleton[2:]
     # Per-page-slot parameters (D4): scales, then zero-points, after each page's bytes.
     ps = layout.page_size
-    scale_np = BY_NAME[SCALE_TYPES[q.scale_type]].numpy
+    scale_np = BY_NAME[q.scale_dtype].numpy
     sw = scale_np.itemsize * ps
     scales = np.array(rows[:, row:row + sw])  # a writable copy
     scales.view(scale_np)[~present] = 1.0  # pages no sequence reads: a valid scale
