@@ -1,7 +1,7 @@
 """One class per quantization scheme (issue 21): golden bytes of every assigned scheme,
 the tables as views of the registry, and a toy scheme defined here that the codec, the
 validation, the block-paged rules, the store and the report pick up with no other edit
-(the recipe in docs/extending-quant.md)."""
+(the recipe in docs/architecture.md ("Extending hurraykv"))."""
 
 from __future__ import annotations
 

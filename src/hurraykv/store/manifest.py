@@ -24,7 +24,6 @@ from ..snapshot import KVCacheSnapshot, group_head, kv_scales_member, seq_lens_m
 from ..wire.cursor import Cursor
 from ..wire.descriptor import decode_descriptor
 from ..wire.layouts import BlockPaged
-from ..wire.quantization import PerBlockAffine
 from .members import DIGEST, Member
 
 MAGIC = b"HKVM"
@@ -143,7 +142,8 @@ def parse_manifest(snapshot_id: str, raw: bytes) -> tuple[list, list[bytes], byt
         bufs = []
         for i, h in enumerate(desc.buffers):
             if isinstance(desc.layout, BlockPaged) and (
-                    i == 0 or (i >= 3 and isinstance(desc.quantization, PerBlockAffine))):
+                    i == 0 or (i >= 3 and desc.quantization is not None
+                               and desc.quantization.per_slot)):
                 continue  # page data: in the page keys
             if off + h.byte_size > len(hurray):
                 raise r.fail("hurray", off, h.byte_size, f"buffer {i} of a member lies "

@@ -3,7 +3,7 @@
 A scheme is one frozen dataclass subclassing ``QuantScheme`` and decorated with
 ``@register`` (the five the spec assigns are in ``quant_schemes.py``); everything that
 enumerates schemes asks the registry (``scheme_class``, ``scheme_by_name``, ``schemes``,
-``RegistryView``) or a scheme's properties.  docs/extending-quant.md has the recipe.
+``RegistryView``) or a scheme's properties.  docs/architecture.md ("Extending hurraykv") has the recipe.
 """
 
 from __future__ import annotations

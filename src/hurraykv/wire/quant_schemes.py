@@ -21,7 +21,7 @@ Everything about a scheme lives in its class, and nowhere else (issue 21):
 The base class and the registry are in ``quant_registry.py``; the tables other modules
 used to keep (``SCHEME_NAMES``, ``VALID_STORAGE``, ``quant.SCHEMES``,
 ``block_paged.SCALE_WIDTH``) are views of the registry.  Adding a scheme is one class
-here plus ``@register`` (docs/extending-quant.md).
+here plus ``@register`` (docs/architecture.md ("Extending hurraykv")).
 """
 
 from __future__ import annotations
