@@ -3,7 +3,8 @@
 A scheme is one frozen dataclass subclassing ``QuantScheme`` and decorated with
 ``@register`` (the five the spec assigns are in ``quant_schemes.py``); everything that
 enumerates schemes asks the registry (``scheme_class``, ``scheme_by_name``, ``schemes``,
-``RegistryView``) or a scheme's properties.  docs/architecture.md ("Extending hurraykv") has the recipe.
+``RegistryView``) or a scheme's properties.  The recipe: docs/architecture.md,
+"Extending hurraykv".
 """
 
 from __future__ import annotations
