@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -24,10 +23,8 @@ from hurraykv.cli import main
 from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.store import PageStore
-from hurraykv.store.manifest import manifest_generation, parse_manifest
-from hurraykv.store.members import ZERO
 from hurraykv.store.pages import StoreError
-from hurraykv.store.reads import page_width
+from tests import store_checks
 from tests.redis_fixtures import emptied_url
 from tests.redis_servers import free_port, redis_server_binary, start_redis
 
@@ -50,52 +47,8 @@ def snap(seed: int) -> KVCacheSnapshot:
     return KVCacheSnapshot.from_tensors(tensors, metadata={"seed": seed})
 
 
-def _keys(client, kind: str) -> list[bytes]:
-    return list(dict.fromkeys(client.scan_iter(match=f"hkv:{kind}:*", count=1000)))
-
-
-def _digest(key: bytes) -> bytes:
-    return bytes.fromhex(key.decode()[7:-1])
-
-
 def check_consistent(store: PageStore) -> int:
-    """Every page's stored references equal the manifests naming it (recomputed here),
-    no page is missing or unreferenced, nothing is left pending, the statistics add up,
-    and every snapshot reads back as the snapshot its seed makes; returns how many."""
-    c = store.client
-    named: dict[bytes, set] = defaultdict(set)
-    logical = 0
-    manifests = _keys(c, "m")
-    for key in manifests:
-        sid = key.decode()[7:-1]
-        raw = c.get(key)
-        items, table, _ = parse_manifest(sid, raw)
-        for d in set(table) - {ZERO}:
-            named[d].add(manifest_generation(raw) or sid)
-        pos = 0
-        for desc, _ in items:
-            if hasattr(desc.layout, "num_pages"):
-                n = desc.layout.num_pages
-                logical += page_width(desc) * sum(d != ZERO for d in table[pos:pos + n])
-                pos += n
-    if _keys(c, "o") or not _keys(c, "r"):  # references as generations (the fix)
-        stored = {_digest(k): c.smembers(k) for k in _keys(c, "o")}
-        assert stored == dict(named), "page owners differ from the manifests naming them"
-    else:  # references as counters (before the fix)
-        stored = {_digest(k): int(c.get(k)) for k in _keys(c, "r")}
-        assert stored == {d: len(g) for d, g in named.items()}, \
-            "reference counts differ from the manifests naming the pages"
-    pages = {_digest(k): c.strlen(k) for k in _keys(c, "p")}
-    assert set(pages) == set(named), (f"{len(set(named) - set(pages))} named pages missing, "
-                                      f"{len(set(pages) - set(named))} nobody names")
-    assert _keys(c, "d") == []
-    assert store.stats() == {"snapshots": len(manifests), "pages": len(pages),
-                             "stored_bytes": sum(pages.values()), "logical_bytes": logical}
-    for key in manifests:
-        sid = key.decode()[7:-1]
-        back = store.get(sid)
-        assert back.equal(snap(back.metadata["seed"])), sid
-    return len(manifests)
+    return store_checks.check_consistent(store, snap)
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -283,7 +236,7 @@ def test_fsck_upgrades_a_store_of_counted_references(redis_url):
     raw = c.get("hkv:m:{old}")
     v1 = b"HKVM" + struct.pack("<I", 1) + raw[24:]  # no generation
     c.set("hkv:m:{old}", v1)
-    for key in _keys(c, "o"):
+    for key in store_checks.keys(c, "o"):
         c.delete(key)
         c.set(key.replace(b"hkv:o:", b"hkv:r:"), 1)
     assert store.get("old").equal(snap(5))  # read as ever

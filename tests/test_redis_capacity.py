@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,7 +20,6 @@ from hurraykv.errors import HurrayError
 from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.store import MissingPagesError, PageStore, StoreFullError, resp
-from hurraykv.store.manifest import manifest_generation, parse_manifest
 from hurraykv.store.members import ZERO, Member
 from hurraykv.store.pages import StoreError
 from hurraykv.store.scripts import (
@@ -32,7 +30,7 @@ from hurraykv.store.scripts import (
     page_key,
     pending_key,
 )
-from hurraykv.store.writes import logical_bytes
+from tests import store_checks
 from tests.redis_servers import free_port, redis_server_binary, start_redis
 from tests.snapshots import zeroed
 
@@ -82,12 +80,7 @@ def path(request, monkeypatch) -> str:
     return request.param
 
 
-def _keys(client, kind: str) -> list[bytes]:
-    return list(dict.fromkeys(client.scan_iter(match=f"hkv:{kind}:*", count=1000)))
-
-
-def _digest(key: bytes) -> bytes:
-    return bytes.fromhex(key.decode()[7:-1])
+_keys, _digest = store_checks.keys, store_checks.digest
 
 
 def read(store: PageStore, sid: str, expected: KVCacheSnapshot) -> str:
@@ -106,30 +99,9 @@ def read(store: PageStore, sid: str, expected: KVCacheSnapshot) -> str:
 
 
 def check_whole(store: PageStore) -> int:
-    """After fsck on a store Redis no longer evicts from: every page's owners are exactly
-    the manifests naming it, every named page is stored and nothing else is, nothing is
-    pending, the statistics add up, and every snapshot reads back bit for bit."""
-    c = store.client
-    named: dict[bytes, set[bytes]] = defaultdict(set)
-    logical = 0
-    manifests = _keys(c, "m")
-    for key in manifests:
-        raw = c.get(key)
-        items, table, _ = parse_manifest("?", raw)
-        for d in set(table) - {ZERO}:
-            named[d].add(manifest_generation(raw))
-        logical += logical_bytes(items, table)
-    assert {_digest(k): c.smembers(k) for k in _keys(c, "o")} == dict(named)
-    pages = {_digest(k): c.strlen(k) for k in _keys(c, "p")}
-    assert set(pages) == set(named)
-    assert _keys(c, "d") == []
-    assert store.stats() == {"snapshots": len(manifests), "pages": len(pages),
-                             "stored_bytes": sum(pages.values()), "logical_bytes": logical}
-    for key in manifests:
-        sid = key.decode()[7:-1]
-        back = store.get(sid)
-        assert back.equal(zeroed(batch(back.metadata["seed"])[0])), sid
-    return len(manifests)
+    """After fsck on a store Redis no longer evicts from: the store is consistent and every
+    snapshot reads back bit for bit."""
+    return store_checks.check_consistent(store, lambda seed: zeroed(batch(seed)[0]))
 
 
 # ------------------------------------------------------------------ allkeys-lru

@@ -88,6 +88,10 @@ class WorkerSide:
                  "segments read on %d core(s) %s", len(self._layers), backend, kind,
                  ctx.chunk_size, ctx.url, threads.workers(), sorted(os.sched_getaffinity(0)))
 
+    def _layer(self, layer_name: str) -> tuple[int, LayerView]:
+        layer = self._index[layer_name]
+        return layer, self._layers[layer][1]
+
     def _check_segment(self, snap: KVCacheSnapshot) -> None:
         ctx = self.ctx
         view = self._layers[0][1]
@@ -187,10 +191,8 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._fetched or layer_name in self._written or layer_name not in self._index:
             return
-        stats = self.ctx.stats
-        started = time.perf_counter()
-        layer = self._index[layer_name]
-        view = self._layers[layer][1]
+        stats, started = self.ctx.stats, time.perf_counter()
+        layer, view = self._layer(layer_name)
         try:
             for blocks, snap, first in self._fetched:
                 pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
@@ -214,10 +216,8 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
         if plan is None or not plan.saves or layer_name not in self._index:
             return
-        stats = self.ctx.stats
-        started = time.perf_counter()
-        layer = self._index[layer_name]
-        view = self._layers[layer][1]
+        stats, started = self.ctx.stats, time.perf_counter()
+        layer, view = self._layer(layer_name)
         try:
             for i, save in enumerate(plan.saves):
                 blocks = [b for chunk in save.blocks for b in chunk]
