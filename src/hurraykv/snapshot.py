@@ -11,67 +11,41 @@ A snapshot is one group composite (layout 0x0B, rule group) whose members are
 Members are identified by their own fields (kv_role, layer_index, type and shape),
 never by position.  Every block-paged member shares page_size, num_seqs, seq_ptr,
 num_heads, head_dim, total_tokens and element type.  The same list of members is what
-the stream format, the .hrry file and the network transport carry; this module is the
-only one that knows what a snapshot is made of.
+the stream format, the .hrry file and the network transport carry; this module and
+``snapshot_members`` (the members built, recognised and checked together) are the only
+ones that know what a snapshot is made of.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .arrays import as_numpy
-from .errors import LayoutError, SeqLensRequiredError, SnapshotError
+from .errors import LayoutError, SeqLensRequiredError
 from .info import check_metadata, info_member, parse_info
 from .paged import BlockPagedTensor, byte_view
-from .wire.buffers import handle
+from .snapshot_members import (
+    GROUP,
+    ROLES,
+    Buffers,
+    Loader,
+    check_members,
+    group_head,
+    host_descriptor,
+    is_kv_scales,
+    is_seq_lens,
+    kv_scales_member,
+    member_name,
+    role_rank,
+    row_major_array,
+    seq_lens_member,
+)
+from .snapshot_members import unfit as _fail
 from .wire.descriptor import TensorDescriptor
-from .wire.dtypes import ELEMENT_TYPES
-from .wire.layouts import BlockPaged, Composite, RowMajor
-
-ROLES = ("key", "value")
-GROUP = 0x03
-UINT64, FLOAT32, UINT8 = 0x17, 0x03, 0x11
-Buffers = Sequence[Any]
-Loader = Callable[[], Buffers]
-
-
-def member_name(layer: int, role: str) -> str:
-    return f"layers.{layer}.{role}"
-
-
-def host_descriptor(desc: TensorDescriptor) -> TensorDescriptor:
-    """The descriptor of bytes handed out from host memory: a member whose pool stayed on
-    a device records that device, but what is written (file, stream, socket) is a host
-    copy, so it is described as CPU memory."""
-    if all(h.device_tag == 0 and h.memory_class == 0 and h.sync_mode == 0
-           for h in desc.buffers):
-        return desc
-    import dataclasses
-
-    return dataclasses.replace(desc, buffers=tuple(
-        handle(h.byte_size, h.alignment) for h in desc.buffers))
-
-
-def group_head(member_count: int) -> TensorDescriptor:
-    """The group head as the reference writes one: uint8, rank 1, shape [member_count]."""
-    return TensorDescriptor(UINT8, (member_count,), Composite(GROUP, member_count))
-
-
-def seq_lens_member(seq_lens: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
-    data = np.ascontiguousarray(seq_lens, dtype="<u8")
-    return (TensorDescriptor(UINT64, (len(data),), RowMajor(), (handle(data.nbytes),)),
-            [memoryview(data.view(np.uint8))])
-
-
-def kv_scales_member(kv_scales: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
-    data = np.ascontiguousarray(kv_scales, dtype="<f4")
-    return (TensorDescriptor(FLOAT32, tuple(data.shape), RowMajor(),
-                             (handle(data.nbytes),)), [memoryview(data.view(np.uint8))])
-
+from .wire.layouts import BlockPaged
 
 _POOL_ORDER = ("pools are [num_pages, page_size, num_heads, head_dim]; pass an HND pool "
                "as pool.transpose(0, 2, 1, 3)")
@@ -79,10 +53,6 @@ _POOL_ORDER = ("pools are [num_pages, page_size, num_heads, head_dim]; pass an H
 
 def _layout(msg: str, field: str | None, value: Any) -> LayoutError:
     return LayoutError(msg, field=field, value=value, rule="page pools are NHD")
-
-
-def _fail(msg: str, field: str, value: Any = None) -> SnapshotError:
-    return SnapshotError(msg, field=field, value=value, rule="snapshot members fit together")
 
 
 class KVCacheSnapshot:
@@ -98,7 +68,7 @@ class KVCacheSnapshot:
                  extras: Sequence[tuple[str | None, TensorDescriptor, Buffers]] = (),
                  owner: Any = None) -> None:
         self._members = dict(sorted(members.items(), key=lambda kv: (kv[0][0],
-                                                                     _role_rank(kv[0][1]))))
+                                                                     role_rank(kv[0][1]))))
         self._cache: dict[tuple[int, str], BlockPagedTensor] = {}
         self.seq_lens = None if seq_lens is None else as_numpy(seq_lens, "seq_lens").astype(
             np.int64)
@@ -108,7 +78,7 @@ class KVCacheSnapshot:
         self.metadata = check_metadata(metadata)
         self.extras = list(extras)
         self._owner = owner  # keeps an mmap (or file) alive while members are views on it
-        self._validate()
+        check_members(self._members, self.seq_lens, self.kv_scales)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -242,73 +212,6 @@ class KVCacheSnapshot:
         out.model = self.model if model is None else model
         out.metadata = {**self.metadata, **check_metadata(metadata)}
         return out
-
-    # ----------------------------------------------------------------- validation
-    def _validate(self) -> None:
-        if not self._members:
-            raise _fail("a snapshot holds at least one block-paged member", "members", 0)
-        keys = list(self._members)
-        layers = sorted({k[0] for k in keys})
-        if layers != list(range(len(layers))):
-            # the first gap, found without listing a range a hostile layer_index could make
-            # billions long
-            first = next(i for i, layer in enumerate(layers) if layer != i)
-            raise _fail(f"layer {first} is missing (layers present: {len(layers)}, highest "
-                        f"{layers[-1]}): a snapshot has layers 0..L-1", "layer_index", first)
-        for i in layers:
-            roles = {k[1] for k in keys if k[0] == i}
-            if roles not in ({"key", "value"}, {"fused"}):
-                raise _fail(f"layer {i} has roles {sorted(roles)}; every layer has key and "
-                            "value, or one fused member", "kv_role", sorted(roles))
-        first_key = keys[0]
-        d0, load0 = self._members[first_key]
-        facts0 = _facts(d0)
-        sp0 = _seq_ptr(d0, load0())
-        role_dims: dict[str, tuple[tuple[int, str], int]] = {}
-        for key in keys:
-            desc, load = self._members[key]
-            # a role's head_dim is its own (key and value may differ: DIFFKV, MLA-style)
-            first, dim = role_dims.setdefault(key[1], (key, desc.shape[2]))
-            if desc.shape[2] != dim:
-                raise _fail(f"{member_name(*key)} has head_dim {desc.shape[2]}, "
-                            f"{member_name(*first)} has {dim}", "head_dim", desc.shape[2])
-            if key == first_key:
-                continue
-            facts = _facts(desc)
-            for field, a, b in zip(_FACT_NAMES, facts0, facts, strict=True):
-                if a != b:
-                    raise _fail(f"{member_name(*key)} has {field} {b}, "
-                                f"{member_name(*first_key)} has {a}", field, b)
-            sp = _seq_ptr(desc, load())
-            if not np.array_equal(sp, sp0):
-                raise _fail(f"{member_name(*key)} has a different seq_ptr than "
-                            f"{member_name(*first_key)}; every member shares one", "seq_ptr")
-        if self.seq_lens is not None:
-            lens = self.seq_lens
-            num_seqs, page_size, total = facts0[0], facts0[1], facts0[3]
-            if lens.ndim != 1 or len(lens) != num_seqs:
-                raise _fail(f"seq_lens has {lens.size} entries for {num_seqs} sequences",
-                            "seq_lens", lens.size)
-            cap = np.diff(sp0.astype(np.int64)) * page_size
-            bad = (lens < 0) | (lens > cap)
-            if bad.any():
-                s = int(np.flatnonzero(bad)[0])
-                raise _fail(f"seq_lens[{s}] = {int(lens[s])} does not fit sequence {s}'s "
-                            f"{int(cap[s]) // page_size} pages", f"seq_lens[{s}]", int(lens[s]))
-            if int(lens.sum()) != total:
-                raise _fail(f"sum(seq_lens) = {int(lens.sum())} but members hold {total} "
-                            "tokens", "seq_lens", int(lens.sum()))
-        if self.kv_scales is not None:
-            ks = self.kv_scales
-            if ks.shape != (len(layers), 2):
-                raise _fail(f"kv_scales has shape {list(ks.shape)}, expected "
-                            f"[{len(layers)}, 2]", "kv_scales", list(ks.shape))
-            if not (np.isfinite(ks).all() and (ks != 0).all()):
-                raise _fail("kv_scales MUST be finite and non-zero", "kv_scales")
-            pool_type = ELEMENT_TYPES[facts0[4]].name
-            if pool_type not in ("float8_e4m3", "float8_e5m2"):
-                raise _fail(f"kv_scales belong to fp8 caches, not {pool_type} pools",
-                            "kv_scales", pool_type)
 
     # ----------------------------------------------------------------- facts
     def _first(self) -> TensorDescriptor:
@@ -563,55 +466,6 @@ class SnapshotAssembler:
         return snap
 
 
-_FACT_NAMES = ("num_seqs", "page_size", "num_heads", "total_tokens", "type_tag")
-
-
-def _facts(desc: TensorDescriptor) -> tuple[int, ...]:
-    layout = desc.layout
-    return (layout.num_seqs, layout.page_size, desc.shape[1], desc.shape[0], desc.type_tag)
-
-
-def _role_rank(role: str) -> int:
-    return {"key": 0, "fused": 0, "value": 1}[role]
-
-
-def _seq_ptr(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
-    if len(buffers) < 3:
-        raise _fail("a block-paged member needs its seq_ptr buffer", "buffers", len(buffers))
-    dt = "<u8" if desc.layout.index_type == 1 else "<u4"
-    raw = byte_view(buffers[2])
-    if raw.nbytes != desc.buffers[2].byte_size:
-        raise _fail(f"seq_ptr buffer holds {raw.nbytes} bytes, the descriptor declares "
-                    f"{desc.buffers[2].byte_size}", "buffers[2]", raw.nbytes)
-    return np.frombuffer(raw, dt)
-
-
-def is_seq_lens(desc: TensorDescriptor) -> bool:
-    et = desc.element_type
-    return (isinstance(desc.layout, RowMajor) and desc.rank == 1 and et is not None
-            and not et.is_float and et.bits in (8, 16, 32, 64) and et.name != "bool"
-            and desc.quantization is None)
-
-
-def is_kv_scales(desc: TensorDescriptor) -> bool:
-    return (isinstance(desc.layout, RowMajor) and desc.type_tag == FLOAT32 and desc.rank == 2
-            and desc.shape[1] == 2 and desc.quantization is None)
-
-
-def row_major_array(desc: TensorDescriptor, buffers: Buffers) -> np.ndarray:
-    et = desc.element_type
-    raw = byte_view(buffers[0]) if len(buffers) else memoryview(b"")
-    count = math.prod(desc.shape)  # exact: shapes are u64, NumPy would wrap
-    need = desc.byte_offset + et.nbytes(count)
-    if raw.nbytes < need or raw.nbytes != desc.buffers[0].byte_size:
-        raise _fail(f"{desc.element_type_name} {list(desc.shape)} at byte_offset "
-                    f"{desc.byte_offset} needs {need} bytes, the buffer holds {raw.nbytes}",
-                    "buffers[0]", raw.nbytes)
-    arr = np.frombuffer(raw, et.numpy, count=count, offset=desc.byte_offset) if count else \
-        np.zeros(0, et.numpy)
-    if not et.is_float and et.is_signed and count and arr.min() < 0:
-        raise _fail("seq_lens entries MUST be >= 0", "seq_lens", int(arr.min()))
-    return arr.reshape(desc.shape)
-
-
-__all__ = ["KVCacheSnapshot", "group_head", "member_name"]
+__all__ = ["GROUP", "KVCacheSnapshot", "SnapshotAssembler", "group_head", "host_descriptor",
+           "is_kv_scales", "is_seq_lens", "kv_scales_member", "member_name", "row_major_array",
+           "seq_lens_member"]
