@@ -1,160 +1,33 @@
-"""What the KV server stores: committed objects by key, LRU under a memory budget,
-optionally persisted as .hrry files (LRU under a persist budget) that are served from an
-mmap after a restart.
+"""What the KV server stores: committed objects by key (``stored.py``), LRU under a
+memory budget, optionally persisted as .hrry files (the disk tier, ``persisted.py``:
+LRU under a persist budget, served from an mmap after a restart) and backed by a page
+store, with LINK's aliases (``aliases.py``) held against the memory budget.
 
-An object is a snapshot (a group head and its members) or one tensor, kept as the list
-of ``(descriptor, buffers)`` the wire carries, in pre-order.  Objects are immutable once
-committed: a reader holds a reference to the object it started with, so a PUT that
-replaces a key never shows anyone a partial snapshot.
-
-The disk tier (``--persist DIR``, bounded by ``--persist-budget``) is changed from two
-threads: files are written in worker threads (a PUT's commit), read and deleted on the
-event loop.  Its index (``_files``, in least-recently-used order, ``_sizes``, ``_mapped``)
-is therefore only touched under ``_disk``, a lock held for bookkeeping and unlinks, never
-while a file is written.  A file leaves the index before it is unlinked, under the lock,
-so a reader either maps the whole file or does not find it; a reader that mapped it
-before keeps valid pages (an unlinked file's pages live as long as a mapping does).
-
-Recency survives a restart in the files' modification times: each write and each read
-of a persisted object sets its file's mtime to a clock that only moves forward, and a
-restart orders the files by mtime (ties by name).  Sizes are the files' own sizes.
+The memory budget bounds objects in memory, PUTs in flight, the receive pool's idle
+buffers and the aliases; ``KeyStore`` here holds that tier and its accounts, lookups
+through memory, disk and the backing store in that order, and the listings.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import os
-import threading
-import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import units
 from ..errors import HurrayError
-from ..info import is_info
-from ..io.atomic import remove_stale
-from ..io.hrry import DEFAULT_ALIGNMENT, ENTRY, HEADER, TRAILER, HrryFile, write_hrry
-from ..io.kvmeta import encode_kv
-from ..io.snapshots import HEAD_NAME, snapshot_kv
-from ..paged import BlockPagedTensor
-from ..snapshot import KVCacheSnapshot, is_kv_scales, is_seq_lens, member_name
-from ..wire.descriptor import TensorDescriptor
-from ..wire.layouts import BlockPaged, Composite
 from .aliases import AliasTable, cost
-from .messages import ErrorCode
+from .persisted import PersistedTier, hrry_size
+from .stored import Items, PersistFull, StoredObject, StoreFull, object_from_items
 from .tenants import SEPARATOR
 
 log = logging.getLogger("hurraykv.server")
 ALIASES = "aliases.jsonl"
-Items = list[tuple[TensorDescriptor, list[Any]]]
 
 
-class StoreFull(HurrayError):
-    """A PUT the memory budget cannot hold; answered with ERROR STORE_FULL."""
-
-    def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int, aliases: int = 0,
-                 field: str = "total_data_bytes") -> None:
-        self.nbytes, self.budget, self.in_flight, self.kept = nbytes, budget, in_flight, kept
-        self.aliases = aliases
-        super().__init__(self.needs(nbytes), field=field, value=nbytes, rule="--memory-budget")
-
-    def needs(self, nbytes: int) -> str:
-        """Why ``nbytes`` do not fit, in the budget's terms."""
-        held = f" and {self.aliases} hold aliases" if self.aliases else ""
-        return (f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) but the memory budget "
-                f"is {self.budget} bytes ({self.budget / (1 << 30):.3f} GiB), of which "
-                f"{self.in_flight} are reserved by other PUTs in flight and {self.kept} hold "
-                f"the key's current value{held}")
-
-
-class PersistFull(HurrayError):
-    """An object whose .hrry file the persist budget cannot hold; answered with ERROR
-    STORE_FULL (decided before anything is written or evicted)."""
-
-    code = ErrorCode.STORE_FULL
-
-    def __init__(self, nbytes: int, budget: int, in_flight: int) -> None:
-        self.nbytes, self.budget, self.in_flight = nbytes, budget, in_flight
-        others = (f", of which {in_flight} are reserved by other PUTs being written"
-                  if in_flight else "")
-        super().__init__(f"needs {nbytes} bytes ({nbytes / (1 << 30):.3f} GiB) for its "
-                         f".hrry file (file_bytes) but --persist-budget is {budget} bytes "
-                         f"({budget / (1 << 30):.3f} GiB){others}",
-                         field="file_bytes", value=nbytes, rule="--persist-budget")
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def hrry_size(tensors: list[tuple[str, TensorDescriptor, Any]], kv: dict[str, Any],
-              alignment: int = DEFAULT_ALIGNMENT) -> int:
-    """The size of the file ``write_hrry(path, tensors, kv)`` writes, known before a byte
-    is written so the persist budget is settled first (the writer's layout: descriptors
-    8-aligned, each buffer aligned, padding after a tensor's last buffer, KV, index and
-    trailer; ``test_persist_budget.py`` checks it against real files)."""
-    pos = HEADER.size
-    for _, desc, _ in tensors:
-        pos = _align(pos, 8) + len(desc.encode())
-        if desc.buffers:
-            for h in desc.buffers:
-                pos = _align(pos, alignment) + h.byte_size
-            pos = _align(pos, alignment)
-    if kv:
-        pos = _align(pos, 8) + len(encode_kv(kv))
-    pos = _align(pos, 8) + 8
-    pos += sum(2 + len(name.encode("utf-8")) + ENTRY.size for name, _, _ in tensors)
-    return pos + TRAILER.size
-
-
-@dataclass
-class StoredObject:
-    items: Items
-    nbytes: int
-    path: Path | None = None
-    backed: bool = False  # also in the backing store
-
-    @property
-    def durable(self) -> bool:
-        """Evicting it from memory loses nothing: it is on disk or in the backing store."""
-        return self.path is not None or self.backed
-
-
-def object_from_items(items: Items, zero_unused: bool) -> tuple[StoredObject, Any]:
-    """Validate received items and prepare them for storage.
-
-    A group must be a KV snapshot; its block-paged members get their unused slots zeroed
-    (the server owns these buffers).  Returns the object and, for snapshots, the
-    KVCacheSnapshot used to persist it."""
-    head = items[0][0]
-    nbytes = sum(h.byte_size for d, _ in items for h in d.buffers)
-    if isinstance(head.layout, Composite):
-        snap = KVCacheSnapshot.from_members([(None, d, b) for d, b in items[1:]])
-        if zero_unused and snap.seq_lens is not None:
-            for key in snap.member_keys():
-                snap.tensor(*key).zero_unused_slots()
-        tensors = {(t.layer_index, t.kv_role): t for t in snap.tensors()}
-        out: Items = [(head, [])]
-        for desc, bufs in items[1:]:
-            if isinstance(desc.layout, BlockPaged):
-                t = tensors[(desc.layout.layer_index, desc.layout.kv_role_name)]
-                bufs = list(t.buffers())
-            out.append((desc, list(bufs)))
-        return StoredObject(out, nbytes), snap
-    desc, bufs = items[0]
-    if isinstance(desc.layout, BlockPaged) and zero_unused:
-        t = BlockPagedTensor.from_descriptor(desc, bufs)
-        if t.seq_lens is not None:
-            t.zero_unused_slots()
-        bufs = list(t.buffers())
-    return StoredObject([(desc, list(bufs))], nbytes), None
-
-
-class KeyStore:
+class KeyStore(PersistedTier):
     """Committed objects by key, in memory under ``memory_budget`` (LRU), persisted
     and backed when configured.
 
@@ -173,32 +46,16 @@ class KeyStore:
                               value=persist_budget, rule="--persist-budget needs --persist")
         self.backing = backing  # a hurraykv.store.PageStore: snapshots beyond this machine
         self.memory_budget = memory_budget
-        self.persist = Path(persist) if persist else None
-        self.persist_budget = persist_budget
         self.zero_unused = zero_unused
         self.pool = pool  # a ReceivePool whose idle bytes count against the budget
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()
-        # The disk tier, guarded by _disk (see the module's docstring): persisted files in
-        # least-recently-used order, their sizes, and those already opened, whose index is
-        # parsed and validated once, not per pull (they live in the page cache, outside
-        # the memory budget).
-        self._disk = threading.RLock()
-        self._files: OrderedDict[str, Path] = OrderedDict()
-        self._sizes: dict[str, int] = {}
-        self._mapped: dict[str, StoredObject] = {}
-        self.persisted_bytes = 0
-        self.persist_reserved = 0  # bytes of files being written
-        self._writing: Counter[str] = Counter()  # keys whose files are being written
-        self._clock = 0  # the last mtime given (ns): recency order across restarts
-        self._gone: list[str] = []  # evicted from disk in a worker: aliases checked later
+        self._init_disk(persist, persist_budget)
         self.evictions: Counter[str] = Counter()  # by tier: "memory", "disk"
         self.memory_bytes = 0
         self.reserved_bytes = 0
         self._reserved_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
         self.aliases = AliasTable()
         if self.persist:
-            self.persist.mkdir(parents=True, exist_ok=True)
-            self._scan()
             self.aliases = AliasTable(self.persist / ALIASES)
             if memory_budget is not None and self.aliases.nbytes > memory_budget:
                 log.warning("the %d aliases in %s hold %s, over the memory budget of %s: "
@@ -271,129 +128,6 @@ class KeyStore:
         if not self._reserved_by[owner]:
             del self._reserved_by[owner]
 
-    def _scan(self) -> None:
-        """Index the persisted objects, least recently used first (by mtime, then name),
-        with their files' sizes; temporary files that a killed server left behind
-        (``.NAME.XXXXXXXX.tmp``, its own writer's names, unless a live writer holds one
-        locked) are removed.  Files that do not read as a persisted object are skipped
-        and not counted against the persist budget (they are not the server's)."""
-        assert self.persist is not None
-        stale = remove_stale(self.persist, None, min_age=0)
-        if stale:
-            log.info("removed %d stale temporary file(s) from %s", len(stale), self.persist)
-        found = []
-        for path in self.persist.glob("*.hrry"):
-            try:
-                st = path.stat()
-                key = HrryFile.open(path).kv.get("hurraykv.key")
-            except (HurrayError, OSError) as e:
-                log.warning("skipping %s: %s", path, e)
-                continue
-            if isinstance(key, str):
-                found.append((st.st_mtime_ns, path.name, key, path, st.st_size))
-        for mtime, _, key, path, size in sorted(found):
-            if key in self._files:  # the older of two files naming one key is unreachable
-                log.warning("skipping %s: %s also holds key %r and is newer",
-                            self._files[key], path, key)
-                self.persisted_bytes -= self._sizes[key]
-            self._files[key] = path
-            self._files.move_to_end(key)
-            self._sizes[key] = size
-            self.persisted_bytes += size
-            self._clock = max(self._clock, mtime)
-        log.info("persisted objects: %d in %s, %s", len(self._files), self.persist,
-                 units.size(self.persisted_bytes))
-
-    # -- the disk tier (callers hold _disk) -----------------------------------------------
-    def _tick(self) -> int:
-        """A modification time after every one given before, this run or the last."""
-        self._clock = max(time.time_ns(), self._clock + 1)
-        return self._clock
-
-    def _use(self, key: str) -> None:
-        """``key``'s file is the most recently used: first in memory, then in its mtime
-        (best effort: a file system that refuses it only loses order across restarts)."""
-        self._files.move_to_end(key)
-        t = self._tick()
-        with contextlib.suppress(OSError):
-            os.utime(self._files[key], ns=(t, t))
-
-    def _evict_disk(self, key: str) -> None:
-        """Take ``key``'s file out of the index, then unlink it: from then on nobody finds
-        it, and whoever mapped it already keeps reading valid pages."""
-        path = self._files.pop(key)
-        size = self._sizes.pop(key, 0)
-        self.persisted_bytes -= size
-        self._mapped.pop(key, None)
-        obj = self._objects.get(key)
-        if obj is not None and obj.path == path:
-            obj.path = None  # still served from memory, no longer durable there
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("evicted %r from disk but cannot remove %s: %s", key, path, e)
-        self.evictions["disk"] += 1
-        log.info("evicted %r from disk (%s)%s", key, units.size(size),
-                 "; still in memory" if obj is not None else "")
-        if obj is None:
-            self._gone.append(key)
-
-    def _evict_disk_down_to(self, room: int) -> None:
-        """Evict least recently used files until the persisted bytes and the files being
-        written fit in ``room``.  Never the file of a key being written: its path is about
-        to be, or already is, the new file's, which unlinking it could remove."""
-        for key in list(self._files):
-            if self.persisted_bytes + self.persist_reserved <= room:
-                return
-            if not self._writing[key]:
-                self._evict_disk(key)
-
-    def _reserve_disk(self, nbytes: int, key: str) -> None:
-        """Room under the persist budget for a file of ``nbytes`` replacing ``key``'s,
-        or ``PersistFull`` (decided before anything is evicted)."""
-        with self._disk:
-            budget = self.persist_budget
-            if budget is not None:
-                # what cannot leave meanwhile: files being written and the old files of
-                # the keys they replace (this key's goes as its new file is renamed)
-                pinned = sum(self._sizes.get(k, 0) for k in self._writing if k != key)
-                if pinned + self.persist_reserved + nbytes > budget:
-                    raise PersistFull(nbytes, budget, pinned + self.persist_reserved)
-                self._evict_disk_down_to(budget - nbytes + self._sizes.get(key, 0))
-            self.persist_reserved += nbytes
-            self._writing[key] += 1
-
-    def _done_writing(self, key: str, reserved: int) -> None:
-        self.persist_reserved -= reserved
-        self._writing[key] -= 1
-        if not self._writing[key]:
-            del self._writing[key]
-
-    def _add_file(self, key: str, path: Path, reserved: int) -> None:
-        """Index the file just written for ``key``: its reservation becomes its size."""
-        with self._disk:
-            self._done_writing(key, reserved)
-            try:
-                size = path.stat().st_size
-            except OSError as e:  # a DELETE of the key while it was written
-                log.info("%s is gone before it was indexed: %s", path, e)
-                self._forget_file(key)
-                return
-            if size != reserved:
-                log.warning("%s: %d bytes where %d were expected", path, size, reserved)
-            self.persisted_bytes += size - self._sizes.get(key, 0)
-            self._sizes[key] = size
-            self._files[key] = path
-            self._use(key)
-            if self.persist_budget is not None:  # only if the expected size was short
-                self._evict_disk_down_to(self.persist_budget)
-
-    def _forget_file(self, key: str) -> None:
-        """A file removed behind the server's back: out of the index and the accounts."""
-        self._files.pop(key, None)
-        self.persisted_bytes -= self._sizes.pop(key, 0)
-        self._mapped.pop(key, None)
-
     def _drop_gone(self) -> None:
         """On the event loop: aliases of keys evicted from disk for good go with them."""
         while self._gone:
@@ -401,14 +135,11 @@ class KeyStore:
             if key not in self:
                 self.aliases.drop_target(key)
 
-    def _path(self, key: str) -> Path:
-        assert self.persist is not None
-        return self.persist / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".hrry")
-
     def __contains__(self, key: str) -> bool:
         return key in self._objects or key in self._files or (
             self.backing is not None and key in self.backing)
 
+    # -- objects -------------------------------------------------------------------------
     def get(self, key: str) -> StoredObject | None:
         if key not in self:
             key = self.aliases.target(key) or key
@@ -420,27 +151,8 @@ class KeyStore:
                     if key in self._files:
                         self._use(key)
             return obj
-        with self._disk:
-            obj = self._mapped.get(key)
-            if obj is not None:
-                self._use(key)
-                return obj
-            path = self._files.get(key)
-            if path is not None:
-                try:
-                    f = HrryFile.open(path)  # served zero-copy from the mapping
-                except FileNotFoundError:
-                    log.warning("%s (key %r) was removed from %s by someone else", path.name,
-                                key, self.persist)
-                    self._forget_file(key)
-                else:
-                    items = [(f.descriptor(n), f.buffers(n)) for n in f.names]
-                    obj = StoredObject(items, sum(h.byte_size for d, _ in items
-                                                  for h in d.buffers), path)
-                    self._mapped[key] = obj
-                    self._use(key)
-                    return obj
-        return self._from_backing(key)
+        obj = self._from_disk(key)
+        return obj if obj is not None else self._from_backing(key)
 
     def _from_backing(self, key: str) -> StoredObject | None:
         if self.backing is None or key not in self.backing:
@@ -450,51 +162,6 @@ class KeyStore:
         obj = StoredObject(items, snap.nbytes, backed=True)
         self.commit(key, obj, None)  # kept in memory (LRU) until evicted
         return obj
-
-    def persist_object(self, key: str, obj: StoredObject, snap: Any) -> Path | None:
-        """Write the object's .hrry file (atomic) and its pages to the backing store;
-        runs in a worker thread, before the PUT is acknowledged.  The file's room under
-        the persist budget is settled first: ``PersistFull`` before anything is written,
-        least recently used files evicted otherwise."""
-        if self.persist is None:
-            if self.backing is not None and snap is not None:
-                self.backing.put(key, snap)
-                obj.backed = True
-            return None
-        tensors, kv = self._file_contents(key, obj, snap)
-        reserved = hrry_size(tensors, kv)
-        self._reserve_disk(reserved, key)
-        added = False
-        try:
-            if self.backing is not None and snap is not None:
-                self.backing.put(key, snap)
-                obj.backed = True
-            path = write_hrry(self._path(key), tensors, kv)
-            self._add_file(key, path, reserved)
-            added = True
-        finally:
-            if not added:
-                with self._disk:
-                    self._done_writing(key, reserved)
-        return path
-
-    def _file_contents(self, key: str, obj: StoredObject, snap: Any
-                       ) -> tuple[list[tuple[str, TensorDescriptor, Any]], dict[str, Any]]:
-        """The named tensors and KV metadata of ``key``'s .hrry file."""
-        if snap is not None:
-            tensors = [(HEAD_NAME, obj.items[0][0], [])]
-            used: set[str] = set()
-            for i, (d, b) in enumerate(obj.items[1:]):
-                name = _name(d, i)
-                name = name if name not in used else f"extra.{i}"
-                used.add(name)
-                tensors.append((name, d, b))
-            kv = snapshot_kv(snap)
-        else:
-            tensors = [("tensor", *obj.items[0])]
-            kv = {}
-        kv["hurraykv.key"] = key
-        return tensors, kv
 
     def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0,
                owner: str = "") -> None:
@@ -615,14 +282,5 @@ class KeyStore:
         return found or key in removed
 
 
-def _name(desc: TensorDescriptor, i: int) -> str:
-    layout = desc.layout
-    if isinstance(layout, BlockPaged):
-        return member_name(layout.layer_index, layout.kv_role_name)
-    if is_info(desc):
-        return "info"
-    if is_seq_lens(desc):
-        return "seq_lens"
-    if is_kv_scales(desc):
-        return "kv_scales"
-    return f"extra.{i}"
+__all__ = ["ALIASES", "Items", "KeyStore", "PersistFull", "StoreFull", "StoredObject",
+           "hrry_size", "object_from_items"]
