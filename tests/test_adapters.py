@@ -1,7 +1,9 @@
-"""Engine adapters on real torch tensors: bitwise round trips, zero-copy, layouts."""
+"""Engine adapters on real torch tensors: bitwise round trips, zero-copy, layouts; torch
+tensors where NumPy arrays go."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -267,3 +269,20 @@ def test_cuda_caches_record_their_device_and_copy_only_when_written(tmp_path):
     assert loaded.descriptor(0, "key").buffers[0].device_tag == 0  # the file holds host bytes
     assert loaded.equal(vllm.from_vllm([c.cpu() for c in caches], table, lens,
                                        backend="FLASH_ATTN"))
+
+
+# ---- torch tensors where NumPy arrays go (BlockPagedTensor, from_arrays) ---------------
+def test_torch_tensors_bfloat16_included_are_accepted():
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 4, 2, 8, generator=g).bfloat16()
+    t = hk.BlockPagedTensor(pool, torch.tensor([3, 1, 4]), torch.tensor([0, 2, 3]),
+                            torch.tensor([7, 2]))
+    assert t.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert np.array_equal(t.gather(1).view(np.uint16),
+                          pool[4, :2].view(torch.int16).numpy().view(np.uint16))
+    snap = hk.KVCacheSnapshot.from_arrays([pool], [pool * 2], torch.tensor([3, 1, 4]),
+                                          torch.tensor([0, 2, 3]), torch.tensor([7, 2]))
+    assert np.array_equal(snap.tensor(0, "value").page_pool.astype(np.float32),
+                          (pool * 2).float().numpy())
+    seqs = hk.BlockPagedTensor.from_sequences([pool[0], pool[1, :3]], 4)
+    assert seqs.seq_lens.tolist() == [4, 3]

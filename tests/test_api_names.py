@@ -1,7 +1,10 @@
-"""Names kept for compatibility (issue 21): deprecated aliases still work, and warn."""
+"""Names kept for compatibility (issue 21): deprecated aliases still work, and warn;
+what ``import hurraykv`` needs, and a missing optional package named by its extra."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -45,3 +48,34 @@ def test_kvclient_list_is_a_deprecated_alias_of_list_keys():
                 assert client.list() == []
     finally:
         thread.stop()
+
+
+# ---- imports ---------------------------------------------------------------------------
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_hurraykv_needs_neither_torch_nor_redis():
+    p = _python("import sys, hurraykv as hk\n"
+                "assert 'torch' not in sys.modules and 'redis' not in sys.modules\n"
+                "assert hk.KVClient.__name__ == 'KVClient' and hk.PageStore\n"
+                "assert 'redis' not in sys.modules\n"
+                "assert issubclass(hk.RemoteError, hk.HurrayError)\n"
+                "assert issubclass(hk.StoreError, hk.HurrayError)\n")
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize(("missing", "code", "extra"), [
+    ("torch", "import hurraykv.adapters.vllm", "adapters"),
+    ("redis", "from hurraykv.store import PageStore; PageStore.from_url('redis://x:1')",
+     "redis"),
+])
+def test_a_missing_optional_package_names_the_extra(missing, code, extra):
+    p = _python(f"import sys; sys.modules[{missing!r}] = None\n"
+                "import hurraykv as hk\n"
+                f"try:\n    {code}\n"
+                "except hk.MissingDependencyError as e:\n"
+                "    assert isinstance(e, ImportError); print(e)\n")
+    assert p.returncode == 0, p.stderr
+    assert f"pip install 'hurraykv[{extra}]'" in p.stdout and missing in p.stdout

@@ -1,4 +1,4 @@
-"""The hurraykv command as a user runs it: a real process, real files, exit codes."""
+"""The hurraykv command as a user runs it: a real process, real files and pipes, exit codes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
+import hurraykv as hk
 from tests.conftest import VECTORS
+from tests.snapshots import make_snapshot
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -305,3 +307,33 @@ def test_pull_progress_knows_its_total(tmp_path):
     totals = {t for _, t in seen}
     assert len(totals) == 1 and totals.pop() >= seen[-1][0] > 0
     assert seen[0][0] < seen[-1][0]  # it moves: not 100% from the first frame
+
+
+# ---- pipes (issue 10) -----------------------------------------------------------------
+def _cli_pipe(args: list[str], data: bytes) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hurraykv.cli", *args], input=data,
+                          capture_output=True, timeout=60)
+
+
+def test_validate_and_inspect_read_a_pipe_once(tmp_path):
+    s = make_snapshot("fp8")
+    hk.save_snapshot(s, tmp_path / "s.hrry")
+    raw = (tmp_path / "s.hrry").read_bytes()
+    with open(tmp_path / "s.stream", "wb") as fh:
+        hk.write_snapshot_stream(s, fh)
+    for arg in ("-", "/dev/stdin"):
+        ok = _cli_pipe(["validate", arg], raw)
+        assert ok.returncode == 0 and b"valid hrry, KVCacheSnapshot(3 layers" in ok.stdout
+        stream = _cli_pipe(["validate", arg], (tmp_path / "s.stream").read_bytes())
+        assert stream.returncode == 0 and b"valid stream, KVCacheSnapshot" in stream.stdout
+        cut = _cli_pipe(["validate", arg], raw[: len(raw) // 2])
+        assert cut.returncode == 1 and b"valid" not in cut.stdout
+        tail = bytearray(raw)
+        tail[-30] ^= 0xFF  # a corrupt trailer
+        bad = _cli_pipe(["validate", arg], bytes(tail))
+        assert bad.returncode == 1 and b"ContainerError" in bad.stderr
+    piped = _cli_pipe(["inspect", "-"], raw)
+    direct = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect",
+                             str(tmp_path / "s.hrry")], capture_output=True, timeout=60)
+    assert piped.returncode == 0
+    assert piped.stdout.replace(b"<stdin>", str(tmp_path / "s.hrry").encode()) == direct.stdout

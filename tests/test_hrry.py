@@ -1,4 +1,5 @@
-"""The .hrry container: layout on disk, zero-copy loading, atomicity, hostile files."""
+"""The .hrry container: layout on disk, zero-copy loading, atomicity, hostile files, the
+same verdict from both readers, files that are not Hurray."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import json
 import mmap
 import os
 import struct
+import threading
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +20,15 @@ from hypothesis import strategies as st
 
 import hurraykv as hk
 from hurraykv.io.crc32c import crc32c
-from hurraykv.io.hrry import ENTRY, TRAILER, HrryFile, iter_hrry_sequential, write_hrry
+from hurraykv.io.hrry import (
+    ENTRY,
+    TRAILER,
+    HrryFile,
+    iter_hrry_sequential,
+    read_hrry_sequential,
+    write_hrry,
+)
+from hurraykv.io.snapshots import snapshot_from_file
 from tests.snapshots import KINDS, make_fused, make_snapshot
 
 
@@ -274,3 +286,149 @@ def test_crc32c_known_values():
     assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
     assert crc32c(b"\xff" * 32) == 0x62A8AB43  # RFC 3720 B.4: 32 bytes of 0xFF
     assert crc32c(bytes(range(32))) == 0x46DD794E  # RFC 3720 B.4: incrementing
+
+
+# ---- both readers, one verdict (issue 10) ----------------------------------------------
+def _both(raw: bytes):
+    """(random-access verdict, sequential verdict): a snapshot or the error class."""
+    out = []
+    for read in (lambda: snapshot_from_file(HrryFile.from_bytes(raw)),
+                 lambda: hk.read_snapshot_sequential(_Pipe(raw))):
+        try:
+            snap = read()
+            for t in snap.tensors():
+                t.validate()
+            out.append(snap)
+        except hk.HurrayError as e:
+            out.append(type(e))
+    return out
+
+
+class _Pipe(io.RawIOBase):
+    """A non-seekable byte source, as a pipe is."""
+
+    def __init__(self, data: bytes) -> None:
+        self._src = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self._src.readinto(b)
+
+
+def _patch_index(raw: bytes, name: str, field: str, delta: int) -> bytes:
+    from hurraykv.io.crc32c import crc32c
+    from hurraykv.io.hrry import ENTRY
+
+    data = bytearray(raw)
+    index_off, index_len = struct.unpack_from("<QQ", data, len(data) - 40)
+    pos = index_off + 8
+    while pos < index_off + index_len:
+        (n,) = struct.unpack_from("<H", data, pos)
+        entry = pos + 2 + n
+        if data[pos + 2:entry].decode() == name:
+            fields = list(ENTRY.unpack_from(data, entry))
+            i = ("descriptor_offset", "descriptor_length", "data_offset", "data_length").index(
+                field)
+            fields[i] += delta
+            ENTRY.pack_into(data, entry, *fields)
+        pos = entry + ENTRY.size
+    struct.pack_into("<I", data, len(data) - 12, crc32c(bytes(data[index_off:index_off
+                                                                     + index_len])))
+    return bytes(data)
+
+
+def test_both_readers_give_the_same_verdict(tmp_path):
+    s = make_snapshot("int8")
+    hk.save_snapshot(s, tmp_path / "s.hrry")
+    raw = (tmp_path / "s.hrry").read_bytes()
+    f = HrryFile.from_bytes(raw)
+    cases = [_patch_index(raw, "layers.0.key", "data_offset", 4096),
+             _patch_index(raw, "layers.0.key", "data_length", 1),
+             _patch_index(raw, "layers.1.value", "descriptor_length", 8),
+             _patch_index(raw, "seq_lens", "data_offset", 8)]
+    kv = bytearray(raw)  # a KV mirror that disagrees with the tensors
+    kv_off = struct.unpack_from("<Q", raw, len(raw) - 24)[0]
+    lens_at = bytes(kv).index(b"hurraykv.seq_lens", kv_off) + len("hurraykv.seq_lens") + 6
+    kv[lens_at] ^= 1
+    cases.append(bytes(kv))
+    torn = bytearray(raw)  # the group head announces more members than follow
+    head = f.entry("snapshot")
+    struct.pack_into("<I", torn, head.descriptor_offset + 20 + 8 + 8 + 4, 263)
+    cases.append(bytes(torn))
+    for case in cases:
+        ra, sq = _both(case)
+        assert isinstance(ra, type) and ra is sq, (ra, sq)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        data = bytearray(raw)
+        for _ in range(int(rng.integers(1, 4))):
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        ra, sq = _both(bytes(data))
+        if isinstance(ra, type):
+            assert sq is ra, (ra, sq)
+        else:
+            assert not isinstance(sq, type) and ra.equal(sq)
+    assert not isinstance(_both(raw)[1], type)
+    assert read_hrry_sequential(_Pipe(raw)).names == f.names
+
+
+def test_the_sequential_reader_takes_a_reference_file_in_small_pieces():
+    r_fd, w_fd = os.pipe()
+    data = (Path(__file__).parent / "vectors" / "reference" / "files" / "basic.hrry").read_bytes()
+
+    def feed() -> None:
+        with os.fdopen(w_fd, "wb") as w:
+            for i in range(0, len(data), 7):
+                w.write(data[i:i + 7])
+
+    t = threading.Thread(target=feed)
+    t.start()
+    with os.fdopen(r_fd, "rb") as r:
+        f = read_hrry_sequential(r)
+    t.join()
+    assert f.names == HrryFile.from_bytes(data).names
+
+
+# ---- files that are not what was expected -----------------------------------------------
+def _safetensors(path) -> None:
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+
+
+def _zip(path) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("data.pkl", b"x")
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda p: np.save(p, np.zeros(3)), "a NumPy .npy file"),
+    (_safetensors, "a safetensors file"),
+    (lambda p: p.write_bytes(b""), "an empty file"),
+    (lambda p: _zip(p), "a zip archive"),
+])
+def test_not_a_hurray_file_says_what_it_looks_like(tmp_path, make, what):
+    path = tmp_path / "input"
+    make(path)
+    if not path.exists():  # np.save appends .npy
+        path = tmp_path / "input.npy"
+    with pytest.raises(hk.ContainerError, match=f"this is {what}.*, not a .hrry file"):
+        hk.load_snapshot(path)
+    if path.stat().st_size:
+        with pytest.raises(hk.StreamError, match=f"this is {what}.*, not a Hurray stream"):
+            hk.read_snapshot_stream(io.BytesIO(path.read_bytes()))
+
+
+def test_a_stream_and_a_file_are_told_apart(tmp_path):
+    s = make_snapshot("float16")
+    hk.save_snapshot(s, tmp_path / "s.hrry")
+    buf = io.BytesIO()
+    hk.write_snapshot_stream(s, buf)
+    (tmp_path / "s.stream").write_bytes(buf.getvalue())
+    with pytest.raises(hk.ContainerError, match=r"this is a Hurray stream .* not a .hrry "
+                                                r"file .*read_snapshot_stream"):
+        hk.load_snapshot(tmp_path / "s.stream")
+    with pytest.raises(hk.StreamError, match=r"this is a .hrry file, not a Hurray stream .*"
+                                             r"load_snapshot"):
+        hk.read_snapshot_stream(io.BytesIO((tmp_path / "s.hrry").read_bytes()))

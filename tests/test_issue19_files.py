@@ -1,21 +1,27 @@
 """Regression tests for issue 19 (outside reliability campaign): outputs NumPy cannot
-shape, stale temporaries of killed saves, temporaries created through planted symlinks.
+shape, stale temporaries of killed saves, temporaries created through planted symlinks;
+and issue 10's: absurd dimensions on every path, temporaries of failed and killed saves.
 Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import hurraykv as hk
 from hurraykv.io.atomic import temp_pattern
-from hurraykv.io.hrry import HrryFile
+from hurraykv.io.hrry import HrryFile, write_hrry
+from hurraykv.io.stream import write_tensor
+from hurraykv.net.server import KVServer
+from hurraykv.snapshot import group_head, seq_lens_member
 from hurraykv.wire.buffers import BufferHandle
 from hurraykv.wire.layouts import BlockPaged
 from tests.snapshots import make_snapshot, saving_forever
@@ -134,3 +140,113 @@ def test_snapshot_saves_never_write_through_a_planted_link(tmp_path, monkeypatch
     hk.save_snapshot(make_snapshot("float16"), tmp_path / "s.hrry")
     assert victim.read_text() == "precious"
     assert hk.load_snapshot(tmp_path / "s.hrry").equal(make_snapshot("float16"))
+
+
+# ------------------------------------------------------- issue 10: absurd dims
+ABSURD = 18446181123756130312
+
+
+def absurd_member(role: int) -> tuple[hk.TensorDescriptor, list[bytes]]:
+    layout = BlockPaged(page_size=4, num_pages=0, num_seqs=0, kv_role=role, layer_index=0,
+                        index_type=0)
+    desc = hk.TensorDescriptor(0x01, (0, 2, ABSURD), layout,
+                               (BufferHandle(0, 64), BufferHandle(0, 64), BufferHandle(4, 64)))
+    return desc, [b"", b"", bytes(4)]
+
+
+def absurd_members() -> list[tuple[str, hk.TensorDescriptor, list]]:
+    return [("seq_lens", *seq_lens_member(np.zeros(0, np.uint64))),
+            ("layers.0.key", *absurd_member(0)), ("layers.0.value", *absurd_member(1))]
+
+
+def test_an_absurd_dimension_is_a_hurray_error_on_every_path(tmp_path):
+    desc, bufs = absurd_member(0)
+    decoded = hk.decode_descriptor(desc.encode())  # strictly valid on the wire
+    with pytest.raises(hk.UnsupportedError, match=r"shape.*2\^63-1"):
+        hk.BlockPagedTensor.from_descriptor(decoded, bufs)
+    members = absurd_members()
+    stream = io.BytesIO()
+    write_tensor(stream, group_head(len(members)), [])
+    for _, d, b in members:
+        write_tensor(stream, d, b)
+    with pytest.raises(hk.HurrayError):
+        hk.read_snapshot_stream(io.BytesIO(stream.getvalue()))
+    path = tmp_path / "absurd.hrry"
+    write_hrry(path, [("snapshot", group_head(len(members)), []), *members])
+    with pytest.raises(hk.HurrayError):
+        hk.load_snapshot(path).layer(0)
+    p = subprocess.run([sys.executable, "-m", "hurraykv.cli", "validate", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "UnsupportedError" in p.stderr
+
+
+# ------------------------------------------------------- issue 10: temp files
+def _temps(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".*.tmp"))
+
+
+def test_the_server_removes_its_stale_temporary_files(tmp_path):
+    stale = tmp_path / ".0123abcd.hrry.deadbeef.tmp"
+    stale.write_bytes(bytes(1 << 16))
+    mine = tmp_path / "notes.txt"
+    mine.write_text("not the server's")
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread():
+        assert _temps(tmp_path) == [] and mine.exists()
+
+
+@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
+def test_a_failed_save_leaves_no_temporary_file_and_the_old_file(tmp_path, monkeypatch, error):
+    path = tmp_path / "s.hrry"
+    hk.save_snapshot(make_snapshot("float16"), path)
+    before = path.read_bytes()
+    from hurraykv.io import hrry
+
+    calls = {"n": 0}
+    real = hrry.HrryWriter._write
+
+    def failing(self, data):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise error("disk on fire")
+        real(self, data)
+
+    monkeypatch.setattr(hrry.HrryWriter, "_write", failing)
+    with pytest.raises(error):
+        hk.save_snapshot(make_snapshot("int8", seed=3), path)
+    assert _temps(tmp_path) == [] and path.read_bytes() == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_files_are_created_with_the_process_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        hk.save_snapshot(make_snapshot("float16"), tmp_path / "s.hrry")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "s.hrry").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_missing_directory_is_named_without_temporary_names(tmp_path):
+    with pytest.raises(hk.ContainerError) as exc:
+        hk.save_snapshot(make_snapshot("float16"), tmp_path / "nope" / "s.hrry")
+    assert "nope" in str(exc.value) and "does not exist" in str(exc.value)
+    assert ".tmp" not in str(exc.value)
+
+
+def test_sigkill_during_save_keeps_the_old_file_and_a_restart_cleans_up(tmp_path):
+    persist = tmp_path / "store"
+    persist.mkdir()
+    target = persist / "s.hrry"
+    hk.save_snapshot(make_snapshot("float16"), target)
+    before = target.read_bytes()
+    p = saving_forever(target, 4096, pools=4)
+    deadline = time.monotonic() + 30
+    while not _temps(persist) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    p.kill()
+    p.wait(10)
+    survivor = target.read_bytes()
+    assert survivor == before or hk.load_snapshot(target).num_layers == 4  # old or new, whole
+    with KVServer(listen="127.0.0.1:0", persist=str(persist)).run_in_thread():
+        assert _temps(persist) == []

@@ -1,9 +1,12 @@
 """Regression tests for issue 19 (outside reliability campaign) against a real
 ``hurraykv serve`` on loopback: refused pushes, buffered payloads and the memory budget,
-per-tenant STAT, server aliases.  Each test failed on the code before its fix."""
+per-tenant STAT, server aliases; and issue 10's: a PUT the server cannot build, refused
+pushes and broken groups, claimed sizes, PUTs in flight against the budget.  Each test
+failed on the code before its fix."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import subprocess
@@ -21,7 +24,10 @@ from hurraykv.net.client import KVClient
 from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.messages import MessageType as T
 from hurraykv.net.server import KVServer
-from tests.snapshots import make_snapshot
+from hurraykv.snapshot import group_head
+from tests.snapshots import make_snapshot, zeroed
+from tests.test_issue19_files import absurd_members
+from tests.test_net import Raw
 
 MIB = 1 << 20
 
@@ -219,3 +225,144 @@ def test_an_alias_goes_when_its_target_is_evicted_for_good():
         c.push("t2", _fused(1, 3, seed=2))  # evicts t1: no disk, no backing store
         assert [k for k, _ in c.list_keys()] == ["t2"]
         assert c.aliases() == [] and st.server.store.aliases.nbytes == 0
+
+
+# ------------------------------------------------------ issue 10: absurd dims
+def test_the_server_answers_a_put_it_cannot_build(caplog):
+    caplog.set_level(logging.INFO, logger="hurraykv.server")
+    members = absurd_members()
+    frames = [m.message(T.TENSOR_PUT, 5, m.Put("absurd", group_head(len(members)), 0).encode()),
+              m.message(T.TENSOR_DATA_END, 5)]
+    for _, desc, bufs in members:
+        data = b"".join(bytes(b) for b in bufs)
+        frames.append(m.message(T.TENSOR_PUT, 5, m.Put("absurd", desc, len(data)).encode()))
+        if data:
+            frames.append(m.message(T.TENSOR_DATA, 5, struct.pack("<Q", 0) + data))
+        frames.append(m.message(T.TENSOR_DATA_END, 5))
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        raw = Raw(st.address)
+        raw.sock.settimeout(5)  # before the fix: no answer at all
+        raw.sock.sendall(b"".join(frames))
+        assert raw.error_code() == E.INVALID_MESSAGE
+        raw.send(T.PING, 9, b"up")
+        assert raw.recv() == (T.PONG, 9, b"up")
+        raw.close()
+
+
+# ------------------------------------------------------ issue 10: refused push
+def test_a_refused_push_keeps_the_stored_snapshot_whole(caplog):
+    caplog.set_level(logging.INFO, logger="hurraykv.server")
+    small, big = make_snapshot("float16", layers=1), make_snapshot("float16", layers=8, seed=4)
+    budget = small.nbytes * 3
+    with KVServer(listen="127.0.0.1:0", memory_budget=budget).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("k", small)
+        with pytest.raises(hk.RemoteError) as exc:
+            c.push("k", big)
+        assert exc.value.code == E.STORE_FULL
+        assert f"needs {big.nbytes} bytes" in str(exc.value)
+        assert f"memory budget is {budget} bytes" in str(exc.value)
+        back = c.pull("k")
+        assert back.equal(zeroed(small))  # before: "holds a single tensor, not a snapshot"
+        assert st.server.store.reserved_bytes == 0
+        c.push("k2", small)  # the connection and the server are still in step
+    assert not any("tensor_data without" in r.message for r in caplog.records)
+
+
+def test_a_group_broken_midway_stores_nothing_of_it():
+    s, other = make_snapshot("float16", layers=2), make_snapshot("int8", layers=2, seed=5)
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        with KVClient(st.address) as c:
+            c.push("k", s)
+        frames = [m.message(T.TENSOR_PUT, 5, m.Put("k", other.head(), 0).encode()),
+                  m.message(T.TENSOR_DATA_END, 5)]
+        for i, (_, desc, bufs) in enumerate(other.members()):
+            data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+            put = m.Put("k", desc, len(data)).encode()
+            if i == 1:
+                put = put[:-9] + b"\xff" + put[-8:]  # a corrupt member descriptor
+            frames += [m.message(T.TENSOR_PUT, 5, put),
+                       m.message(T.TENSOR_DATA, 5, struct.pack("<Q", 0) + data),
+                       m.message(T.TENSOR_DATA_END, 5)]
+        raw = Raw(st.address)
+        raw.sock.sendall(b"".join(frames))
+        assert raw.error_code() == E.INVALID_MESSAGE
+        raw.send(T.PING, 7, b"x")
+        assert raw.recv() == (T.PONG, 7, b"x")  # nothing else was answered on stream 5
+        raw.close()
+        with KVClient(st.address) as c:
+            assert c.pull("k").equal(zeroed(s))
+
+
+# ------------------------------------------------------------ issue 10: memory
+def test_messages_before_the_handshake_are_small():
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        raw = Raw(st.address, hello=False)
+        raw.sock.sendall(struct.pack("<III", T.CLIENT_HELLO, 1, 16 << 20) + b"\x01")
+        assert raw.error_code() == E.MESSAGE_TOO_LARGE
+        with pytest.raises(ConnectionError):
+            raw.recv()  # closed: nothing of the claim was read, let alone allocated
+
+
+def test_claimed_sizes_do_not_grow_a_server_process():
+    p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                          "127.0.0.1:0", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = p.stdout.readline().split()[-1]
+        host, port = address.rsplit(":", 1)
+        time.sleep(0.3)
+        before = _rss(p.pid)
+        socks = []
+        for i in range(64):  # 13 bytes each, claiming 16 MiB: before the fix ~1 GiB
+            s = socket.create_connection((host, int(port)))
+            if i % 2:  # after a handshake, a 16 MiB PING claim
+                s.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode()))
+                s.sendall(struct.pack("<III", T.PING, 3, 16 << 20) + b"\x01")
+            else:
+                s.sendall(struct.pack("<III", T.CLIENT_HELLO, 1, 16 << 20) + b"\x01")
+            socks.append(s)
+        time.sleep(1.0)
+        grown = _rss(p.pid) - before
+        assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB"
+        for s in socks:
+            s.close()
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def test_pushes_in_flight_count_against_the_budget():
+    shape = (96, 16, 16, 128)  # a 6 MiB float16 pool
+    snap = hk.KVCacheSnapshot.from_arrays([np.ones(shape, np.float16)], None,
+                                          np.arange(96), [0, 96], [1536])
+    (_, desc, bufs), = [x for x in snap.members() if x[0].startswith("layers")]
+    data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    with KVServer(listen="127.0.0.1:0", memory_budget=8 << 20).run_in_thread() as st:
+        stalled = Raw(st.address)  # announces 6 MiB, sends 1 MiB, then waits
+        stalled.send(T.TENSOR_PUT, 3, m.Put("first", desc, len(data)).encode())
+        stalled.sock.sendall(m.message(T.TENSOR_DATA, 3, struct.pack("<Q", 0)
+                                       + data[:1 << 20]))
+        deadline = time.monotonic() + 5
+        while st.server.store.reserved_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert st.server.store.reserved_bytes == len(data)
+        with KVClient(st.address) as c:
+            with pytest.raises(hk.RemoteError) as exc:
+                c.push_tensor("second", snap.tensor(0, "fused"))
+            assert exc.value.code == E.STORE_FULL and "reserved by other PUTs in flight" in str(
+                exc.value)
+            stalled.close()
+            deadline = time.monotonic() + 5
+            while st.server.store.reserved_bytes and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert st.server.store.reserved_bytes == 0  # released with the connection
+            c.push_tensor("second", snap.tensor(0, "fused"))
+            with pytest.raises(hk.RemoteError) as exc:  # both values would be held at once
+                c.push_tensor("second", snap.tensor(0, "fused"))
+            assert "hold the key's current value" in str(exc.value)
+            store, pool = st.server.store, st.server.pool
+            for i in range(4):  # each new key evicts the last; memory is recycled
+                c.push_tensor(f"next-{i}", snap.tensor(0, "fused"))
+                assert store.memory_bytes + store.reserved_bytes + pool.idle_bytes <= 8 << 20, i
+            assert pool.recycled >= 1

@@ -1,12 +1,14 @@
 """Regression tests for issue 19 (outside reliability campaign) under mutual TLS, with
 real certificates (tests/certs.py) and a real server on loopback: what identifies a
-tenant, and what a tenant sees of the server.  Each test failed on the code before its
-fix."""
+tenant, and what a tenant sees of the server; and issue 10's: certificates that name
+nobody or flatten alike, keys spelling another tenant's.  Each test failed on the code
+before its fix."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -17,7 +19,7 @@ from hurraykv.cli import main
 from hurraykv.net.client import KVClient
 from hurraykv.net.messages import ErrorCode as E
 from hurraykv.net.server import KVServer
-from hurraykv.net.tenants import UnreadableIdentity, tenant_identity
+from hurraykv.net.tenants import UnreadableIdentity, client_key, scoped_key, tenant_identity
 from tests.certs import PKI, name
 from tests.snapshots import make_snapshot, zeroed
 
@@ -177,3 +179,85 @@ def test_identities_are_read_from_the_der_exactly(pki):
             tenant_identity(bad)
     with pytest.raises(UnreadableIdentity, match="GeneralName at byte"):
         tenant_identity(_cert_der(pki, "odd", x509.Name([]), _der(b"\x0c\x01x")))
+
+
+# ------------------------------------------------------------- issue 10: tenants
+@pytest.fixture
+def tls_client(tmp_path):
+    pki = PKI(tmp_path)
+    server, key = pki.pair("server")
+    with KVServer(listen="127.0.0.1:0", tls_cert=server, tls_key=key,
+                  tls_ca=pki.ca_pem).run_in_thread() as st:
+        def client(label: str, subject: x509.Name, san: list | None = None) -> KVClient:
+            cert, ckey = pki.client(label, subject, san)
+            return KVClient(st.address, tls_cert=cert, tls_key=ckey, tls_ca=pki.ca_pem)
+        yield client
+
+
+def test_a_certificate_that_names_nobody_is_refused_at_the_handshake(tls_client):
+    b = tls_client("tenant-b", name(("CN", "tenant-b")))
+    b.push("secret", make_snapshot("float16", seed=3))
+    with pytest.raises(hk.RemoteError) as exc:
+        tls_client("empty", x509.Name([]))  # the old hole: tenant "" saw every key
+    assert exc.value.code == E.UNAUTHORIZED and "names no tenant" in str(exc.value)
+    b.close()
+
+
+def test_subjects_that_flatten_to_the_same_text_are_different_tenants(tls_client):
+    first = tls_client("two-rdns", name(("CN", "x"), ("O", "y")))
+    second = tls_client("one-rdn", name(("CN", "x,organizationName=y")))
+    s1, s2 = make_snapshot("float16", seed=1), make_snapshot("int8", seed=2)
+    first.push("k", s1)
+    with pytest.raises(hk.RemoteError) as exc:
+        second.pull("k")
+    assert exc.value.code == E.UNKNOWN_TENSOR
+    second.push("k", s2)
+    assert first.pull("k").equal(zeroed(s1)) and second.pull("k").equal(zeroed(s2))
+    first.close()
+    second.close()
+
+
+def test_a_client_key_cannot_spell_another_tenants_key(tls_client):
+    a = tls_client("tenant-a", name(("CN", "tenant-a")))
+    for forged in ("commonName=tenant-b\x00secret", "\x00", ""):
+        with pytest.raises(hk.RemoteError) as exc:
+            a.push(forged, make_snapshot("float16"))
+        assert exc.value.code == E.INVALID_MESSAGE and "NUL" in str(exc.value)
+        with pytest.raises(hk.RemoteError):
+            a.pull(forged)
+    a.close()
+
+
+def test_a_subject_alternative_name_alone_identifies_a_tenant(tls_client):
+    spiffe = tls_client("spiffe", x509.Name([]),
+                        [x509.UniformResourceIdentifier("spiffe://example/ns/a")])
+    other = tls_client("spiffe-b", x509.Name([]),
+                       [x509.UniformResourceIdentifier("spiffe://example/ns/b")])
+    spiffe.push("k", make_snapshot("float16"))
+    with pytest.raises(hk.RemoteError):
+        other.pull("k")
+    spiffe.close()
+    other.close()
+
+
+def test_tenant_identity_is_unambiguous_and_keys_never_cross(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    pki = PKI(tmp_path)
+
+    def der(label: str, subject: x509.Name) -> bytes:
+        pem = Path(pki.client(label, subject)[0]).read_bytes()
+        return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)
+
+    a = tenant_identity(der("a", name(("CN", "x"), ("O", "y"))))
+    b = tenant_identity(der("b", name(("CN", "x,organizationName=y"))))
+    c = tenant_identity(der("c", x509.Name([x509.RelativeDistinguishedName([
+        x509.NameAttribute(x509.NameOID.COMMON_NAME, "x"),
+        x509.NameAttribute(x509.NameOID.ORGANIZATION_NAME, "y")])])))
+    assert a and b and c and len({a[0], b[0], c[0]}) == 3
+    assert tenant_identity(der("nobody", x509.Name([]))) is None
+    internal = scoped_key(a[0], "k")
+    assert client_key(a[0], internal) == "k" and client_key(b[0], internal) is None
+    assert client_key("", internal) is None and client_key("", "plain") == "plain"
+    with pytest.raises(hk.HurrayError, match="without NUL"):
+        scoped_key(a[0], b[0] + "\x00k")

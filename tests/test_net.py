@@ -460,3 +460,16 @@ def test_pull_into_read_only_memory_is_refused_before_the_request(tmp_path):
         with pytest.raises(hk.LayoutError, match="writable"):
             c.pull("a", into=mapped)
         assert c.pull("a").equal(zeroed(a))
+
+
+def test_client_timeouts_and_refused_connections_are_transport_errors():
+    with socket.socket() as silent:  # accepts, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(hk.TransportError, match=f"127.0.0.1:{port}.*no answer within"):
+            KVClient(f"127.0.0.1:{port}", timeout=0.5)
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(hk.TransportError, match=f"127.0.0.1:{port}.*hurraykv serve"):
+        KVClient(f"127.0.0.1:{port}")

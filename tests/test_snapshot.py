@@ -1,13 +1,19 @@
-"""KVCacheSnapshot: construction, cross-member validation, layer access."""
+"""KVCacheSnapshot: construction, cross-member validation, layer access; model and
+metadata on every path (file, stream, server, page store)."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.net.client import KVClient
+from hurraykv.net.server import KVServer
 from hurraykv.paged import BlockPagedTensor
 from hurraykv.snapshot import KVCacheSnapshot
+from hurraykv.store import PageStore
 from tests.snapshots import KINDS, make_fused, make_snapshot
 
 
@@ -93,3 +99,80 @@ def test_compact_snapshot_keeps_every_sequence():
         for q in range(s.num_seqs):
             np.testing.assert_array_equal(a.gather(q, dequantize=True),
                                           b.gather(q, dequantize=True))
+
+
+META = {"engine": "vllm", "tp": 2, "scale": 0.5, "ok": True, "layers": [1, 2]}
+
+
+def with_meta() -> hk.KVCacheSnapshot:
+    return make_snapshot("bfloat16").with_info("llama-3-8b", META)
+
+
+# ---- model and metadata on every path ---------------------------------------------------
+def test_metadata_survives_files_both_readers(tmp_path):
+    s = make_snapshot("bfloat16")
+    hk.save_snapshot(s, tmp_path / "m.hrry", model="llama-3-8b", metadata=META)
+    for snap in (hk.load_snapshot(tmp_path / "m.hrry"),
+                 hk.read_snapshot_sequential(tmp_path / "m.hrry")):
+        assert (snap.model, snap.metadata) == ("llama-3-8b", META)
+        assert snap.equal(s)
+    f = hk.HrryFile.open(tmp_path / "m.hrry")  # mirrored for KV-only tools
+    assert f.kv["hurraykv.model"] == "llama-3-8b" and f.kv["engine"] == "vllm"
+
+
+def test_metadata_survives_streams():
+    buf = io.BytesIO()
+    hk.write_snapshot_stream(with_meta(), buf)
+    buf.seek(0)
+    back = hk.read_snapshot_stream(buf)
+    assert (back.model, back.metadata) == ("llama-3-8b", META)
+
+
+def test_metadata_survives_push_and_pull(tmp_path):
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st:
+        with KVClient(st.address) as c:
+            c.push("k", with_meta())
+            back = c.pull("k")
+        assert (back.model, back.metadata) == ("llama-3-8b", META)
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address) as c:  # and through the server's own files
+        back = c.pull("k")
+    assert (back.model, back.metadata) == ("llama-3-8b", META)
+
+
+def test_metadata_survives_the_page_store(redis_url):
+    store = PageStore.from_url(redis_url)
+    try:
+        store.put("meta", with_meta())
+        back = store.get("meta")
+        assert (back.model, back.metadata) == ("llama-3-8b", META)
+    finally:
+        store.client.close()
+
+
+def test_a_plain_snapshot_has_no_info_member():
+    s = make_snapshot("float16").with_info()
+    s.model = None
+    assert [n for n, *_ in s.members()][:2] == ["seq_lens", "layers.0.key"]
+
+
+@pytest.mark.parametrize(("metadata", "why"), [
+    ({"hurraykv.x": 1}, "reserved prefix"),
+    ({"blob": b"\x00"}, r"metadata\['blob'\] is a bytes"),
+    ({"nested": {"a": 1}}, "lists of them"),
+    ({3: "x"}, "keys are str"),
+])
+def test_metadata_values_every_path_can_carry(tmp_path, metadata, why):
+    with pytest.raises(hk.SnapshotError, match=why):
+        hk.save_snapshot(make_snapshot("float16"), tmp_path / "x.hrry", metadata=metadata)
+    assert not (tmp_path / "x.hrry").exists()
+
+
+# ---- arrays in the wrong order ---------------------------------------------------------
+def test_an_hnd_pool_is_named():
+    pool = np.zeros((6, 4, 16, 8), np.float16)  # [num_pages, heads, page_size, head_dim]
+    with pytest.raises(hk.LayoutError, match=r"HND order.*transpose\(0, 2, 1, 3\)"):
+        hk.KVCacheSnapshot.from_arrays([pool], [pool], [0, 1, 2], [0, 3], [40], page_size=16)
+    with pytest.raises(hk.LayoutError, match=r"pools are \[num_pages, page_size, num_heads, "
+                                             r"head_dim\]"):
+        hk.KVCacheSnapshot.from_arrays([pool], [pool], [0, 1, 2], [0, 3], [40])
