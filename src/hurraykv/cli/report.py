@@ -119,6 +119,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def quantization_text(desc: TensorDescriptor) -> str | None:
+    """``per_block_affine int4, symmetric, float32 scales per page slot`` or None."""
+    q = quantization_fields(desc)
+    if q is None:
+        return None
+    per = {"per_block_affine": "per page slot", "per_channel": f"along axis {q.get('axis')}",
+           "per_tensor": "one"}.get(q["scheme"], "")
+    sym = "" if "symmetric" not in q else (", symmetric" if q["symmetric"] else
+                                           ", with zero-points")
+    scales = f", {q['scale_type']} scales {per}".rstrip() if "scale_type" in q else ""
+    return f"{q['scheme']} {desc.element_type_name}{sym}{scales}"
+
+
 def scales_text(kv_scales: np.ndarray) -> str:
     rows = {tuple(r) for r in kv_scales.tolist()}
     if len(rows) == 1:
@@ -160,6 +173,11 @@ def summary_lines(snap: KVCacheSnapshot | None, tot: dict[str, Any]) -> list[str
                      f"({share:.1%}): `hurraykv compact IN OUT` keeps referenced pages only")
     if snap is not None and snap.kv_scales is not None:
         lines.append(f"  fp8 scales  : {scales_text(snap.kv_scales)}")
+    if snap is not None:
+        schemes = {quantization_text(snap.descriptor(*k)) for k in snap.member_keys()}
+        schemes.discard(None)
+        if schemes:
+            lines.append(f"  quantization: {'; '.join(sorted(schemes))}")
     if snap is not None and snap.model is not None:
         lines.append(f"  model       : {snap.model}")
     if snap is not None and snap.metadata:

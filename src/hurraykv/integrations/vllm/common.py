@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import HurrayError
-from ..chunks import segment_first
+from ..chunks import identity_digest, segment_first
 from ..guard import Guarded
 from .config import ConnectorConfig
 
@@ -73,12 +73,20 @@ class Context:
     loads: Guarded
     saves: Guarded
     disabled: str = ""  # why requests pass through ("": they do not)
+    # identity -> store format (store_format.StoreFormat) of every identity this engine
+    # loads: its own first, then those of accept_store_dtypes
+    formats: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     stats_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def other_seeds(self) -> list[bytes]:
+        """Seeds of the accepted identities other than this engine's own."""
+        return [identity_digest(i) for i in self.formats if i != self.identity]
 
     @property
     def per(self) -> int:

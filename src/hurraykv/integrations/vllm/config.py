@@ -16,6 +16,7 @@ from typing import Any
 from ... import units
 from ...errors import HurrayError
 from ..chunks import url_problem
+from . import store_format
 
 Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
 
@@ -57,6 +58,15 @@ class ConnectorConfig:
     max_bytes: Size | None = None
     """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
     least recently used segments are evicted.  Default: unbounded (a warning at start)."""
+    store_dtype: str = "auto"
+    """What segments hold: ``"auto"`` (the cache dtype), ``"int8"``, ``"int4"`` or
+    ``"fp8"`` (e4m3); part of the cache identity (``store_format.py``)."""
+    quantization: str | None = None
+    """For int8 and int4: ``"per_block_affine"`` (default; a scale per token of a page)
+    or ``"per_channel"`` (a scale per head_dim channel of each layer's pool)."""
+    accept_store_dtypes: tuple[str, ...] | None = None
+    """Other store formats this engine also looks up and loads (``"int4"``,
+    ``"int8:per_channel"``, ``"auto"``, ...).  Default: its own only."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -73,7 +83,34 @@ class ConnectorConfig:
                               field="url", rule="kv_connector_extra_config.url")
         config = cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
         config._check_url()
+        config.accepted_formats()  # every store format now, not at the first request
         return config
+
+    def store_format(self) -> store_format.StoreFormat:
+        if self.quantization is not None and self.quantization not in store_format.SCHEMES:
+            raise HurrayError(f"kv_connector_extra_config['quantization'] is "
+                              f"{self.quantization!r}; it is one of "
+                              f"{', '.join(store_format.SCHEMES)}", field="quantization",
+                              value=self.quantization,
+                              rule=f"one of {', '.join(store_format.SCHEMES)}")
+        if self.quantization is not None and self.store_dtype not in ("int8", "int4"):
+            raise HurrayError(f"kv_connector_extra_config['quantization'] is "
+                              f"{self.quantization!r} with store_dtype {self.store_dtype!r}; "
+                              "a quantization scheme applies to store_dtype int8 and int4",
+                              field="quantization", value=self.quantization,
+                              rule="quantization with store_dtype int8 or int4 only")
+        return store_format.parse(self.store_dtype, "store_dtype", self.quantization)
+
+    def accepted_formats(self) -> list[store_format.StoreFormat]:
+        """This engine's store format first, then those ``accept_store_dtypes`` adds (a
+        bare int8 or int4 with this engine's ``quantization`` scheme)."""
+        own = self.store_format()
+        out = [own]
+        for text in self.accept_store_dtypes or ():
+            fmt = store_format.parse(text, "accept_store_dtypes", self.quantization)
+            if fmt not in out:
+                out.append(fmt)
+        return out
 
     def _check_url(self) -> None:
         """The URL's scheme and form now, not when the store first opens (after three
@@ -102,6 +139,13 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
                               "a positive byte count or a string like \"64G\", \"512M\"",
                               field=key, value=value, rule="a positive size")
         return out
+    if kind.startswith("tuple"):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(x, str) for x in items):
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
+                              "list of strings (or one comma-separated string)", field=key,
+                              value=value, rule="a list of strings")
+        return tuple(x.strip() for x in items if x.strip())
     if kind.startswith("bool"):
         if isinstance(value, bool):
             return value

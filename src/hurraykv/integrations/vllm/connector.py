@@ -42,6 +42,7 @@ from . import metrics
 from .common import FP8_NAMES, Context, Plan, log
 from .config import ConnectorConfig
 from .scheduler import SchedulerSide
+from .store_format import StoreFormat, check_cache_dtype
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -86,7 +87,15 @@ class HurrayConnector(KVConnectorBase_V1):
         # unreachable store at start is a miss, not an engine that fails to start.
         guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
                  "max_backoff": conf.max_backoff_s}
-        identity = _identity(vllm_config, kv_cache_config, conf, chunk_size)
+        # The store format is part of the identity: an engine finds the chunks of its own
+        # format and of those accept_store_dtypes lists, nothing else (store_format.py).
+        formats = conf.accepted_formats()
+        for i, fmt in enumerate(formats):
+            check_cache_dtype(fmt, vllm_config.cache_config.cache_dtype,
+                              "store_dtype" if i == 0 else "accept_store_dtypes")
+        identities = {_identity(vllm_config, kv_cache_config, conf, chunk_size, fmt): fmt
+                      for fmt in formats}
+        identity = next(iter(identities))
         self.ctx = ctx = Context(
             conf, block_size, chunk_size, identity, identity_digest(identity),
             can_load=cfg.is_kv_consumer, can_save=cfg.is_kv_producer,
@@ -94,7 +103,7 @@ class HurrayConnector(KVConnectorBase_V1):
                             **guard),
             loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
             saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-            disabled=_why_disabled(vllm_config, kv_cache_config))
+            disabled=_why_disabled(vllm_config, kv_cache_config), formats=identities)
         # vLLM's /metrics: what changed since the last report (metrics.py)
         self._deltas = metrics.CounterDeltas(
             ctx.stats, chunk_size=chunk_size, rank=rank, lock=ctx.stats_lock,
@@ -125,8 +134,9 @@ class HurrayConnector(KVConnectorBase_V1):
                 segment_dtype=FP8_NAMES.get(kv_cache_dtype) or str(model_dtype).removeprefix(
                     "torch."))
         log.info("HurrayConnector (%s side, %s) with chunks of %d tokens in %s; identity %s; "
-                 "deadlines: lookup %g ms, load %g ms, save %g ms", role.name.lower(),
-                 cfg.kv_role, chunk_size, conf.url, identity,
+                 "stored as %s (loads %s); deadlines: lookup %g ms, load %g ms, save %g ms",
+                 role.name.lower(), cfg.kv_role, chunk_size, conf.url, identity,
+                 formats[0].name, ", ".join(f.name for f in formats),
                  conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
         if ctx.disabled:
             log.warning("HurrayConnector passes requests through: %s", ctx.disabled)
@@ -246,8 +256,9 @@ class HurrayConnector(KVConnectorBase_V1):
 
 
 def _identity(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
-              chunk_size: int) -> str:
-    """What makes two engines' KV interchangeable, in every chunk key's seed."""
+              chunk_size: int, fmt: StoreFormat) -> str:
+    """What makes two engines' KV interchangeable, in every chunk key's seed: the cache
+    and, unless ``auto``, the store format."""
     spec = _spec(kv_cache_config)
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     cache_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else str(
@@ -260,7 +271,7 @@ def _identity(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
                   "kv_heads": getattr(spec, "num_kv_heads", None),
                   "head_size": getattr(spec, "head_size", None),
                   "head_size_v": getattr(spec, "head_size_v", None)}
-    return ";".join(f"{k}={v}" for k, v in parts.items())
+    return ";".join(f"{k}={v}" for k, v in parts.items()) + fmt.identity_suffix()
 
 
 def _spec(kv_cache_config: Any) -> Any:

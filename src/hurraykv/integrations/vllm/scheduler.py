@@ -33,6 +33,9 @@ class RequestState:
     computed: int = 0
     stored: int = 0  # chunks known to be in the store
     rewrite: bool = False  # a load from the store failed: store again, present or not
+    # keys of the accepted store formats other than this engine's own (accept_store_dtypes)
+    others: list[ChunkKeys] = field(default_factory=list)
+    foreign: bool = False  # matched in another format: nothing of it is stored as ours
 
 
 class SchedulerSide:
@@ -44,8 +47,10 @@ class SchedulerSide:
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
         if st is None:
-            st = RequestState(request, ChunkKeys(request_seed(self.ctx.seed, request),
-                                                 self.ctx.chunk_size))
+            size = self.ctx.chunk_size
+            st = RequestState(request, ChunkKeys(request_seed(self.ctx.seed, request), size),
+                              others=[ChunkKeys(request_seed(seed, request), size)
+                                      for seed in self.ctx.other_seeds])
             self.requests[request.request_id] = st
         return st
 
@@ -57,16 +62,25 @@ class SchedulerSide:
             return 0, False
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // ctx.chunk_size  # the last token is always computed
-        keys = st.keys.upto(prompt, chunks)
+        # this engine's keys, then each accepted other format's: one round trip
+        keys = [k for chain in (st.keys, *st.others) for k in chain.upto(prompt, chunks)]
         stats["lookups"] += 1
         located = ctx.lookups.call("locate", lambda store: store.locate(keys), None)
-        if located is None:  # store down, late or failing: a miss (guard.py logs it)
-            stats["lookups_missed"] += 1
+        if located is None or len(located) != len(keys):  # store down, late or failing:
+            stats["lookups_missed"] += 1  # a miss (guard.py logs it)
             return 0, False
-        # a chunk counts only behind a well-formed name whose first chunk is not after it
-        found = next((i for i, name in enumerate(located) if not holds(name, i)),
-                     len(located))
-        st.located = [str(name) for name in located[:found]]
+        # a chunk counts only behind a well-formed name whose first chunk is not after it;
+        # the longest run from the start wins, this engine's own format on a tie
+        found, best = 0, 0
+        for at in range(0, len(located), max(chunks, 1)):
+            run = located[at:at + chunks]
+            n = next((i for i, name in enumerate(run) if not holds(name, i)), len(run))
+            if n > found:
+                found, best = n, at
+        st.located = [str(name) for name in located[best:best + found]]
+        # chunks loaded from another format are never stored as this engine's, nor is
+        # what it computes on top of them (that KV attended to the other precision)
+        st.foreign = st.foreign or (best > 0 and found > 0)
         st.matched = found * ctx.chunk_size
         st.stored = max(st.stored, found)
         new = max(0, st.matched - num_computed_tokens)
@@ -138,7 +152,7 @@ class SchedulerSide:
         """Segments of the chunks this step completes that the store lacks (one per run
         of consecutive chunks)."""
         ctx, request = self.ctx, st.request
-        if passed_through(request):
+        if passed_through(request) or st.foreign:
             return []
         upto = st.computed + scheduled
         if not ctx.config.save_decode:

@@ -29,6 +29,7 @@ from ...io.checksums import ChecksumError
 from ...snapshot import KVCacheSnapshot
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
+from .store_format import StoreFormat, decode
 
 
 class WorkerSide:
@@ -36,7 +37,8 @@ class WorkerSide:
                  kv_cache_dtype: str, segment_dtype: str) -> None:
         self.ctx, self.spec, self.forward_context = ctx, spec, context
         self.model_dtype, self.kv_cache_dtype = model_dtype, kv_cache_dtype
-        self.segment_dtype = segment_dtype  # what this engine writes, and only loads
+        self.segment_dtype = segment_dtype  # the cache's dtype in a segment of format auto
+        self.format: StoreFormat = ctx.formats.get(ctx.identity, StoreFormat())  # saves
         self.saved = WorkerSegments()
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
@@ -98,11 +100,13 @@ class WorkerSide:
         want = (len(self._layers), ctx.block_size, view.heads, *view.dims)
         have = (snap.num_layers, snap.page_size, snap.num_kv_heads,
                 *(t.head_dim for t in snap.layer(0)))
-        if snap.model != ctx.identity or snap.dtype != self.segment_dtype:
+        fmt = self._format_of(snap)
+        if fmt is None or snap.dtype != fmt.segment_dtype(self.segment_dtype):
             # same geometry is not the same cache: another model's KV would load silently
             raise HurrayError(f"a stored segment of identity {snap.model!r} and dtype "
                               f"{snap.dtype} is not this engine's ({ctx.identity!r}, "
-                              f"{self.segment_dtype})", field="segment.model",
+                              f"{self.format.segment_dtype(self.segment_dtype)}; or one of "
+                              f"accept_store_dtypes)", field="segment.model",
                               value=snap.model, rule="the cache identity")
         if want != have or snap.num_seqs != 1 or snap.total_tokens % ctx.chunk_size:
             raise HurrayError(f"a stored segment holds (layers, page_size, heads, dims) "
@@ -110,7 +114,14 @@ class WorkerSide:
                               f"{snap.num_seqs} sequences, this engine needs {list(want)} "
                               f"in whole chunks of {ctx.chunk_size}", field="segment",
                               value=list(have), rule="the cache identity")
+        fmt.check(snap, self.segment_dtype)  # quantization and scales as the format says
         snap.tensors()  # builds every member: index buffers and token counts checked
+
+    def _format_of(self, snap: KVCacheSnapshot) -> StoreFormat | None:
+        """The store format of an identity this engine loads (None: not one of them)."""
+        if snap.model == self.ctx.identity:
+            return self.format
+        return self.ctx.formats.get(snap.model)
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
@@ -194,10 +205,22 @@ class WorkerSide:
         stats, started = self.ctx.stats, time.perf_counter()
         layer, view = self._layer(layer_name)
         try:
+            decoded: dict[int, list[np.ndarray]] = {}  # a segment's layer, decoded once
             for blocks, snap, first in self._fetched:
-                pages = [t.page_pool[first:first + len(blocks)] for t in snap.layer(layer)]
+                n = len(blocks)
+                if self._format_of(snap).auto:
+                    pages = [t.page_pool[first:first + n] for t in snap.layer(layer)]
+                    stored = sum(p.nbytes for p in pages)
+                else:  # float32 values of the stored codes: write() converts them
+                    if id(snap) not in decoded:
+                        decoded[id(snap)] = [decode(t, 0, t.num_pages)
+                                             for t in snap.layer(layer)]
+                    pages = [p[first:first + n] for p in decoded[id(snap)]]
+                    stored = sum(snap.descriptor(layer, role).buffers[0].byte_size * n //
+                                 max(t.num_pages, 1) for t, role in zip(
+                                     snap.layer(layer), snap.roles, strict=True))
                 view.write(blocks, pages)
-                stats["bytes_loaded"] += sum(p.nbytes for p in pages)
+                stats["bytes_loaded"] += stored
         except Exception as e:  # e.g. a file changed underneath: every loaded block again
             blocks = [b for fetched in self._fetched for b in fetched[0]]
             self._fetched = []
@@ -222,8 +245,13 @@ class WorkerSide:
             for i, save in enumerate(plan.saves):
                 blocks = [b for chunk in save.blocks for b in chunk]
                 staged = self._staged.setdefault(i, [[] for _ in self._layers])
-                staged[layer] = pages_to_numpy(view.read(blocks))
-                stats["bytes_saved"] += sum(p.nbytes for p in staged[layer])
+                parts = pages_to_numpy(view.read(blocks))
+                if not self.format.auto:  # quantized now, while the copy is in cache
+                    roles = ("fused",) if len(parts) == 1 else ("key", "value")
+                    parts = [self.format.encode(p, role, layer)
+                             for p, role in zip(parts, roles, strict=True)]
+                staged[layer] = parts
+                stats["bytes_saved"] += sum(_nbytes(p) for p in parts)
         except Exception as e:  # nothing stored this step; the engine goes on
             self._staged.clear()
             stats["saves_dropped"] += len(plan.saves)
@@ -302,6 +330,8 @@ class WorkerSide:
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
         """A segment snapshot of these pages: built and validated once per length, then
         the same structure over each new segment's pools (``with_pools``)."""
+        if not self.format.auto:  # encoded tensors: their scales differ segment by segment
+            return self.format.segment(pools, self.ctx.identity)
         pages = pools[0][0].shape[0]
         template = self._templates.get(pages)
         if template is None:
@@ -331,6 +361,14 @@ class WorkerSide:
         self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes of a staged part: pages, or an encoded tensor's pool and parameters."""
+    if isinstance(part, np.ndarray):
+        return part.nbytes
+    return sum(memoryview(b).nbytes for b in part.buffers()[:1]) + sum(
+        p.nbytes for p in part.quant_params)
 
 
 __all__ = ["WorkerSide"]
