@@ -112,9 +112,9 @@ def test_every_block_paged_field_reads_the_same():
                                                 ours.layer_index, ours.index_type_name)
 
 
-@pytest.mark.parametrize(("role", "index", "dtype"), itertools.product(
+@pytest.mark.parametrize(("role", "index", "dtype"), list(itertools.product(
     ["key", "value", "fused"], ["uint32", "uint64"],
-    ["float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8"]))
+    ["float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8"])))
 def test_their_block_paged_tensors_decode_here(role, index, dtype):
     et = hk.wire.element_type(dtype)
     pool = np.zeros(3 * 4 * 2 * 8 * et.bits // 8, np.uint8).tobytes()
