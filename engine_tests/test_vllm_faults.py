@@ -415,7 +415,8 @@ def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_pat
 
 def _damaged(snap, where: str):
     """A copy of a stored segment, damaged (``pool``: one bit of every value of page 3 of
-    layer 1's values, enough to change the tokens when loaded; ``table``: two block-table
+    layer 1's values, enough to change the tokens when loaded; ``pool0``: the same in
+    layer 0's keys; ``table``: two block-table
     entries swapped, still a valid table; ``scale``: layer 0's key scale), keeping the
     checksums written with the original."""
     import ml_dtypes
@@ -429,6 +430,8 @@ def _damaged(snap, where: str):
     scales = None if snap.kv_scales is None else np.array(snap.kv_scales, np.float32)
     if where == "pool":
         values[1].view(np.uint8).reshape(len(values[1]), -1)[3, 3::4] ^= 0x20  # every value
+    elif where == "pool0":  # layer 0: checked in the read itself, not beside the forward
+        keys[0].view(np.uint8).reshape(len(keys[0]), -1)[3, 3::4] ^= 0x20
     elif where == "table":
         table[[1, 2]] = table[[2, 1]]
     else:
@@ -440,9 +443,9 @@ def _damaged(snap, where: str):
     return out.with_info(metadata=dict(snap.metadata))
 
 
-@pytest.mark.parametrize(("kind", "where"), [("file", "pool"), ("hurray", "pool"),
-                                             ("redis", "pool"), ("file", "table"),
-                                             ("file", "scale")])
+@pytest.mark.parametrize(("kind", "where"), [("file", "pool"), ("file", "pool0"),
+                                             ("hurray", "pool"), ("redis", "pool"),
+                                             ("file", "table"), ("file", "scale")])
 def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path, kind,
                                                             where, redis_url, lines):
     """Damage in a stored page pool, block table or scale, on every backend: the loading

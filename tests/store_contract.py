@@ -40,6 +40,10 @@ def keys(chunks: int) -> list[str]:
 
 
 class ChunkStoreContract:
+    # Past its capacity the store keeps the most recently used (a store whose eviction is
+    # sampled, like Redis's, may keep none of a burst: only exactness is asked of it).
+    KEEPS_RECENT = True
+
     @pytest.fixture
     def store(self, make: Callable[[], ChunkStore]):
         s = make()
@@ -143,4 +147,5 @@ class ChunkStoreContract:
                 continue
             assert got.equal(snap)
             found += 1
-        assert 0 < found < len(stored), (found, len(stored))
+        assert found < len(stored), "nothing was evicted"
+        assert found > 0 or not self.KEEPS_RECENT, (found, len(stored))

@@ -132,8 +132,8 @@ def test_a_known_structure_is_hashed_while_it_is_read(tmp_path, small_steps, mon
     reads = []
     real = checksums.ReadPlan.read
 
-    def spy(plan, fd, view):
-        got = real(plan, fd, view)
+    def spy(plan, fd, view, skip=frozenset()):
+        got = real(plan, fd, view, skip)
         reads.append((plan, got))
         return got
 
@@ -141,7 +141,8 @@ def test_a_known_structure_is_hashed_while_it_is_read(tmp_path, small_steps, mon
     for name, snap in zip(names, snaps, strict=True):
         got = reader.get_verified(name)
         assert got.equal(snap)
-        plan, (nbytes, found, _) = reads[-1]
+        plan, (nbytes, found, _, skipped) = reads[-1]
+        assert len(skipped) == 0
         assert nbytes == plan.size == (tmp_path / "kv" / f"{name}.hrry").stat().st_size
         assert found.tolist() == [int(checksums.digests(snap)[k:k + 16], 16)
                                   for k in range(0, len(checksums.digests(snap)), 16)]
@@ -227,7 +228,8 @@ def test_the_first_file_of_a_structure_is_hashed_while_it_is_read(
     reads = []
     real = checksums.ReadPlan.read
     monkeypatch.setattr(checksums.ReadPlan, "read",
-                        lambda plan, fd, view: reads.append(1) or real(plan, fd, view))
+                        lambda plan, fd, view, skip=frozenset(): reads.append(1)
+                        or real(plan, fd, view, skip))
     reader = open_store((tmp_path / "kv").as_uri())  # knows no structure yet
     if what == "pool":
         with pytest.raises(checksums.ChecksumError,
@@ -236,3 +238,47 @@ def test_the_first_file_of_a_structure_is_hashed_while_it_is_read(
     else:
         assert reader.get_verified(names[0]).equal(snaps[0])
     assert reads == [1]  # one pass: the structure came from small reads before it
+
+
+def test_later_layers_are_left_to_a_pending_check_that_finds_their_damage(tmp_path):
+    from hurraykv.integrations.vllm.layer_checks import LayerChecks, later_members
+
+    names, snaps = stored_segments(tmp_path, 2, 40)
+    path = tmp_path / "kv" / f"{names[1]}.hrry"
+    data = bytearray(path.read_bytes())
+    data[bytes(data).find(snaps[1].tensor(1, "value").page_pool[5].tobytes()) + 1] ^= 0x04
+    path.write_bytes(bytes(data))
+    reader = open_store((tmp_path / "kv").as_uri())
+    later = later_members(2)
+    for name in names:  # the read checks layer 0 and the small buffers only
+        _, pending = reader.get_checked(name, later)
+        assert pending is not None and pending.members == later
+    good, _ = reader.get_checked(names[0], later)
+    checks = LayerChecks()
+    try:
+        checks.start({names[0]: reader.get_checked(names[0], later)[1],
+                      names[1]: reader.get_checked(names[1], later)[1]}, 2)
+        bad, waited = checks.wait(1)
+        assert [n for n, _ in bad] == [names[1]] and waited >= 0
+        assert "page 5 of buffer 0 of member layers.1.value" in str(bad[0][1])
+        assert checks.wait(1) == ([], 0.0)  # consumed
+    finally:
+        checks.close()
+    assert good.equal(snaps[0])
+    with pytest.raises(checksums.ChecksumError):  # a full check finds it at once
+        reader.get_verified(names[1])
+
+
+def test_a_damaged_layer_0_is_found_by_the_read_even_with_later_layers_left(tmp_path):
+    from hurraykv.integrations.vllm.layer_checks import later_members
+
+    names, snaps = stored_segments(tmp_path, 2, 40)
+    reader = open_store((tmp_path / "kv").as_uri())
+    reader.get_checked(names[0], later_members(2))  # the structure is known from here
+    path = tmp_path / "kv" / f"{names[1]}.hrry"
+    data = bytearray(path.read_bytes())
+    data[bytes(data).find(snaps[1].tensor(0, "key").page_pool[2].tobytes())] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(checksums.ChecksumError, match=r"page 2 of buffer 0 of member "
+                                                      r"layers\.0\.key"):
+        reader.get_checked(names[1], later_members(2))

@@ -156,6 +156,12 @@ class ChunkStore(ABC):
         self.verify_seconds += time.perf_counter() - started
         return snap
 
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
+        """``get_verified``, except that the checks of the ``later`` members may be left to
+        the caller (the ``Pending`` returned, None when nothing was left)."""
+        return self.get_verified(name), None
+
     def has(self, keys: Sequence[str]) -> list[bool]:
         return [name is not None for name in self.locate(keys)]
 
@@ -237,9 +243,13 @@ class Suffixed(ChunkStore):
         return self.inner.evictions
 
     def get_verified(self, name: str) -> KVCacheSnapshot:
+        return self.get_checked(name)[0]
+
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
         before = self.inner.verify_seconds
         try:
-            return self.inner.get_verified(self._named(name))
+            return self.inner.get_checked(self._named(name), later)
         finally:
             self.verify_seconds += self.inner.verify_seconds - before
 

@@ -268,13 +268,18 @@ class FileChunks(ChunkStore):
         self._refresh()
 
     def get(self, name: str) -> KVCacheSnapshot:
-        return self._get(name, verify=False)
+        return self._get(name, verify=False)[0]
 
     def get_verified(self, name: str) -> KVCacheSnapshot:
         # A file of a structure read before is hashed while it is read (ReadPlan).
-        return self._get(name, verify=True)
+        return self._get(name, verify=True)[0]
 
-    def _get(self, name: str, verify: bool) -> KVCacheSnapshot:
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
+        return self._get(name, verify=True, later=later)
+
+    def _get(self, name: str, verify: bool, later: frozenset[str] = frozenset()
+             ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
         check_name(name)
         path = self.path(name)
         try:
@@ -285,14 +290,14 @@ class FileChunks(ChunkStore):
                 known = next((layout for layout in self._by_size.get(size, ())
                               if layout.plan is not None), None) if verify else None
                 if verify and known is None:
-                    cold = self._first_of_structure(fd, size, path)
+                    cold = self._first_of_structure(fd, size, path, later)
                     if cold is not None:
                         return cold
                 if known is None or known.plan is None:
                     data = _read_fd(fd, path, self._buffers)
                 else:
                     data = memoryview(self._buffers.take(size))
-                    got, computed, hashing = known.plan.read(fd, data)
+                    got, computed, hashing, skipped = known.plan.read(fd, data, later)
                     _whole(path, size, got)
             finally:
                 os.close(fd)
@@ -305,18 +310,27 @@ class FileChunks(ChunkStore):
         what = f"segment {name}"
         if known is not None and known.matches(data):
             snap = known.read(data)
-            started = time.perf_counter()
-            checksums.verify(snap, what, known.plan.complete(snap, computed))
-            self.verify_seconds += hashing + time.perf_counter() - started
-            return snap
+            return snap, self._verified(snap, data, what, known.plan, computed, hashing,
+                                        skipped, later)
         snap = self._parse(data, path)
         if verify:
             started = time.perf_counter()
             checksums.verify(snap, what)
             self.verify_seconds += time.perf_counter() - started
-        return snap
+        return snap, None
 
-    def _first_of_structure(self, fd: int, size: int, path: Path) -> KVCacheSnapshot | None:
+    def _verified(self, snap: KVCacheSnapshot, data: memoryview, what: str,
+                  plan: checksums.ReadPlan, computed: Any, hashing: float, skipped: Any,
+                  later: frozenset[str]) -> checksums.Pending | None:
+        """Check what the read hashed; what it left for later is the Pending returned."""
+        started = time.perf_counter()
+        checksums.verify(snap, what, plan.complete(snap, computed, skipped))
+        pending = plan.pending(snap, data, what, later) if len(skipped) else None
+        self.verify_seconds += hashing + time.perf_counter() - started
+        return pending
+
+    def _first_of_structure(self, fd: int, size: int, path: Path, later: frozenset[str]
+                            ) -> tuple[KVCacheSnapshot, checksums.Pending | None] | None:
         """A verified read of a file of a structure not seen yet, as fast as a known one:
         its structure parsed from small reads first (header, descriptors, index buffers,
         index), so that its pages are hashed while the bulk is read; None when the file
@@ -334,16 +348,14 @@ class FileChunks(ChunkStore):
             return None
         if plan is None:
             return None
-        got, computed, hashing = plan.read(fd, data)
+        got, computed, hashing, skipped = plan.read(fd, data, later)
         _whole(path, size, got)
         if _complement(data, pools) != structure:  # replaced between the two reads
             return None
         snap.tensors()  # every member built: index buffers and token counts checked
         self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
-        started = time.perf_counter()
-        checksums.verify(snap, f"segment {path.stem}", plan.complete(snap, computed))
-        self.verify_seconds += hashing + time.perf_counter() - started
-        return snap
+        return snap, self._verified(snap, data, f"segment {path.stem}", plan, computed,
+                                    hashing, skipped, later)
 
     def _parse(self, data: memoryview, path: Path) -> KVCacheSnapshot:
         for layout in self._by_size.get(len(data), ()):

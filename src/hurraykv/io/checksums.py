@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -63,9 +64,9 @@ def _pieces(snapshot: KVCacheSnapshot) -> Iterator[tuple[str, int, int | None, m
                 yield name, i, None, view
 
 
-def _hash_all(views: list[memoryview]) -> np.ndarray:
-    """Every view's digest: compiled and in bands over the cores when there is a compiled
-    hasher (given absolute addresses), else one by one."""
+def _hash_all(views: list[memoryview], parallel: bool = True) -> np.ndarray:
+    """Every view's digest: compiled and (``parallel``) in bands over the cores when there
+    is a compiled hasher (given absolute addresses), else one by one."""
     compiled = page_hash.hasher()
     if compiled is None:
         return np.array([xxhash.xxh3_64_intdigest(v) for v in views], np.uint64)
@@ -74,7 +75,7 @@ def _hash_all(views: list[memoryview]) -> np.ndarray:
     lengths = np.array([len(a) for a in keep], np.uint64)
     out = np.zeros(len(views), np.uint64)
     run_bands(lambda a, b: compiled(0, addresses[a:b], lengths[a:b], out[a:b]), len(views),
-              int(lengths.sum()))
+              int(lengths.sum()) if parallel else 0)
     return out
 
 
@@ -99,12 +100,14 @@ def _stored(snapshot: KVCacheSnapshot, count: int) -> np.ndarray | None:
         return None
 
 
-def mismatches(snapshot: KVCacheSnapshot, computed: np.ndarray | None = None
+def mismatches(snapshot: KVCacheSnapshot, computed: np.ndarray | None = None,
+               only: frozenset[str] | None = None, parallel: bool = True
                ) -> list[tuple[str, int, int | None]]:
     """``(member, buffer, page)`` of every piece whose bytes do not match the stored
     checksums (every piece, when their number does not); [] when they all match.
-    ``computed``: the pieces' digests when a ``ReadPlan`` already hashed them.
-    A snapshot without checksums has nothing to compare: ``has_checksums`` says."""
+    ``computed``: the pieces' digests when a ``ReadPlan`` already hashed them; ``only``:
+    the members whose pieces are compared (None: all).  A snapshot without checksums has
+    nothing to compare: ``has_checksums`` says."""
     if computed is not None:  # the common case, all equal, without listing the pieces
         stored = _stored(snapshot, len(computed))
         if stored is not None and np.array_equal(stored, computed):
@@ -112,10 +115,12 @@ def mismatches(snapshot: KVCacheSnapshot, computed: np.ndarray | None = None
     pieces = list(_pieces(snapshot))
     stored = _stored(snapshot, len(pieces))
     if stored is None:
-        return [(m, b, p) for m, b, p, _ in pieces]
+        return [(m, b, p) for m, b, p, _ in pieces if only is None or m in only]
+    chosen = [k for k, (m, *_) in enumerate(pieces) if only is None or m in only]
     if computed is None or len(computed) != len(pieces):
-        computed = _hash_all([v for *_, v in pieces])
-    return [pieces[k][:3] for k in np.flatnonzero(computed != stored)]
+        computed = np.zeros(len(pieces), np.uint64)
+        computed[chosen] = _hash_all([pieces[k][3] for k in chosen], parallel)
+    return [pieces[k][:3] for k in chosen if computed[k] != stored[k]]
 
 
 def has_checksums(snapshot: KVCacheSnapshot) -> bool:
@@ -130,7 +135,10 @@ def verify(snapshot: KVCacheSnapshot, what: str = "snapshot",
     if not has_checksums(snapshot):
         raise ChecksumError(f"{what} carries no {KEY} checksums", field=KEY,
                             rule="values verified before use")
-    bad = mismatches(snapshot, computed)
+    _raise_for(what, mismatches(snapshot, computed))
+
+
+def _raise_for(what: str, bad: list[tuple[str, int, int | None]]) -> None:
     if bad:
         member, buf, page = bad[0]
         where = f"page {page} of " if page is not None else ""
@@ -139,6 +147,39 @@ def verify(snapshot: KVCacheSnapshot, what: str = "snapshot",
                             value=f"{member}[{buf}]" + (f" page {page}" if page is not None
                                                         else ""),
                             rule="stored bytes equal those checksummed when written")
+
+
+@dataclass
+class Pending:
+    """The checks of a snapshot's ``members`` that a reader left for later (``ReadPlan``'s
+    ``skip``): the engine verifies each layer just before it writes that layer, on another
+    core while the forward pass runs, so no unverified byte reaches its blocks and the
+    hashing is off the load's path.  ``places`` are, per member, the ``(address, length,
+    stored digest)`` columns of its pieces in the file's buffer (one compiled call a
+    check, no Python per page)."""
+
+    snapshot: KVCacheSnapshot
+    what: str
+    members: frozenset[str]
+    places: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    keep: Any = None  # the buffer the addresses point into, alive as long as this
+
+    def check(self, members: frozenset[str]) -> None:
+        """Raise ``ChecksumError`` unless the pieces of ``members`` (those of them left for
+        later) match their checksums."""
+        wanted = members & self.members
+        if not wanted:
+            return
+        parts = [self.places[m] for m in sorted(wanted) if m in self.places]
+        if parts:
+            addresses, lengths, stored = (np.concatenate(c) for c in zip(*parts, strict=True))
+            compiled = page_hash.hasher()
+            if compiled is not None:
+                found = np.zeros(len(addresses), np.uint64)
+                compiled(0, addresses, lengths, found)  # one core: the engine has the other
+                if np.array_equal(found, stored):
+                    return
+        _raise_for(self.what, mismatches(self.snapshot, only=wanted, parallel=False))
 
 
 def warm() -> None:
@@ -168,6 +209,8 @@ class ReadPlan:
     lengths: np.ndarray
     outside: list[tuple[int, str, int]]
     count: int
+    file_members: list[str]  # the member of each piece, in file order
+    _skips: dict = field(default_factory=dict, compare=False, repr=False)
 
     # A sub-range is hashed right after the kernel copied it in: at 256 KiB it is still in
     # the core's L2 (34 GiB/s here; 22 at 1 MiB, 13 at 4 MiB).
@@ -178,8 +221,9 @@ class ReadPlan:
         """The plan for files laid out as ``data``, the bytes ``snapshot``'s buffers view;
         None when a piece is not a view of ``data`` (nothing to hash while reading)."""
         base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
-        offsets, lengths, outside, inside = [], [], [], []
+        offsets, lengths, outside, inside, members = [], [], [], [], []
         for k, (member, buf, page, view) in enumerate(_pieces(snapshot)):
+            members.append(member)
             at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
             if not 0 <= at <= at + len(view) <= len(data):
                 if page is not None:
@@ -200,14 +244,34 @@ class ReadPlan:
         return cls(len(data), np.array([*edges, len(data)], np.int64),
                    np.array([*starts, len(order)], np.int64),
                    np.array(order, np.int64), np.array([offsets[i] for i in order], np.uint64),
-                   np.array([lengths[i] for i in order], np.uint64), outside, len(offsets))
+                   np.array([lengths[i] for i in order], np.uint64), outside, len(offsets),
+                   [members[i] for i in order])
 
-    def read(self, fd: int, view: memoryview) -> tuple[int, np.ndarray, float]:
+    def _skipping(self, skip: frozenset[str]
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The lengths to hash (0 for a piece of a skipped member), in file order, the
+        checksum indices skipped, and each skipped member's pieces (file order)."""
+        got = self._skips.get(skip)
+        if got is None:
+            mask = np.array([m in skip for m in self.file_members], bool)
+            by_member: dict[str, list[int]] = {}
+            for j in np.flatnonzero(mask).tolist():
+                by_member.setdefault(self.file_members[j], []).append(j)
+            got = self._skips[skip] = (
+                np.where(mask, 0, self.lengths).astype(np.uint64), self.order[mask],
+                {m: np.array(js, np.int64) for m, js in by_member.items()})
+        return got
+
+    def read(self, fd: int, view: memoryview, skip: frozenset[str] = frozenset()
+             ) -> tuple[int, np.ndarray, float, np.ndarray]:
         """Fill ``view`` (``size`` bytes) from file ``fd`` in bands, one per core, hashing
         as it goes: the bytes read (fewer when the file is shorter), every piece's digest
         in checksum order, and the seconds hashing added to the read (the longest band's
-        share).  Compiled (``page_hash.reader``) where numba is, else the same steps in
-        Python."""
+        share), and the checksum indices of the pieces of ``skip`` members, left unhashed
+        (``Pending``).  Compiled (``page_hash.reader``) where numba is, else the same steps
+        in Python."""
+        lengths, skipped, _ = self._skipping(skip) if skip else (self.lengths,
+                                                                 self.order[:0], None)
         got = np.zeros(len(self.edges) - 1, np.int64)
         hashing: list[float] = []
         address = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
@@ -216,7 +280,7 @@ class ReadPlan:
         if compiled is not None:
             def band(first: int, stop: int) -> None:
                 hashing.append(compiled(fd, address, self.edges, self.starts, self.offsets,
-                                        self.lengths, sorted_digests, got, first, stop))
+                                        lengths, sorted_digests, got, first, stop))
         else:
             def band(first: int, stop: int) -> None:
                 spent = 0.0
@@ -234,18 +298,36 @@ class ReadPlan:
                     for j in range(self.starts[s], self.starts[s + 1]):
                         at = int(self.offsets[j])
                         sorted_digests[j] = xxhash.xxh3_64_intdigest(
-                            view[at:at + int(self.lengths[j])])
+                            view[at:at + int(lengths[j])])
                     spent += time.perf_counter() - t
                 hashing.append(spent)
 
         run_bands(band, len(got), self.size)
         found = np.zeros(self.count, np.uint64)
         found[self.order] = sorted_digests
-        return int(got.sum()), found, max(hashing, default=0.0)
+        return int(got.sum()), found, max(hashing, default=0.0), skipped
 
-    def complete(self, snapshot: KVCacheSnapshot, found: np.ndarray) -> np.ndarray:
+    def pending(self, snapshot: KVCacheSnapshot, data: memoryview, what: str,
+                skip: frozenset[str]) -> Pending:
+        """The checks ``read(..., skip)`` left, over ``data`` (the file's bytes)."""
+        base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
+        stored = _stored(snapshot, self.count)
+        places = {}
+        for member, js in self._skipping(skip)[2].items():
+            if stored is not None:
+                places[member] = (self.offsets[js] + np.uint64(base), self.lengths[js],
+                                  stored[self.order[js]])
+        return Pending(snapshot, what, skip, places, data)
+
+    def complete(self, snapshot: KVCacheSnapshot, found: np.ndarray,
+                 skipped: np.ndarray | None = None) -> np.ndarray:
         """``found`` (from ``read``) with the ``outside`` pieces hashed from ``snapshot``,
-        the snapshot of the file read."""
+        the snapshot of the file read, and the ``skipped`` ones taken as stored (their
+        check is a ``Pending``'s)."""
+        if skipped is not None and len(skipped):
+            stored = _stored(snapshot, self.count)
+            if stored is not None:
+                found[skipped] = stored[skipped]
         if self.outside:
             members = {name: bufs for name, _, bufs in snapshot.members()}
             for k, member, buf in self.outside:
@@ -253,5 +335,5 @@ class ReadPlan:
         return found
 
 
-__all__ = ["KEY", "ChecksumError", "ReadPlan", "digests", "has_checksums", "mismatches",
+__all__ = ["KEY", "ChecksumError", "Pending", "ReadPlan", "digests", "has_checksums", "mismatches",
            "verify", "with_checksums"]

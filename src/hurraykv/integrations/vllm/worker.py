@@ -29,6 +29,7 @@ from ...io.checksums import ChecksumError
 from ...snapshot import KVCacheSnapshot
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
+from .layer_checks import LayerChecks, later_members
 from .store_format import StoreFormat, decode
 
 
@@ -51,6 +52,10 @@ class WorkerSide:
         self._staged: dict[int, list[list[np.ndarray]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
         self._failed: set[int] = set()
+        self._checks = LayerChecks()
+        self._later: frozenset[str] = frozenset()  # members verified beside the forward pass
+        self._unchecked: dict[str, Any] = {}  # segment name -> its Pending checks
+        self._names: dict[int, str] = {}  # id of a fetched snapshot -> its segment's name
 
     # ------------------------------------------------------------------ layers
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -85,6 +90,7 @@ class WorkerSide:
                 layer = self.forward_context.get(name)
                 self._scales.append((float(getattr(layer, "_k_scale_float", 1.0)),
                                      float(getattr(layer, "_v_scale_float", 1.0))))
+        self._later = later_members(len(self._layers))
         checksums.warm()  # compiled now, not inside the first load's time
         log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
                  "segments read on %d core(s) %s", len(self._layers), backend, kind,
@@ -125,7 +131,8 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
-        self._fetched, self._written = [], set()
+        self._fetched, self._written, self._unchecked, self._names = [], set(), {}, {}
+        self._checks.settle()
         if plan is None:
             return
         stats = self.ctx.stats
@@ -142,6 +149,7 @@ class WorkerSide:
             except Exception as e:  # a bug of ours is a recompute too, never a dead engine
                 self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
                            f"{type(e).__name__}: {e}")
+        self._checks.start(self._unchecked, len(self._layers))
         stats["fetch_seconds"] += time.perf_counter() - started
         stats["load_seconds"] += time.perf_counter() - started
 
@@ -179,8 +187,11 @@ class WorkerSide:
         stats = self.ctx.stats
         before = store.verify_seconds
         try:
-            snap = store.get_verified(name)
+            snap, pending = store.get_checked(name, self._later)
             self._check_segment(snap)
+            if pending is not None:  # layers 1.. are checked beside the forward pass
+                self._unchecked[name] = pending
+                self._names[id(snap)] = name
             return snap
         except TransportError:
             raise
@@ -204,6 +215,7 @@ class WorkerSide:
             return
         stats, started = self.ctx.stats, time.perf_counter()
         layer, view = self._layer(layer_name)
+        self._drop_unverified(layer)
         try:
             decoded: dict[int, list[np.ndarray]] = {}  # a segment's layer, decoded once
             for blocks, snap, first in self._fetched:
@@ -230,6 +242,19 @@ class WorkerSide:
         self._written.add(layer_name)
         stats["layers_written"] += 1
         stats["load_seconds"] += time.perf_counter() - started
+
+    def _drop_unverified(self, layer: int) -> None:
+        """Wait for layer ``layer``'s checks; a segment that fails them is written no
+        further and its blocks recomputed (``layer_checks.py``)."""
+        bad, waited = self._checks.wait(layer)
+        self.ctx.stats["verify_seconds"] += waited
+        for name, error in bad:
+            gone = [f for f in self._fetched if self._names.get(id(f[1])) == name]
+            self._fetched = [f for f in self._fetched if f not in gone]
+            self.ctx.stats["chunks_corrupt"] += 1
+            self._fail([b for f in gone for b in f[0]], "(this step)",
+                       f"segment {name} could not be loaded ({error})")
+            self.ctx.loads.call("discard", lambda store, n=name: store.discard(n), None)
 
     def load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -359,6 +384,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
+        self._checks.close()
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
 
