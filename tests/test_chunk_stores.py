@@ -86,6 +86,10 @@ def test_every_scheme_is_registered_once_with_a_form():
     ("ftp://x/y", {}, r"scheme 'ftp' is not one of file, hurray, redis"),
     ("file://host/x", {}, "local directory"),
     ("hurray://", {}, "HOST:PORT"),
+    ("hurray://h:notaport", {}, r"HOST:PORT \(hurray://HOST:PORT\), not 'h:notaport'"),
+    ("hurray://:5", {}, "HOST:PORT"),
+    ("file://", {}, "absolute directory"),
+    ("file:relative/dir", {}, "absolute directory"),
     ("redis://127.0.0.1:1", {"max_bytes": 10}, r"\['max_bytes'\] apply to file:///DIR"),
     ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"apply to hurray://HOST:PORT"),
 ])

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import hurraykv as hk
 from tests.conftest import VECTORS
 from tests.snapshots import make_snapshot
@@ -337,3 +339,14 @@ def test_validate_and_inspect_read_a_pipe_once(tmp_path):
                              str(tmp_path / "s.hrry")], capture_output=True, timeout=60)
     assert piped.returncode == 0
     assert piped.stdout.replace(b"<stdin>", str(tmp_path / "s.hrry").encode()) == direct.stdout
+
+
+@pytest.mark.parametrize(("url", "said"), [("redis://127.0.0.1:1", "ConnectionError"),
+                                           ("file:///tmp/x", "redis://HOST:PORT")])
+def test_store_fsck_of_a_store_it_cannot_reach_is_a_usage_exit_not_a_traceback(url, said,
+                                                                             capsys):
+    from hurraykv.cli import main
+
+    assert main(["store", "fsck", url]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

@@ -168,3 +168,43 @@ def test_two_engines_evicting_in_one_directory(tmp_path):
     for seed in found:
         assert store.get_verified(store.locate(keys(seed))[0]).equal(segment(seed))
     assert [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith(".evict")] == []
+
+
+def test_writers_sharing_a_directory_keep_one_budget(tmp_path):
+    """Two stores on one directory (two engines, or two tensor-parallel ranks) writing in
+    turn: the shared record counts both, so the directory never passes the cap."""
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    cap = 10 * size
+    stores = [FileChunks(tmp_path / "kv", max_bytes=cap) for _ in range(2)]
+    for seed in range(40):
+        put(stores[seed % 2], seed)
+        assert stored_bytes(tmp_path / "kv") <= cap, seed
+
+
+def test_a_lock_held_elsewhere_is_an_error_naming_it_not_a_wait(tmp_path, monkeypatch):
+    import fcntl
+
+    monkeypatch.setattr(Capacity, "LOCK_SECONDS", 0.2)
+    store = FileChunks(tmp_path / "kv", max_bytes=1 << 30)
+    put(store, 1)
+    fd = os.open(tmp_path / "kv" / ".lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process's flock, as `flock -x` takes it
+    try:
+        started = time.monotonic()
+        with pytest.raises(hk.HurrayError, match=r"\.lock was held by another process"):
+            store.put(keys(2), 0, segment(2), {})
+        assert time.monotonic() - started < 5
+    finally:
+        os.close(fd)
+    put(store, 2)  # free again: stored
+
+
+def test_a_planted_lock_link_is_an_error_and_leaves_no_segment(tmp_path):
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    (directory / ".lock").symlink_to(tmp_path / "elsewhere")
+    store = FileChunks(directory, max_bytes=1 << 30)
+    with pytest.raises(hk.HurrayError, match=r"cannot open the lock"):
+        store.put(keys(3), 0, segment(3), {})
+    assert list(directory.glob("*.hrry")) == []

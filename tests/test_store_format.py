@@ -80,7 +80,7 @@ def test_formats_parse_with_the_engines_scheme_for_bare_names():
     ({"accept_store_dtypes": ["fp8:per_channel"]}, r"a quantization scheme applies to int8 "
                                                    r"and int4, not fp8"),
     ({"accept_store_dtypes": ["bf16"]}, r"\['accept_store_dtypes'\] names 'bf16'"),
-    ({"store_dtype": 8}, r"\['store_dtype'\] is 8; it is a string"),
+    ({"store_dtype": 8}, r"\['store_dtype'\] is 8; it is a non-empty string"),
 ])
 def test_mistakes_are_refused_by_key_value_and_rule(extra, why):
     with pytest.raises(hk.HurrayError, match=why) as e:

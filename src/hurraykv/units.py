@@ -31,6 +31,9 @@ def parse_size(text: str) -> int:
     ValueError for anything else."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except OverflowError:  # "infG", "1e400G": not a size
+        raise ValueError(f"{text!r} is not a finite size") from None

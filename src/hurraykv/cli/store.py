@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .. import units
+from ..errors import HurrayError
 
 ROWS = [("releases_completed", "pending releases completed (puts or deletes cut short)"),
         ("manifests", "manifests read"),
@@ -15,18 +17,30 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
         ("pages_freed", "pages freed with their last reference"),
         ("orphan_pages_freed", "pages nobody referenced, freed"),
         ("legacy_counters_removed", "reference counters of before generations, removed"),
-        ("damaged_removed", "snapshots that lost pages (Redis eviction), removed"),
+        ("damaged_removed", "snapshots that lost pages (Redis eviction), removed with "
+                            "their other pages (see the stats lines)"),
         ("dangling_owners_removed", "owner sets of pages that are gone, removed")]
 
 
 def cmd_store_fsck(args: argparse.Namespace) -> int:
     from ..store import PageStore
 
-    store = PageStore.from_url(args.url)
+    store = None
     try:
+        store = PageStore.from_url(args.url)
         report = store.fsck(grace=args.grace)
+    except ValueError as e:  # redis-py's word for a URL it cannot use
+        print(f"hurraykv store fsck: url {args.url!r}: {e} (redis://HOST:PORT or "
+              "redis+cluster://HOST:PORT)", file=sys.stderr)
+        return 2
+    except Exception as e:  # unreachable, refused, timed out: not "snapshots lost pages"
+        if isinstance(e, HurrayError) or not type(e).__module__.startswith("redis"):
+            raise
+        print(f"hurraykv store fsck: {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     finally:
-        store.client.close()
+        if store is not None:
+            store.client.close()
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

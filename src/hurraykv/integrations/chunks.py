@@ -119,6 +119,7 @@ class ChunkStore(ABC):
     SCHEMES: ClassVar[tuple[str, ...]] = ()  # the URL schemes this class opens
     FORM: ClassVar[str] = ""  # the URL's form, for messages: "file:///DIR"
     LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
+    SOCKET_PATHS: ClassVar[bool] = False  # also SCHEME:///path of a Unix socket
     OPTIONS: ClassVar[tuple[str, ...]] = ()  # open_store keywords it takes besides timeout
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -211,8 +212,16 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
         return f"scheme {parsed.scheme!r} is not one of {', '.join(schemes())}"
     if cls.LOCAL and parsed.netloc not in ("", "localhost"):
         return f"a {parsed.scheme} URL names a local directory, {cls.FORM}"
-    if not cls.LOCAL and not parsed.netloc:
-        return f"a network store names HOST:PORT ({cls.FORM})"
+    if cls.LOCAL and not parsed.path.startswith("/"):  # not the engine's working directory
+        return f"a {parsed.scheme} URL names an absolute directory, {cls.FORM}"
+    if not cls.LOCAL and not (cls.SOCKET_PATHS and not parsed.netloc
+                              and parsed.path.startswith("/")):
+        try:
+            port_ok = parsed.port is None or parsed.port > 0
+        except ValueError:
+            port_ok = False
+        if not parsed.hostname or not port_ok:
+            return f"a network store names HOST:PORT ({cls.FORM}), not {parsed.netloc!r}"
     extra = sorted(set(options) - set(cls.OPTIONS))
     if extra:
         owners = sorted({c.FORM for c in _REGISTRY.values() if set(extra) & set(c.OPTIONS)})

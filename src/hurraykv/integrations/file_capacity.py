@@ -4,18 +4,24 @@
 *Use.*  A segment's modification time is its last use: written, or touched (``utime``)
 by every load, in whichever engine.  Eviction removes the oldest first.
 
-*Bookkeeping.*  Each process keeps an estimate of the bytes stored: the sum it found at
-its last scan of the directory plus what it wrote since.  A write that keeps the estimate
-under the budget costs nothing more; one that would pass it, or the first after
-``RESCAN_SECONDS`` (other engines write too), scans the directory and, if the real sum
+*Bookkeeping.*  The bytes stored are one shared record, ``DIR/.usage`` (the total and when
+the directory was last scanned), read and written under the exclusive lock by every
+writer, so every engine's writes count against the one budget.  A write that keeps the
+total under the budget costs the lock and the record; one that would pass it, or the
+first after ``RESCAN_SECONDS`` since the last scan (an operator may have removed files, a
+crashed writer may not have counted its own), scans the directory and, if the real sum
 would pass the budget, evicts down to ``LOW_WATER`` of it (so the next writes do not each
 evict one segment).  A segment of a known size is admitted before it is written, so the
 directory stays within the budget; the first of a new structure (its size known once
-written) is admitted after, passing the budget by that one file meanwhile.
+written) is admitted after, passing the budget by that one file meanwhile.  What is not
+counted: the alias log, ``quarantine/`` (the newest 16 damaged segments) and a writer's
+temporary file.
 
 *Several engines.*  A scan-and-evict holds an exclusive ``flock`` on ``DIR/.lock``, so two
 evictors never work from the same listing; appends to the alias log hold it shared, so
-a compaction of the log (under the exclusive lock) loses no line.  A segment is evicted
+a compaction of the log (under the exclusive lock) loses no line.  A lock not granted
+within ``LOCK_SECONDS`` (another process holding it) is an error naming the file, not a
+writer that waits forever.  A segment is evicted
 by renaming it to ``.evict.NAME.XXXXXXXX`` and then removing that name: a reader that
 opened it keeps reading valid bytes (the inode lives until closed), a reader that comes
 later finds no file (a miss), and no reader ever sees part of one.  If the renamed file
@@ -39,10 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HurrayError
-from ..io.atomic import STALE_SECONDS, remove_stale
+from ..io.atomic import STALE_SECONDS, remove_stale, write_pieces
 
 SUFFIX = ".hrry"
 LOCK = ".lock"
+USAGE = ".usage"
 TRASH = ".evict."
 
 
@@ -55,24 +62,45 @@ class Entry:
 
 
 class Capacity:
-    RESCAN_SECONDS = 1.0
+    RESCAN_SECONDS = 60.0
     LOW_WATER = 0.9
+    LOCK_SECONDS = 5.0
 
     def __init__(self, directory: Path, max_bytes: int | None) -> None:
         self.dir, self.max_bytes = directory, max_bytes
         self.evictions = 0  # segments this process evicted
         self.evicted_bytes = 0
-        self._estimate: int | None = None
-        self._scanned = 0.0
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool) -> Iterator[None]:
         """``flock`` on ``DIR/.lock``: exclusive to scan and evict or compact, shared to
-        append.  Opened per use: flock belongs to an open file, and each use is its own."""
-        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o666)
+        append.  Opened per use: flock belongs to an open file, and each use is its own
+        (read-only: engines of other users share the file)."""
+        path = self.dir / LOCK
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o666)
+        except OSError as e:  # a link planted there, a read-only directory, ...
+            raise HurrayError(f"cannot open the lock {path}: {e.strerror}", field="lock",
+                              value=str(path), rule="a lock file the engines share") from None
+        try:
+            deadline = time.monotonic() + self.LOCK_SECONDS
+            mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+            while True:
+                try:
+                    fcntl.flock(fd, mode)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise HurrayError(
+                            f"the lock {path} was held by another process for "
+                            f"{self.LOCK_SECONDS:g} s (a stuck engine, or `flock` by hand)",
+                            field="lock", value=str(path),
+                            rule="the lock is held only while a store updates") from None
+                    time.sleep(0.005)
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -122,13 +150,13 @@ class Capacity:
         under the exclusive lock after an eviction (alias compaction)."""
         if self.max_bytes is None:
             return []
-        now = time.monotonic()
-        if (self._estimate is not None and now - self._scanned < self.RESCAN_SECONDS
-                and self._estimate + nbytes <= self.max_bytes):
-            self._estimate += nbytes
-            return []
         evicted: list[Entry] = []
         with self.lock(exclusive=True):
+            total, scanned = self._usage()
+            if total + nbytes <= self.max_bytes and time.time() - scanned < \
+                    self.RESCAN_SECONDS:
+                self._record(total + nbytes, scanned)
+                return []
             entries = self.scan()
             total = sum(e.nbytes for e in entries) + (0 if written else nbytes)
             if total > self.max_bytes:
@@ -139,13 +167,31 @@ class Capacity:
                     if entry.name != keep and self._evict(entry):
                         total -= entry.nbytes
                         evicted.append(entry)
-            self._estimate, self._scanned = total, time.monotonic()
+            self._record(total, time.time())
             if evicted and then is not None:
                 gone = {e.name for e in evicted}
                 then([e for e in entries if e.name not in gone])
         self.evictions += len(evicted)
         self.evicted_bytes += sum(e.nbytes for e in evicted)
         return evicted
+
+    def _usage(self) -> tuple[int, float]:
+        """The shared record: bytes stored and when the directory was last scanned (0: a
+        scan is due: no record, or one that does not parse)."""
+        try:
+            fd = os.open(self.dir / USAGE, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                total, scanned = os.read(fd, 64).split()
+            finally:
+                os.close(fd)
+            return max(0, int(total)), float(scanned)
+        except (OSError, ValueError):
+            return 0, 0.0
+
+    def _record(self, total: int, scanned: float) -> None:
+        text = f"{total} {scanned:.3f}\n".encode()
+        with contextlib.suppress(OSError):  # unwritable: every admit scans instead
+            write_pieces(self.dir / USAGE, [text], len(text))
 
     def _evict(self, entry: Entry) -> bool:
         path = self.dir / f"{entry.name}{SUFFIX}"

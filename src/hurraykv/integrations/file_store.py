@@ -234,7 +234,11 @@ class FileChunks(ChunkStore):
             f = HrryFile.from_bytes(data, str(self.path(name)))
             layout = _FileLayout.learn(data, snapshot_from_file(f), f)
             self._remember(structure, layout)
-            self.capacity.admit(layout.size, name, written=True, then=self._compact)
+            try:
+                self.capacity.admit(layout.size, name, written=True, then=self._compact)
+            except HurrayError:  # not counted, so not kept: no file outside the budget
+                self.path(name).unlink(missing_ok=True)
+                raise
         else:  # room made first: the directory does not pass its capacity even briefly
             self.capacity.check(layout.size, name)
             self.capacity.admit(layout.size, name, written=False, then=self._compact)
@@ -374,8 +378,11 @@ class FileChunks(ChunkStore):
         quarantine.mkdir(exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.replace(self.path(name), quarantine / f"{name}.hrry")
-        kept = sorted(quarantine.glob("*.hrry"), key=lambda p: p.stat().st_mtime_ns)
-        for old in kept[:-self.QUARANTINED]:  # evidence, not a second cache: bounded too
+        kept = []
+        for p in quarantine.glob("*.hrry"):
+            with contextlib.suppress(OSError):  # another engine's clean-up got there first
+                kept.append((p.stat().st_mtime_ns, p))
+        for _, old in sorted(kept)[:-self.QUARANTINED]:  # evidence, not a second cache
             old.unlink(missing_ok=True)
 
 

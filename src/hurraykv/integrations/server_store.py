@@ -17,6 +17,7 @@ class ServerChunks(ChunkStore):
     SCHEMES = ("hurray",)
     FORM = "hurray://HOST:PORT"
     OPTIONS = ("tls_cert", "tls_key", "tls_ca", "server_hostname")
+    SOCKET_PATHS = True
 
     @classmethod
     def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,

@@ -3,7 +3,8 @@
 Every key is declared here with its type, default and meaning (``docs/vllm.md``'s table is
 tested against ``KEYS``).  An unknown key is refused with the list of known ones, a
 boolean is ``true``/``false`` (JSON or the strings) and nothing else, numbers must be
-positive: a typo never silently becomes a default.
+positive, strings non-empty, sizes bytes or binary multiples ("64G", "64GB" and "64GiB"
+are all 64 GiB): a typo never silently becomes a default.
 """
 
 from __future__ import annotations
@@ -166,9 +167,10 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
                               f"positive {number.__name__} up to {LIMIT:g}", field=key,
                               value=value, rule=f"a positive {number.__name__}")
         return out
-    if not isinstance(value, str):
-        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a string",
-                          field=key, value=value, rule="a string")
+    if not isinstance(value, str) or not value.strip():
+        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
+                          "non-empty string (leave the key out for its default)", field=key,
+                          value=value, rule="a non-empty string")
     return value
 
 

@@ -26,6 +26,7 @@ loading.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -263,9 +264,19 @@ def _identity(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     cache_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else str(
         vllm_config.model_config.dtype).removeprefix("torch.")
-    parts = {"model": conf.model_id or vllm_config.model_config.model,
+    model = vllm_config.model_config
+    parts = {"model": conf.model_id or model.model,
              "cache_dtype": cache_dtype, "chunk_size": chunk_size,
              "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+    # other weights under one name compute other KV: a revision, quantized weights,
+    # overridden config values (absent from the identity when unset, so keys of plain
+    # engines do not change)
+    for key, value in (("revision", getattr(model, "revision", None)),
+                       ("weights", getattr(model, "quantization", None)),
+                       ("hf_overrides", getattr(model, "hf_overrides", None))):
+        if value and not callable(value):
+            parts[key] = json.dumps(value, sort_keys=True, default=str) \
+                if isinstance(value, dict) else value
     if spec is not None:
         parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
                   "kv_heads": getattr(spec, "num_kv_heads", None),
