@@ -510,39 +510,14 @@ def _batch_main(spec_path: str) -> int:
     return 0
 
 
-def _batch_child(spec_path: str, out: str, err: str) -> None:
-    """As ``engine_run._child``, running ``_batch_main``."""
-    for fd, target in ((1, out), (2, err)):
-        f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    code = _batch_main(spec_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def batch_engine(spec: dict, work: Path, name: str) -> dict:
-    """One engine process (forked from ``engine_run``'s vLLM-preloaded server) running
-    ``_batch_main``: the accuracy runs need logprobs, not per-request times."""
-    from hurraykv.integrations.engine_run import _forkserver
-
-    path, out, err = (work / f"{name}{ext}" for ext in (".json", ".stdout", ".stderr"))
-    path.write_text(json.dumps(spec))
-    proc = _forkserver().Process(target=_batch_child, args=(str(path), str(out), str(err)))
-    proc.start()
-    proc.join(900)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    lines = [x for x in out.read_text(errors="replace").splitlines() if x.startswith("RESULT ")]
-    if proc.exitcode or not lines:
-        print((out.read_text(errors="replace") + err.read_text(errors="replace"))[-4000:],
-              file=sys.stderr)
+    """One engine process (``engine_run.run``, forked from its vLLM-preloaded server)
+    running ``_batch_main``: the accuracy runs need logprobs, not per-request times."""
+    result = run(spec, work, name, timeout=900, entry=_batch_main)
+    if result["code"] or "outputs" not in result:
+        print(result["log"][-4000:], file=sys.stderr)
         raise SystemExit(f"bench_vllm: engine {name} failed")
-    return json.loads(lines[-1][len("RESULT "):])
+    return result
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

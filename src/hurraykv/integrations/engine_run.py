@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
@@ -45,17 +46,19 @@ def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
 
 
 def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
-        timeout: float = 600) -> dict:
+        timeout: float = 600, entry: Any = None) -> dict:
     """Run one engine in a fresh process; its result, with ``log`` (stderr) and ``code``.
 
     The process is forked from a server that has imported vLLM once (``forkserver``
     with vLLM preloaded: importing it costs ~8 s a process on 2 cores), so each engine
     still starts from nothing but vLLM's import: no engine, connector or cache state is
-    shared.  ``HURRAYKV_ENGINE_FORK=0`` runs each in a new interpreter instead."""
+    shared.  ``HURRAYKV_ENGINE_FORK=0`` runs each in a new interpreter instead.  ``entry``:
+    a module-level function ``entry(spec_path) -> exit status`` run in the engine process
+    instead of ``main`` (it prints its own ``RESULT`` line; always forked)."""
     path = Path(workdir) / f"{name}.json"
     path.write_text(json.dumps(spec))
     out, err = Path(workdir) / f"{name}.stdout", Path(workdir) / f"{name}.stderr"
-    if os.environ.get("HURRAYKV_ENGINE_FORK", "1") == "0":
+    if entry is None and os.environ.get("HURRAYKV_ENGINE_FORK", "1") == "0":
         with open(out, "w") as o, open(err, "w") as e:
             try:
                 code = subprocess.run([sys.executable, "-m", "hurraykv.integrations.engine_run",
@@ -64,7 +67,8 @@ def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
             except subprocess.TimeoutExpired:
                 code = -9
     else:
-        proc = _forkserver().Process(target=_child, args=(str(path), str(out), str(err)))
+        proc = _forkserver().Process(target=_child, args=(str(path), str(out), str(err),
+                                                          entry))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
@@ -88,9 +92,9 @@ def _forkserver():
     return ctx
 
 
-def _child(spec_path: str, out: str, err: str) -> None:
+def _child(spec_path: str, out: str, err: str, entry: Any = None) -> None:
     """In the forked process: stdout and stderr to files (fds 1 and 2: vLLM's workers and
-    C++ code write there too), then ``main``; its status is the process's."""
+    C++ code write there too), then ``main`` (or ``entry``); its status is the process's."""
     for fd, target in ((1, out), (2, err)):
         f = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -98,7 +102,7 @@ def _child(spec_path: str, out: str, err: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.argv = [sys.argv[0], spec_path]
-    code = main()
+    code = main() if entry is None else entry(spec_path)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
