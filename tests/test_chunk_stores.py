@@ -119,3 +119,11 @@ def test_a_segment_reads_back_through_every_scheme_alias(tmp_path):
         assert s.locate([]) == []
         s.put(["a" * 32], 0, segment(1, 0), {})
         assert s.get_verified(s.locate(["a" * 32])[0]).equal(segment(1, 0))
+
+
+def test_a_store_class_naming_schemes_must_say_how_it_opens():
+    from hurraykv.integrations.chunks import ChunkStore
+
+    with pytest.raises(TypeError, match=r"defines no classmethod open"):
+        type("NoOpen", (ChunkStore,), {"SCHEMES": ("noopen",), "FORM": "noopen://X"})
+    assert store_class("noopen") is None

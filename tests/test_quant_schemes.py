@@ -105,6 +105,8 @@ def test_a_scheme_tag_must_be_assignable_and_free():
             register(cls)
     with pytest.raises(ValueError, match="collides"):
         register(type("Bad", (Toy,), {"NAME": "per_tensor"}))
+    with pytest.raises(TypeError, match="defines no decode_body or encode_body"):
+        register(type("NoCodec", (QuantScheme,), {"TAG": 0x5D, "NAME": "no_codec"}))
 
 
 # --------------------------------------------------------------------- the toy scheme

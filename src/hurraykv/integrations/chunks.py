@@ -37,7 +37,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
-from urllib.parse import ParseResult, urlparse
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -123,15 +123,15 @@ class ChunkStore(ABC):
     OPTIONS: ClassVar[tuple[str, ...]] = ()  # open_store keywords it takes besides timeout
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class naming ``SCHEMES`` is registered for them, and must define the
+        classmethod ``open(url, parsed, *, timeout, **options)`` building its store of
+        ``url`` (``options``: those in ``OPTIONS``)."""
         super().__init_subclass__(**kwargs)
+        if cls.SCHEMES and not callable(getattr(cls, "open", None)):
+            raise TypeError(f"{cls.__name__} names SCHEMES {cls.SCHEMES} but defines no "
+                            "classmethod open(url, parsed, *, timeout, **options)")
         for scheme in cls.SCHEMES:
             _REGISTRY[scheme] = cls
-
-    @classmethod
-    def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
-             **options: Any) -> ChunkStore:
-        """The store of ``url`` (one of ``SCHEMES``); ``options`` are in ``OPTIONS``."""
-        raise NotImplementedError
 
     @abstractmethod
     def locate(self, keys: Sequence[str]) -> list[str | None]:
@@ -291,7 +291,8 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
         raise HurrayError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
                           field="url", value=url, rule="a registered chunk store URL")
     parsed = urlparse(url)
-    store = _REGISTRY[parsed.scheme].open(url, parsed, timeout=timeout, **options)
+    store = _REGISTRY[parsed.scheme].open(  # type: ignore[attr-defined]
+        url, parsed, timeout=timeout, **options)
     return Suffixed(store, suffix) if suffix else store
 
 

@@ -51,6 +51,10 @@ def register(cls: type[QuantScheme]) -> type[QuantScheme]:
     decoder, the validation and the reports."""
     if not _assignable(cls.TAG):
         raise ValueError(f"scheme tag 0x{cls.TAG:02x} is invalid or reserved")
+    missing = [m for m in ("decode_body", "encode_body") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(f"scheme {cls.__name__} defines no {' or '.join(missing)}: a "
+                        "registered scheme reads and writes its own payload")
     for other in _REGISTRY.values():
         if other.TAG == cls.TAG or other.NAME == cls.NAME:
             raise ValueError(f"{cls.NAME} (0x{cls.TAG:02x}) collides with {other.NAME} "
@@ -144,7 +148,11 @@ def check_param_sizes(q: QuantScheme, handles: tuple, count: int, scale_width: i
 
 
 class QuantScheme:
-    """What every scheme has; subclasses are frozen dataclasses ending in ``padding``."""
+    """What every scheme has; subclasses are frozen dataclasses ending in ``padding``.
+    A registered scheme also defines its payload codec (``register`` checks):
+    ``decode_body(cls, cur, start, flags)``, a classmethod reading the fields after the
+    4-byte header (``LENGTH - 4`` bytes, their byte rules checked; ``start`` is the
+    offset of the scheme tag), and ``encode_body(self) -> bytes``."""
 
     TAG: ClassVar[int]
     NAME: ClassVar[str]
@@ -161,17 +169,9 @@ class QuantScheme:
     zero_point_buffer: int | None = None  # a dataclass field where a scheme has one
 
     # -- codec
-    @classmethod
-    def decode_body(cls, cur: Cursor, start: int, flags: int) -> QuantScheme:
-        """The fields after the 4-byte header (``LENGTH - 4`` bytes), their byte rules
-        checked; ``start`` is the offset of the scheme tag."""
-        raise NotImplementedError
-
-    def encode_body(self) -> bytes:
-        raise NotImplementedError
-
     def encode(self) -> bytes:
-        return _HEAD.pack(self.TAG, 1, self.flags) + self.encode_body() + self.padding
+        return (_HEAD.pack(self.TAG, 1, self.flags) + self.encode_body()  # type: ignore[attr-defined]
+                + self.padding)
 
     # -- properties
     @property
