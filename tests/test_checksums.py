@@ -282,3 +282,12 @@ def test_a_damaged_layer_0_is_found_by_the_read_even_with_later_layers_left(tmp_
     with pytest.raises(checksums.ChecksumError, match=r"page 2 of buffer 0 of member "
                                                       r"layers\.0\.key"):
         reader.get_checked(names[1], later_members(2))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "float16", "bfloat16", "float32"])
+def test_the_digests_are_xxh3_of_every_piece_in_order(dtype):
+    import xxhash
+
+    snap = make_snapshot(dtype)
+    assert checksums.digests(snap) == "".join(
+        f"{xxhash.xxh3_64_intdigest(v):016x}" for *_, v in checksums._pieces(snap))

@@ -46,7 +46,8 @@ class _FileLayout:
     plan: checksums.ReadPlan | None
 
     @classmethod
-    def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile) -> _FileLayout:
+    def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile,
+              plan: checksums.ReadPlan | None = None) -> _FileLayout:
         regions = _pools(f)
         text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
         if text:  # every place the entry's text sits outside the pools
@@ -56,7 +57,9 @@ class _FileLayout:
                     regions.append((off + at, len(text), CHECKSUMS))
                     at = piece.find(text, at + len(text))
         regions.sort(key=lambda r: r[0])
-        plan = checksums.ReadPlan.of(snapshot, data) if text else None
+        if text and plan is None:  # the caller's, when it read the file with one
+            plan = checksums.ReadPlan.of(snapshot, data)
+        plan = plan if text else None
         return cls(len(data), _complement(data, regions), regions, snapshot.skeleton(), plan)
 
     def matches(self, data: memoryview) -> bool:
@@ -357,7 +360,7 @@ class FileChunks(ChunkStore):
         if _complement(data, pools) != structure:  # replaced between the two reads
             return None
         snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
+        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f, plan))
         return snap, self._verified(snap, data, f"segment {path.stem}", plan, computed,
                                     hashing, skipped, later)
 
