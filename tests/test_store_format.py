@@ -17,6 +17,7 @@ import pytest
 
 import hurraykv as hk
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.integrations.file_store import FileChunks
 from hurraykv.integrations.guard import Guarded
 from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
@@ -135,8 +136,8 @@ def test_zero_pages_store_and_come_back_as_zeros():
         assert not decode(t, 0, 2).any()
 
 
-def segment(fmt: StoreFormat, layers: int = 2) -> hk.KVCacheSnapshot:
-    staged = [[fmt.encode(kv_pages(seed=2 * i + r), role, i)
+def segment(fmt: StoreFormat, layers: int = 2, seed: int = 0) -> hk.KVCacheSnapshot:
+    staged = [[fmt.encode(kv_pages(seed=2 * i + r + 100 * seed), role, i)
                for r, role in enumerate(("key", "value"))] for i in range(layers)]
     return checksums.with_checksums(fmt.segment(staged, "model=m" + fmt.identity_suffix()))
 
@@ -176,6 +177,68 @@ def test_a_segment_is_a_checksummed_hrry_file_anyone_reads(fmt, tmp_path):
                        capture_output=True, text=True, timeout=60)
     want = "fp8 scales" if fmt.dtype == "fp8" else f"quantization: {fmt.scheme} {fmt.dtype}"
     assert p.returncode == 0 and want in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_segments_of_one_geometry_share_one_file_layout(fmt, tmp_path):
+    """Scales are values like the pages, not structure: every segment of one geometry is
+    written from one learned file layout (admitted to the cap before it is written) and
+    read back through it, scales included, with a flipped scale byte still caught."""
+    segs = [segment(fmt, seed=s) for s in range(5)]
+    size = hk.save_snapshot(segs[0], tmp_path / "probe.hrry").stat().st_size
+    cap = 2 * size + size // 2
+    store = FileChunks(tmp_path / "kv", max_bytes=cap)
+    for i, seg in enumerate(segs):
+        before = store.capacity.evictions
+        store.put([f"{i:032x}"], 0, seg, {})
+        files = sorted((tmp_path / "kv").glob("*.hrry"))
+        assert sum(f.stat().st_size for f in files) <= cap
+        assert i < 2 or store.capacity.evictions > before
+    assert len(store._by_structure) == 1
+    reader = FileChunks(tmp_path / "kv")
+    kept = [(i, reader.locate([f"{i:032x}"])[0]) for i in range(5)]
+    kept = [(i, name) for i, name in kept if name is not None]
+    assert [i for i, _ in kept] == [3, 4]
+    for i, name in kept:
+        got = reader.get_verified(name)
+        assert got.equal(segs[i])
+        if fmt.dtype == "fp8":
+            np.testing.assert_array_equal(got.kv_scales, segs[i].kv_scales)
+            assert got.tensor(1, "value").fp8_scale == segs[i].tensor(1, "value").fp8_scale
+        np.testing.assert_array_equal(decode(got.tensor(1, "key"), 0, 4),
+                                      decode(segs[i].tensor(1, "key"), 0, 4))
+    assert len(reader._by_structure) == 1
+    # a flipped byte in the second file's scales: caught by the checksums of the read
+    path = reader.path(kept[1][1])
+    scales = (segs[4].kv_scales.tobytes() if fmt.dtype == "fp8" else
+              segs[4].tensor(0, "value").quant_params[0].tobytes())
+    data = bytearray(path.read_bytes())
+    at = data.find(scales)
+    data[at + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(checksums.ChecksumError, match="checksum"):
+        reader.get_verified(kept[1][1])
+
+
+def test_new_scales_are_checked_when_a_structure_takes_them():
+    snap = segment(StoreFormat("int8", "per_block_affine"))
+    values = snap.values()
+    bad = np.frombuffer(values[(0, "key", 3)], np.float32).copy()
+    bad[5] = 0.0
+    with pytest.raises(hk.HurrayError, match=r"scales\[5\].*finite and non-zero"):
+        snap.with_pools({**values, (0, "key", 3): bad})
+    with pytest.raises(hk.HurrayError, match="buffer 3"):
+        snap.with_pools({**values, (0, "key", 3): bad[:-1]})
+    fp8 = segment(StoreFormat("fp8"))
+    scales = fp8.kv_scales.copy()
+    scales[1, 0] = np.inf
+    with pytest.raises(hk.HurrayError, match="fp8_scale"):
+        fp8.with_pools({**fp8.values(), "kv_scales": scales})
+    assert snap.with_pools(values).equal(snap) and fp8.with_pools(fp8.values()).equal(fp8)
+    other = segment(StoreFormat("int8", "per_block_affine"), seed=3)
+    assert snap.structure() != other.structure()  # their checksum entries differ
+    assert snap.with_info(metadata={checksums.KEY: ""}).structure() == other.with_info(
+        metadata={checksums.KEY: ""}).structure()
 
 
 def test_a_segment_of_another_format_is_refused():

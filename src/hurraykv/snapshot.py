@@ -27,6 +27,7 @@ from .arrays import as_numpy
 from .errors import LayoutError, SeqLensRequiredError
 from .info import check_metadata, info_member, parse_info
 from .paged import BlockPagedTensor, byte_view
+from .paging import check_fp8_scale
 from .snapshot_members import (
     GROUP,
     ROLES,
@@ -46,6 +47,17 @@ from .snapshot_members import (
 from .snapshot_members import unfit as _fail
 from .wire.descriptor import TensorDescriptor
 from .wire.layouts import BlockPaged
+
+KV_SCALES = "kv_scales"  # the member name, and its key in ``values`` / ``with_pools``
+
+
+def _sized(buf: Any, nbytes: int, what: str) -> memoryview:
+    """``buf`` as bytes, refused unless it holds exactly ``nbytes``."""
+    raw = byte_view(buf)
+    if raw.nbytes != nbytes:
+        raise _fail(f"{what}: {raw.nbytes} bytes given for a buffer of {nbytes}", what,
+                    raw.nbytes)
+    return raw
 
 _POOL_ORDER = ("pools are [num_pages, page_size, num_heads, head_dim]; pass an HND pool "
                "as pool.transpose(0, 2, 1, 3)")
@@ -351,12 +363,14 @@ class KVCacheSnapshot:
         return group_head(self.member_count())
 
     # ----------------------------------------------------------------- operations
-    def with_pools(self, pools: dict[tuple[int, str], Any], owner: Any = None
-                   ) -> KVCacheSnapshot:
-        """The same snapshot over other page pools: ``pools[(layer, role)]`` holds each
-        member's pool bytes (any buffer of the member's ``page_pool`` byte size; not copied).
-        Nothing but pool contents changes, and any pool content is valid, so the members
-        are not validated again - the cheap way to emit many snapshots of one structure."""
+    def with_pools(self, pools: dict[Any, Any], owner: Any = None) -> KVCacheSnapshot:
+        """The same snapshot over other values: ``pools[(layer, role)]`` holds each
+        member's pool bytes (any buffer of the member's ``page_pool`` byte size; not
+        copied); optionally ``pools[(layer, role, i)]`` a quantized member's parameter
+        buffer ``i`` (3: scales, 4: zero-points) and ``pools[KV_SCALES]`` the float32
+        ``kv_scales`` bytes.  Pool contents are all valid, so nothing else is validated
+        again; new parameters and scales are checked (finite, non-zero scales,
+        zero-points in range) - the cheap way to emit many snapshots of one structure."""
         out = KVCacheSnapshot.__new__(KVCacheSnapshot)
         out.__dict__.update(self.__dict__)
         out._members, out._cache, out._owner = {}, {}, owner
@@ -364,19 +378,45 @@ class KVCacheSnapshot:
         out.seq_lens = None if self.seq_lens is None else self.seq_lens.copy()
         out.metadata = dict(self.metadata)
         out.kv_scales = None if self.kv_scales is None else self.kv_scales.copy()
+        if KV_SCALES in pools and self.kv_scales is not None:
+            out.kv_scales = np.frombuffer(_sized(pools[KV_SCALES], self.kv_scales.nbytes,
+                                                 "kv_scales"), "<f4").astype(np.float32
+                                                                             ).reshape(self.kv_scales.shape)
         out.extras = [(n, d, [np.array(byte_view(b)) for b in bufs])
                       for n, d, bufs in self.extras]
         for key, (desc, _) in self._members.items():
-            raw = byte_view(pools[key])
-            if raw.nbytes != desc.buffers[0].byte_size:
-                raise _fail(f"{member_name(*key)}: a pool of {raw.nbytes} bytes for a "
-                            f"page_pool of {desc.buffers[0].byte_size}", "page_pool",
-                            raw.nbytes)
+            raw = _sized(pools[key], desc.buffers[0].byte_size, f"{member_name(*key)}: "
+                         "page_pool")
             t = self.tensor(*key)
             rows = np.frombuffer(raw, t._rows.dtype).reshape(t._rows.shape)
-            derived = t._derive(rows)
+            params = None
+            if any((*key, i) in pools for i in range(3, 3 + len(t.quant_params))):
+                params = tuple(np.frombuffer(_sized(
+                    pools.get((*key, 3 + j), old), old.nbytes,
+                    f"{member_name(*key)}: buffer {3 + j}"), np.uint8)
+                    for j, old in enumerate(t.quant_params))
+            scale: Any = "keep"
+            if out.kv_scales is not None and out.kv_scales is not self.kv_scales:
+                scale = check_fp8_scale(t.element_type, float(
+                    out.kv_scales[key[0], 1 if key[1] == "value" else 0]))
+            derived = t._derive(rows, params=params, fp8_scale=scale)
+            if params is not None:
+                derived._check_quant_params()
             out._cache[key] = derived
             out._members[key] = (desc, derived.buffers)
+        return out
+
+    def values(self) -> dict[Any, memoryview]:
+        """What ``with_pools`` replaces, by the keys it takes: every member's page pool,
+        every quantization parameter buffer, and ``kv_scales`` (zero-copy views)."""
+        out: dict[Any, memoryview] = {}
+        if self.kv_scales is not None:
+            out[KV_SCALES] = byte_view(np.ascontiguousarray(self.kv_scales, "<f4"))
+        for key in self._members:
+            t = self.tensor(*key)
+            out[key] = byte_view(t._rows)
+            for j, p in enumerate(t.quant_params):
+                out[(*key, 3 + j)] = byte_view(p)
         return out
 
     def skeleton(self) -> KVCacheSnapshot:
@@ -387,14 +427,16 @@ class KVCacheSnapshot:
                                 for k, (d, _) in self._members.items()})
 
     def structure(self) -> bytes:
-        """Everything of the snapshot but its page pools' contents, as bytes: equal for
-        two snapshots exactly when one is the other ``with_pools``."""
+        """Everything of the snapshot but its values (``values``: page pools,
+        quantization parameters, ``kv_scales``), as bytes: equal for two snapshots
+        exactly when one is the other ``with_pools``."""
         if getattr(self, "_structure", None) is None:
             parts = [self.head().encode()]
             for name, desc, bufs in self.members():
                 parts += [name.encode(), desc.encode()]
-                parts += [bytes(byte_view(b)) for b in (bufs[1:] if isinstance(
-                    desc.layout, BlockPaged) else bufs)]
+                kept = bufs[1:3] if isinstance(desc.layout, BlockPaged) else (
+                    () if name == KV_SCALES else bufs)
+                parts += [bytes(byte_view(b)) for b in kept]
             parts.append(repr((self.model, sorted(self.metadata.items()))).encode())
             self._structure = b"\x00".join(parts)
         return self._structure

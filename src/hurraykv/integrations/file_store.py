@@ -23,7 +23,7 @@ from ..io import checksums
 from ..io.atomic import write_pieces
 from ..io.hrry import HrryFile, read_bands
 from ..io.snapshots import save_snapshot, snapshot_from_file
-from ..snapshot import KVCacheSnapshot
+from ..snapshot import KV_SCALES, KVCacheSnapshot
 from ..wire.layouts import BlockPaged
 from .chunks import ALIAS_LINE, ChunkStore, check_name, segment_name
 from .file_capacity import Capacity, Entry
@@ -34,8 +34,9 @@ class _FileLayout:
     """Where everything of one snapshot structure sits in its .hrry file: ``static`` are
     the bytes that are the same in every file of the structure (header, descriptors,
     index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
-    source)`` of what differs, in file order: each page pool (source: its member key) and
-    the text of the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
+    source)`` of what differs, in file order: each value (source: its key in
+    ``snapshot.values()``: page pools, quantization scales, ``kv_scales``) and the text of
+    the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
     ``snapshot`` is that file's validated snapshot; ``plan`` reads such a file and hashes
     its checksum pieces in one pass (None: the structure has no checksums)."""
 
@@ -48,7 +49,7 @@ class _FileLayout:
     @classmethod
     def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile,
               plan: checksums.ReadPlan | None = None) -> _FileLayout:
-        regions = _pools(f)
+        regions = _values(f, snapshot, data)
         text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
         if text:  # every place the entry's text sits outside the pools
             for off, piece in _complement(data, regions):
@@ -69,12 +70,13 @@ class _FileLayout:
 
     def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
         """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
+        values = snapshot.values()
         out = [memoryview(self.static[0][1])]
         for (_, _, source), (_, b) in zip(self.regions, self.static[1:], strict=True):
             if source == CHECKSUMS:
                 out.append(memoryview(str(snapshot.metadata[checksums.KEY]).encode()))
             else:
-                out.append(memoryview(snapshot.tensor(*source).buffers()[0]))
+                out.append(values[source])
             out.append(memoryview(b))
         return out
 
@@ -102,6 +104,28 @@ def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
         if isinstance(desc.layout, BlockPaged):
             regions.append((e.data_offset, desc.buffers[0].byte_size,
                             (desc.layout.layer_index, desc.layout.kv_role_name)))
+    return regions
+
+
+def _values(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
+            ) -> list[tuple[int, int, Any]]:
+    """``(offset, nbytes, source)`` of every value of ``snapshot`` (read from ``f`` over
+    ``data``) in the file: where its view points (``kv_scales``, a float32 copy, is its
+    entry's data), each checked to hold the value's bytes, so that no value is ever left
+    in ``static`` (a later segment would be written with this one's scales)."""
+    base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
+    entries = {e.name: e for e in f.entries}
+    regions = []
+    for source, view in snapshot.values().items():
+        if source == KV_SCALES:
+            at = entries[KV_SCALES].data_offset
+        else:
+            at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
+        if not 0 <= at <= at + len(view) <= len(data) or (
+                len(view) <= 4096 and data[at:at + len(view)] != view.cast("B")):
+            raise HurrayError(f"{f.source}: value {source} is not where its member says",
+                              field="value", value=str(source), rule="a value of the file")
+        regions.append((at, len(view), source))
     return regions
 
 
