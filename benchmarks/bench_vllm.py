@@ -49,11 +49,17 @@ Every engine runs in its own process (``hurraykv.integrations.engine_run``), vll
    per layer (``store_format.reconstruction_error``) on the models' own pages, read from
    stored auto segments, which is what carries over to trained models; and the Zipf
    stream of table 3 at its cap stored as auto and as int8.
+5. Store dtypes, speed: the model of table 2 with a 4096-token prompt, per store dtype
+   (auto, int8, int4, fp8) over ``file://`` and over ``hurray://`` (a ``hurraykv serve`` on
+   loopback): one engine stores it, a fresh one loads the full prefix 5 times; load
+   throughput counted in the engine cache's bytes (tokens x 16 KiB over the connector's
+   load time), against auto in the same run (target: int8 at >= 0.8x), and the median
+   TTFT of the hits against auto's and a cold prefill's.
 
 LMCache lives in its own environment (``.venv-lmcache``, pinned in
 ``constraints-lmcache.txt``; it moves NumPy), built here on first use.  Run with
 ``make bench-vllm``; ``--quick`` for fewer prompts and requests; ``--only zipf`` (or
-``peers``, ``connector``, ``store_dtype``) for one table.
+``peers``, ``connector``, ``store_dtype``, ``store_dtype_speed``) for one table.
 """
 
 from __future__ import annotations
@@ -686,6 +692,69 @@ def store_dtype(work: Path, n_prompts: int, heavy_prompts: int, n_zipf: int, n_r
     return tables
 
 
+SPEED_FORMATS = ("auto", "int8", "int4", "fp8")
+
+
+def store_dtype_speed(work: Path, long_tokens: int, rounds: int = 5
+                      ) -> tuple[str, tuple[str, ...], list[tuple[str, ...]]]:
+    """Load throughput into the engine's cache and TTFT of a full-prefix hit, per store
+    dtype, over file:// and over hurray:// on loopback (one hurraykv server), each
+    against store_dtype auto in the same run."""
+    model = tiny_llama(work / "kv-heavy-speed", layers=4, head_dim=128, kv_heads=8, heads=8)
+    per_token = 4 * 2 * 8 * 128 * 2  # bytes of bfloat16 KV per token in the engine's cache
+    prompt = np.random.default_rng(17).integers(1, 1000, long_tokens).tolist()
+
+    def spec(connector: dict | None, **kw) -> dict:
+        return {"model": str(model), "dtype": "bfloat16", "prompts": [prompt],
+                "max_tokens": 1, "connector": connector, "block_size": 32,
+                "max_model_len": long_tokens + 600, "num_blocks": 2 * (long_tokens // 32) + 64,
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}} | kw
+
+    cold = engine(spec(None, rounds=rounds), work, "speed-cold")
+    ttft_cold = float(np.median(cold["times"]))
+    rows = []
+    with contextlib.ExitStack() as stack:
+        hs = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--memory-budget", "2G", "--log-level",
+                               "warning"], stdout=subprocess.PIPE, text=True)
+        stack.callback(lambda: (hs.terminate(), hs.wait(10)))
+        address = hs.stdout.readline().split()[-1]
+        for label, url in (("file://", (work / "speed-kv").as_uri()),
+                           ("hurray:// loopback", f"hurray://{address}")):
+            base: dict[str, float] = {}
+            for fmt in SPEED_FORMATS:
+                extra = {} if fmt == "auto" else {"store_dtype": fmt}
+                slug = f"speed-{label[:4]}-{fmt}"
+                engine(spec(hurray_conn(url, "kv_producer", **extra)), work, f"{slug}-store")
+                hit = engine(spec(hurray_conn(url, "kv_consumer", **extra), rounds=rounds,
+                                  touch_kv_cache=True), work, f"{slug}-hit")
+                st = hit["stats"]
+                tokens = st.get("tokens_loaded") or st["chunks_loaded"] * 32
+                rate = tokens * per_token / st["load_seconds"]  # cache bytes written per s
+                ttft = float(np.median(hit["times"]))
+                if fmt == "auto":
+                    base = {"rate": rate, "ttft": ttft}
+                ratio = rate / base["rate"]
+                target = ""
+                if fmt == "int8":
+                    target = ">= 0.8x " + ("met" if ratio >= 0.8 else "MISSED")
+                rows.append((label, fmt, f"{st['bytes_loaded'] / tokens:,.0f} B",
+                             f"{st['load_seconds'] / rounds * 1e3:.1f} ms",
+                             f"{rate / (1 << 30):.2f} GiB/s", f"{ratio:.2f}x", target,
+                             f"{ttft * 1e3:.1f} ms",
+                             f"{ttft / base['ttft']:.2f}x / {ttft_cold / ttft:.1f}x faster"))
+    title = (f"Store dtypes, speed: a {long_tokens}-token prompt stored by one engine and "
+             f"loaded by a fresh one ({rounds} rounds, a full-prefix hit each, median TTFT), "
+             f"model with 16 KiB of bfloat16 KV per token (4 layers x 8 KV heads x 128); load "
+             f"throughput in the engine cache's bytes (tokens x 16 KiB over the connector's "
+             f"load time: reading, verifying, decoding, writing the blocks); cold prefill "
+             f"TTFT {ttft_cold * 1e3:.1f} ms")
+    head = ("store", "store dtype", "stored bytes per token", "load per hit",
+            "load throughput (cache bytes)", "vs auto", "target", "TTFT, full prefix hit",
+            "TTFT vs auto / vs cold")
+    return title, head, rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -693,12 +762,14 @@ def main() -> None:
                    "40 prompts per model in the store dtype table")
     p.add_argument("--skip-peers", action="store_true",
                    help="only the connector table (as --only connector)")
-    p.add_argument("--only", choices=("peers", "connector", "zipf", "store_dtype"),
+    p.add_argument("--only", choices=("peers", "connector", "zipf", "store_dtype",
+                                      "store_dtype_speed"),
                    help="run one table alone")
     p.add_argument("--repeats", type=int, default=3,
                    help="engine pairs per connector, each over its own prompts (default 3)")
     args = p.parse_args()
-    tables = {args.only} if args.only else {"peers", "connector", "zipf", "store_dtype"}
+    tables = {args.only} if args.only else {"peers", "connector", "zipf", "store_dtype",
+                                            "store_dtype_speed"}
     if args.skip_peers:  # as before the Zipf table: the connector table alone
         tables = {"connector"}
     with tempfile.TemporaryDirectory(prefix="hurraykv-bench-vllm-") as tmp:
@@ -726,6 +797,9 @@ def main() -> None:
                                                  requests):
                 print_grid(title, head, rows)
                 print()
+        if "store_dtype_speed" in tables:
+            print_grid(*store_dtype_speed(work, 2048 if args.quick else 4096))
+            print()
 
 
 if __name__ == "__main__":

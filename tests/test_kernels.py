@@ -306,3 +306,65 @@ def test_a_block_table_changed_after_validation_cannot_make_a_kernel_read_out_of
             assert slow is fast
         else:
             np.testing.assert_array_equal(slow, fast)
+
+
+# ---- the connector's decode into the cache dtype (store_format.decode_pages) ----------
+@pytest.mark.parametrize("cache", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("fmt", ["int8:per_block_affine", "int8:per_channel",
+                                 "int4:per_block_affine", "int4:per_channel", "fp8"])
+def test_stored_pages_decode_into_the_cache_dtype_as_numpy_converts(fmt, cache, monkeypatch):
+    """One compiled pass from codes and scales to the cache's bits: the float32 values of
+    the NumPy path, converted to the cache dtype (bfloat16 rounded to nearest even), for
+    any run of pages, into a reused buffer of another dtype, codes read-only or not."""
+    from hurraykv.integrations.vllm.store_format import decode, decode_pages, parse
+
+    store = parse(fmt, "store_dtype", None)
+    rng = np.random.default_rng(7)
+    pages = (rng.standard_normal((6, 16, 2, 64)) * 3).astype(np.float32)
+    pages[..., 5] *= 40  # an outlier channel
+    pages[2, 3] = 0  # a zero slot: scale 1
+    t = store.encode(pages.astype(cache), "value", 1)
+    frozen = t._derive(np.frombuffer(t._rows.tobytes(), t._rows.dtype).reshape(t._rows.shape))
+    scratch = np.empty(7 * 16 * 2 * 64 * 4, np.uint8)
+    for each in (t, frozen):
+        for first, count in ((0, 6), (1, 3), (5, 1)):
+            want = decode(t, first, count)  # float32
+            slow, fast = both_paths(lambda e=each, f=first, c=count: decode_pages(
+                e, f, c, cache, scratch), monkeypatch)
+            assert slow.dtype == np.float32 and np.array_equal(slow, want)
+            if np.dtype(cache) == np.float16:  # no kernel: float32, which the write converts
+                assert fast.dtype == np.float32 and np.array_equal(fast, want)
+                continue
+            assert fast.dtype == np.dtype(cache) and fast.shape == want.shape
+            expect = want.astype(cache)
+            assert fast.tobytes() == expect.tobytes(), (fmt, first, count)
+
+
+@pytest.mark.parametrize("cache", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_fp8_store_encodes_as_numpy_converts(cache, monkeypatch):
+    """The compiled float -> e4m3 conversion of store_dtype fp8 gives NumPy's (ml_dtypes')
+    bits: every e4m3 value, every midpoint between two (ties to even), subnormals,
+    negative zero, and values spread over 30 binades; the peak 448 makes the scale 1."""
+    from hurraykv.integrations.vllm.store_format import StoreFormat
+
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(e4m3[np.isfinite(e4m3)])
+    mids = (grid[:-1] + grid[1:]) / 2
+    rng = np.random.default_rng(3)
+    spread = rng.standard_normal(4096).astype(np.float32) * np.float32(2.0) ** rng.integers(
+        -24, 6, 4096)
+    values = np.concatenate([grid, mids, np.nextafter(mids, np.float32(0)),
+                             np.nextafter(mids, np.float32(1000)), [-0.0, 448.0], spread])
+    values = np.clip(values, -448, 448).astype(cache)
+    slots = -(-len(values) // 32)
+    pages = np.zeros(slots * 32, cache)
+    pages[:len(values)] = values
+    pages = pages.reshape(slots, 1, 2, 16)
+    slow, fast = both_paths(lambda: StoreFormat("fp8").encode(pages, "key", 0), monkeypatch)
+    assert slow.fp8_scale == fast.fp8_scale == 1.0
+    assert bytes(slow.buffers()[0]) == bytes(fast.buffers()[0])
+    scaled = pages.astype(np.float32) * 1e-3  # a scale that is not 1: division by it
+    slow, fast = both_paths(lambda: StoreFormat("fp8").encode(scaled.astype(cache), "key", 0),
+                            monkeypatch)
+    assert slow.fp8_scale == fast.fp8_scale != 1.0
+    assert bytes(slow.buffers()[0]) == bytes(fast.buffers()[0])

@@ -224,3 +224,83 @@ def pack_bits(codes, bits, out, start, stop):
         _pack_range(codes, 4, out, start, stop)
     else:
         _pack_range(codes, 2, out, start, stop)
+
+
+@intrinsic
+def _bits_of_f32(typingctx, value):
+    """Reinterpret a float32 as uint32 (a bitcast)."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return sig, codegen
+
+
+@_jit
+def _bf16(v):
+    """bfloat16 bits of a finite float32, rounded to nearest even (as torch converts)."""
+    u = _bits_of_f32(v)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                     >> np.uint32(16))
+
+
+@_kernel
+def dequantize_rows(codes, lut, direct, row_scales, col_scales, out, to_bf16, start, stop):
+    """``out[i, j] = value(codes[i, j]) * row_scales[i] * col_scales[j]`` for rows
+    ``[start, stop)``: ``value`` is the int8 code itself (``direct``) or ``lut[byte]``
+    (fp8); ``out`` float32, or bfloat16 bits (``to_bf16``).  A scale of 1 is exact, so
+    per-slot and per-channel scales give the bits of ``code * scale``."""
+    n = codes.shape[1]
+    for i in range(start, stop):
+        rs = row_scales[i]
+        if direct and to_bf16:
+            for j in range(n):
+                out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
+        elif direct:
+            for j in range(n):
+                out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
+        elif to_bf16:
+            for j in range(n):
+                out[i, j] = _bf16(lut[codes[i, j]] * rs * col_scales[j])
+        else:
+            for j in range(n):
+                out[i, j] = lut[codes[i, j]] * rs * col_scales[j]
+
+
+@_kernel
+def dequantize_packed_rows(packed, row_scales, col_scales, out, to_bf16, start, stop):
+    """As ``dequantize_rows`` for signed 4-bit codes, two a byte, low nibble first."""
+    n = packed.shape[1]
+    for i in range(start, stop):
+        rs = row_scales[i]
+        for k in range(n):
+            b = np.int32(packed[i, k])
+            lo = np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k]
+            hi = np.float32((((b >> 4) & 15) ^ 8) - 8) * rs * col_scales[2 * k + 1]
+            if to_bf16:
+                out[i, 2 * k] = _bf16(lo)
+                out[i, 2 * k + 1] = _bf16(hi)
+            else:
+                out[i, 2 * k] = lo
+                out[i, 2 * k + 1] = hi
+
+
+@_kernel
+def fp8_e4m3_encode(x, kind, scale, out, start, stop):
+    """``out[i, j]``: the float8 e4m3fn bits of ``clip(x[i, j] / scale, -448, 448)``,
+    rounded to nearest even, subnormals included: what NumPy's ``clip`` then
+    ``astype(float8_e4m3fn)`` gives (finite input; the caller checks)."""
+    top = np.float32(448.0)
+    for i in range(start, stop):
+        for j in range(x.shape[1]):
+            v = min(max(_to_f32(x[i, j], kind) / scale, -top), top)
+            u = _bits_of_f32(v)
+            sign = np.uint8((u >> np.uint32(24)) & np.uint32(0x80))
+            a = _f32_from_bits(u & np.uint32(0x7FFFFFFF))
+            if a < np.float32(0.015625):  # below 2**-6: subnormal steps of 2**-9
+                code = np.uint8(np.rint(a * np.float32(512.0)))
+            else:
+                r = u & np.uint32(0x7FFFFFFF)
+                r = r + np.uint32(0x7FFFF) + ((r >> np.uint32(20)) & np.uint32(1))
+                code = np.uint8((r >> np.uint32(20)) - np.uint32(120 << 3))
+            out[i, j] = code | sign

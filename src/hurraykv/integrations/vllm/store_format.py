@@ -27,15 +27,20 @@ torch import: tested without an engine (``tests/test_store_format.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ... import alloc, kernels
 from ...errors import HurrayError
 from ...paged import BlockPagedTensor
+from ...quant import params_arrays
 from ...snapshot import KVCacheSnapshot
+from ...threads import run_bands
 
 STORE_DTYPES = ("auto", "int8", "int4", "fp8")
 SCHEMES = ("per_block_affine", "per_channel")
@@ -73,8 +78,7 @@ class StoreFormat:
         n, size = int(pages.shape[0]), int(pages.shape[1])
         table, ptr, lens = np.arange(n), [0, n], [n * size]
         if self.dtype == "fp8":
-            values = np.asarray(pages, np.float32)
-            peak = float(np.abs(values).max()) if values.size else 0.0
+            peak = _peak(pages)
             if not np.isfinite(peak):
                 raise HurrayError(f"layer {layer} {role} holds a non-finite value; fp8 "
                                   "stores finite values", field="store_dtype", value="fp8",
@@ -82,9 +86,9 @@ class StoreFormat:
             scale = np.float32(peak / FP8_MAX) if peak > 0 else np.float32(1.0)
             if not scale > 0:  # peak below float32's range for a scale: store zeros
                 scale = np.float32(1.0)
-            codes = np.clip(values / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-            return BlockPagedTensor(codes, table, ptr, lens, kv_role=role, layer_index=layer,
-                                    element_type="float8_e4m3", fp8_scale=float(scale))
+            return BlockPagedTensor(_fp8_codes(pages, scale), table, ptr, lens, kv_role=role,
+                                    layer_index=layer, element_type="float8_e4m3",
+                                    fp8_scale=float(scale))
         t = BlockPagedTensor(pages, table, ptr, lens, kv_role=role, layer_index=layer)
         if self.auto:
             return t
@@ -115,6 +119,39 @@ class StoreFormat:
                               field="segment.dtype", value=have[0], rule="the store format")
 
 
+def _peak(pages: np.ndarray) -> float:
+    """The largest magnitude in ``pages`` (inf or nan when one is not finite)."""
+    kind = kernels.input_kind(pages.dtype)
+    kern = kernels.impl() if kind is not None and pages.flags.c_contiguous else None
+    if kern is None or not pages.size:
+        return float(np.abs(np.asarray(pages, np.float32)).max()) if pages.size else 0.0
+    rows = kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1), kind)
+    n = rows.shape[0]
+    used = np.ones(n, np.bool_)
+    lo, hi = np.empty(n, np.float32), np.empty(n, np.float32)
+    ok: list[bool] = []
+    run_bands(lambda a, b: ok.append(kern.row_ranges(rows, kind, used, lo, hi, a, b)), n,
+              pages.nbytes)
+    if not all(ok):
+        return float("nan")
+    return float(max(-lo.min(), hi.max()))
+
+
+def _fp8_codes(pages: np.ndarray, scale: np.float32) -> np.ndarray:
+    """e4m3 codes of ``clip(pages / scale, -448, 448)`` (finite ``pages``): one compiled
+    pass from the cache's bits, else NumPy's conversion (the same bits, tested)."""
+    kind = kernels.input_kind(pages.dtype)
+    kern = kernels.impl() if kind is not None and pages.flags.c_contiguous else None
+    if kern is None or not pages.size:
+        values = np.asarray(pages, np.float32)
+        return np.clip(values / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    rows = kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1), kind)
+    codes = alloc.empty(rows.shape, np.uint8)
+    run_bands(lambda a, b: kern.fp8_e4m3_encode(rows, kind, scale, codes, a, b),
+              rows.shape[0], pages.nbytes)
+    return codes.view(ml_dtypes.float8_e4m3fn).reshape(pages.shape)
+
+
 def decode(t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
     """Pages ``first .. first + count - 1`` of a stored segment tensor (one sequence over
     its pages in order) as float32 ``[count, page_size, heads, dim]``: the dequantizing
@@ -122,6 +159,111 @@ def decode(t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
     values = t.gather(0, dequantize=True)
     pages = values.reshape(t.num_pages, t.page_size, t.num_heads, t.head_dim)
     return pages[first:first + count]
+
+
+# float32 of every e4m3 byte (0x7F and 0xFF, NaN, are never written: encode clips)
+_FP8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+_WRITES = {np.dtype(np.float32): False, np.dtype(ml_dtypes.bfloat16): True}  # -> to_bf16
+
+
+def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Pages ``first .. first + count - 1`` of a stored segment tensor as ``dtype`` (the
+    engine's cache dtype) ``[count, page_size, heads, dim]``, in one compiled pass from
+    codes and scales to the cache's bits (bfloat16 rounded to nearest even, as torch
+    converts), into ``out`` (bytes of any dtype, reused between loads) when given.  The
+    same values as ``decode`` converted to ``dtype``.  Where the kernels do not apply
+    (no numba, a float16 cache, a foreign scheme) it is ``decode``'s float32 pages, which
+    the cache write converts."""
+    dtype = np.dtype(dtype)
+    kern = kernels.impl()
+    plan = _rows_and_scales(t, first, count) if kern is not None and dtype in _WRITES \
+        else None
+    if plan is None:
+        return decode(t, first, count)
+    codes, lut, rows, cols, packed = plan
+    shape = (count, t.page_size, t.num_heads, t.head_dim)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if out is None or out.nbytes < nbytes:
+        out = alloc.empty(shape, dtype)
+    values = out.reshape(-1).view(np.uint8)[:nbytes].view(dtype).reshape(shape)
+    to_bf16 = _WRITES[dtype]
+    o2 = values.reshape(codes.shape[0], -1)
+    if to_bf16:
+        o2 = o2.view(np.uint16)
+    if packed:
+        run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, o2, to_bf16,
+                                                           a, b), len(codes), nbytes)
+    else:
+        direct = lut is None
+        lut = _FP8_VALUES if lut is None else lut
+        run_bands(lambda a, b: kern.dequantize_rows(codes, lut, direct, rows, cols, o2,
+                                                    to_bf16, a, b), len(codes), nbytes)
+    return values
+
+
+class DecodeBuffers:
+    """The buffers a worker decodes stored pages into, one per role, kept between layers
+    and loads: a fresh multi-megabyte output costs a page fault per 4 KiB as it is first
+    written, as much as the decoding itself.  Each is overwritten by the next decode, so
+    its pages must be written into the cache before then (``LayerView.write`` copies)."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self._buffers: list[np.ndarray] = []
+
+    def pages(self, role: int, t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
+        while len(self._buffers) <= role:
+            self._buffers.append(np.zeros(0, np.uint8))
+        need = count * t.page_size * t.num_heads * t.head_dim * self.dtype.itemsize
+        if self._buffers[role].nbytes < need:
+            self._buffers[role] = alloc.empty((need,), np.uint8)
+            self._buffers[role][::4096] = 0  # faulted in now, not inside a load
+        return decode_pages(t, first, count, self.dtype, self._buffers[role])
+
+
+def warm(formats: Any, dtype: Any) -> None:
+    """Compile (or load from numba's cache) the kernels that save and load ``formats`` on
+    a cache of ``dtype`` (codes writable and read-only), so that no forward pass does."""
+    pages = np.linspace(-1, 1, 2 * 4 * 2 * 8, dtype=np.float32).reshape(2, 4, 2, 8)
+    for fmt in formats:
+        if fmt.auto:
+            continue
+        t = fmt.encode(pages.astype(dtype), "key", 0)
+        frozen = t._derive(np.frombuffer(t._rows.tobytes(), t._rows.dtype
+                                         ).reshape(t._rows.shape))
+        for each in (t, frozen):
+            decode_pages(each, 0, 2, dtype)
+
+
+def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
+    """``(codes [slots, bytes], fp8 table or None (int8), per-slot scales, per-element
+    scales, packed)`` of the pages, or None for what ``decode_pages`` leaves to
+    ``decode`` (zero-points, another scheme or type)."""
+    size, elems = t.page_size, t.num_heads * t.head_dim
+    slots = count * size
+    rows = t._rows[first:first + count]
+    q, name = t.quantization, t.element_type.name
+    if q is None and t.fp8_scale is not None and name == "float8_e4m3":
+        return (rows.view(np.uint8).reshape(slots, elems), _FP8_VALUES,
+                np.full(slots, np.float32(t.fp8_scale)), np.ones(elems, np.float32), False)
+    if q is None or not q.AFFINE or name not in _LEVELS or elems % 2:
+        return None
+    scales, zps = params_arrays(q, t.quant_params, t._param_count())
+    if zps is not None:
+        return None
+    if q.per_slot:
+        row_scales = np.ascontiguousarray(scales[first * size:first * size + slots])
+        col_scales = np.ones(elems, np.float32)
+    elif q.GRANULARITY == "channel" and q.axis in (1, 2):
+        col_scales = (np.tile(scales, t.num_heads) if q.axis == 2 else
+                      np.repeat(scales, t.head_dim)).astype(np.float32)
+        row_scales = np.ones(slots, np.float32)
+    else:
+        return None
+    if name == "int4":
+        return rows.reshape(slots, elems // 2), None, row_scales, col_scales, True
+    return rows.view(np.int8).reshape(slots, elems), None, row_scales, col_scales, False
 
 
 def max_error(fmt: StoreFormat, values: np.ndarray, per_slot_axis: int = 0) -> np.ndarray:
@@ -192,5 +334,6 @@ def check_cache_dtype(fmt: StoreFormat, kv_cache_dtype: str, key: str = "store_d
                       "(kv_cache_dtype auto, bfloat16, float16 or float32)")
 
 
-__all__ = ["FLOAT_CACHES", "SCHEMES", "STORE_DTYPES", "StoreFormat", "check_cache_dtype",
-           "decode", "max_error", "parse", "reconstruction_error"]
+__all__ = ["FLOAT_CACHES", "SCHEMES", "STORE_DTYPES", "DecodeBuffers", "StoreFormat",
+           "check_cache_dtype", "decode", "decode_pages", "max_error", "parse",
+           "reconstruction_error", "warm"]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ... import threads
+from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
 from ...errors import HurrayError, TransportError
 from ...io import checksums
@@ -30,7 +31,8 @@ from ...snapshot import KVCacheSnapshot
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
 from .layer_checks import LayerChecks, later_members
-from .store_format import StoreFormat, decode
+from .store_format import DecodeBuffers, StoreFormat
+from .store_format import warm as warm_formats
 
 
 class WorkerSide:
@@ -56,6 +58,7 @@ class WorkerSide:
         self._later: frozenset[str] = frozenset()  # members verified beside the forward pass
         self._unchecked: dict[str, Any] = {}  # segment name -> its Pending checks
         self._names: dict[int, str] = {}  # id of a fetched snapshot -> its segment's name
+        self._decoded: DecodeBuffers | None = None  # set when the cache is known
 
     # ------------------------------------------------------------------ layers
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -92,6 +95,8 @@ class WorkerSide:
                                      float(getattr(layer, "_v_scale_float", 1.0))))
         self._later = later_members(len(self._layers))
         checksums.warm()  # compiled now, not inside the first load's time
+        self._decoded = DecodeBuffers(numpy_dtype(self._layers[0][1].parts[0].dtype))
+        warm_formats(set(ctx.formats.values()), self._decoded.dtype)
         log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
                  "segments read on %d core(s) %s", len(self._layers), backend, kind,
                  ctx.chunk_size, ctx.url, threads.workers(), sorted(os.sched_getaffinity(0)))
@@ -217,17 +222,14 @@ class WorkerSide:
         layer, view = self._layer(layer_name)
         self._drop_unverified(layer)
         try:
-            decoded: dict[int, list[np.ndarray]] = {}  # a segment's layer, decoded once
             for blocks, snap, first in self._fetched:
                 n = len(blocks)
                 if self._format_of(snap).auto:
                     pages = [t.page_pool[first:first + n] for t in snap.layer(layer)]
                     stored = sum(p.nbytes for p in pages)
-                else:  # float32 values of the stored codes: write() converts them
-                    if id(snap) not in decoded:
-                        decoded[id(snap)] = [decode(t, 0, t.num_pages)
-                                             for t in snap.layer(layer)]
-                    pages = [p[first:first + n] for p in decoded[id(snap)]]
+                else:  # decoded into the cache dtype in reused buffers; write() copies
+                    pages = [self._decoded.pages(r, t, first, n)
+                             for r, t in enumerate(snap.layer(layer))]
                     stored = sum(snap.descriptor(layer, role).buffers[0].byte_size * n //
                                  max(t.num_pages, 1) for t, role in zip(
                                      snap.layer(layer), snap.roles, strict=True))
