@@ -368,3 +368,30 @@ def test_fp8_store_encodes_as_numpy_converts(cache, monkeypatch):
                             monkeypatch)
     assert slow.fp8_scale == fast.fp8_scale != 1.0
     assert bytes(slow.buffers()[0]) == bytes(fast.buffers()[0])
+
+
+@pytest.mark.parametrize("pool_type", POOL_TYPES, ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("axis", [1, 2])
+def test_per_channel_kernels_match_numpy(pool_type, dtype, axis, monkeypatch):
+    """Symmetric per-channel quantization with float32 scales (store_dtype's
+    per_channel): column ranges over the used slots and the codes, compiled, give the
+    NumPy path's bytes: unused slots, zero and constant slots, subnormals, a huge slot."""
+    rng = np.random.default_rng(11)
+    pool = (rng.standard_normal((24, 16, 4, 32)) * 5).astype(pool_type)
+    flat = pool.reshape(-1, 4 * 32)
+    flat[3] = 0
+    flat[4] = pool_type(2.5)
+    flat[5, :6] = np.array([6e-8, -6e-8, 1e-5, -1e-5, 0, -0.0]).astype(pool_type)
+    flat[6, 7] = 3e4 if pool_type is not ml_dtypes.bfloat16 else 1e30
+    pool[:, :, 2, 5] *= 60  # an outlier channel
+
+    def run():
+        t = tensor(pool, rng=np.random.default_rng(1))
+        q = t.quantize("per_channel", dtype, True, axis=axis)
+        return ([bytes(b) for b in q.buffers()], q.to_dense(dequantize=True).view(np.uint32),
+                q.dequantize().page_pool.view(np.uint32))
+
+    slow, fast = both_paths(lambda: outcome(run), monkeypatch)
+    assert not isinstance(slow, str), slow
+    assert_same(slow, fast)

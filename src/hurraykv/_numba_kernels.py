@@ -304,3 +304,38 @@ def fp8_e4m3_encode(x, kind, scale, out, start, stop):
                 r = r + np.uint32(0x7FFFF) + ((r >> np.uint32(20)) & np.uint32(1))
                 code = np.uint8((r >> np.uint32(20)) - np.uint32(120 << 3))
             out[i, j] = code | sign
+
+
+@_kernel
+def column_keys(x, kind, used, lo, hi, start, stop):
+    """Per column, the smallest and largest ordered key (``_row_range``'s: sign-magnitude
+    bits as integers) of the used rows ``[start, stop)``, folded into ``lo`` and ``hi``
+    (this band's own arrays); False when a used value is not finite."""
+    sign, mask, inf = _key_limits(kind)
+    for i in range(start, stop):
+        if not used[i]:
+            continue
+        for j in range(x.shape[1]):
+            b = np.int64(x[i, j])
+            m = b & mask
+            k = -m if b & sign else m
+            lo[j] = min(lo[j], k)
+            hi[j] = max(hi[j], k)
+    finite = True
+    for j in range(x.shape[1]):
+        finite = finite and lo[j] > -inf and hi[j] < inf
+    return finite
+
+
+@_kernel
+def encode_columns(x, kind, used, inv, qmin, qmax, codes, start, stop):
+    """Symmetric codes ``clip(rint(x * inv[column]))`` of rows ``[start, stop)``; an unused
+    row is encoded from zeros, as the NumPy path does."""
+    lo, hi = np.float32(qmin), np.float32(qmax)
+    for i in range(start, stop):
+        if used[i]:
+            for j in range(x.shape[1]):
+                codes[i, j] = min(max(np.rint(_to_f32(x[i, j], kind) * inv[j]), lo), hi)
+        else:
+            for j in range(x.shape[1]):
+                codes[i, j] = min(max(np.rint(np.float32(0.0) * inv[j]), lo), hi)

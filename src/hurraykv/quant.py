@@ -176,6 +176,11 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
         if not symmetric:
             params.append(zps.view(np.uint8))
         return codes, q, tuple(params)
+    if granularity == "channel" and symmetric and scale_type == 3:
+        fast = _channel_kernel(x, used, axis, qmin, qmax, codes)
+        if fast is not None:
+            q = cls.for_buffers(axis=axis, symmetric=True, scale_type=scale_type)
+            return codes, q, (fast.view(np.uint8),)
     # per-tensor and per-channel: ranges over the used slots only (unused are undefined)
     red = (0, 1, 2) if granularity == "tensor" else tuple(i for i in (0, 1, 2) if i != axis)
     lo = np.full([1 if i in red else x.shape[i] for i in range(3)], np.inf, np.float32)
@@ -250,6 +255,47 @@ def _block_affine_kernel(x: np.ndarray, used: np.ndarray, qmin: int, qmax: int,
     run_bands(lambda a, b: kern.encode_rows(bits, kind, u, scales, zps, qmin, qmax, symmetric,
                                           c2, a, b), n, x.nbytes)
     return True
+
+
+def _channel_kernel(x: np.ndarray, used: np.ndarray, axis: int, qmin: int, qmax: int,
+                    codes: np.ndarray) -> np.ndarray | None:
+    """Symmetric per-channel quantization with float32 scales in two compiled passes
+    (column ranges, then codes), the NumPy path's arithmetic: the float32 scales, or
+    None when it does not apply or met a non-finite value (the NumPy path then does the
+    whole work and refuses it by slot)."""
+    kind = _k.input_kind(x.dtype)
+    kern = _k.impl() if kind is not None else None
+    if kern is None or not x.flags.c_contiguous or x.shape[0] == 0:
+        return None
+    n, heads, dim = x.shape
+    bits = _k.as_bits(x.reshape(n, -1), kind)
+    u = np.ascontiguousarray(used, np.bool_)
+    sign, mask = {0: (0x8000, 0x7FFF), 1: (0x8000, 0x7FFF), 2: (0x80000000, 0x7FFFFFFF)}[kind]
+    bands: list[tuple[np.ndarray, np.ndarray, bool]] = []
+
+    def ranges(a: int, b: int) -> None:
+        lo = np.full(heads * dim, mask, np.int64)
+        hi = np.full(heads * dim, -mask, np.int64)
+        bands.append((lo, hi, kern.column_keys(bits, kind, u, lo, hi, a, b)))
+
+    run_bands(ranges, n, x.nbytes)
+    if not all(ok for _, _, ok in bands):
+        return None
+    keys = np.stack([np.min([lo for lo, _, _ in bands], axis=0),
+                     np.max([hi for _, hi, _ in bands], axis=0)])
+    values = np.where(keys >= 0, keys, (-keys) | sign).astype(
+        _k._BITS_VIEW[kind]).view(x.dtype).astype(np.float32).reshape(2, heads, dim)
+    red = 0 if axis == 2 else 1  # over the other of (heads, head_dim)
+    lo, hi = values[0].min(axis=red), values[1].max(axis=red)
+    if not u.any():
+        lo, hi = np.zeros_like(lo), np.zeros_like(hi)
+    s, _ = _affine(lo, hi, qmin, qmax, True, where="quantization channel")
+    inv = (np.float32(1.0) / s).astype(np.float32)
+    cols = np.ascontiguousarray(np.tile(inv, heads) if axis == 2 else np.repeat(inv, dim))
+    c2 = codes.reshape(n, -1)
+    run_bands(lambda a, b: kern.encode_columns(bits, kind, u, cols, qmin, qmax, c2, a, b),
+              n, x.nbytes)
+    return s.astype(np.float32)
 
 
 def _encode(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, qmin: int, qmax: int,
