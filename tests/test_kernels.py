@@ -345,7 +345,7 @@ def test_fp8_store_encodes_as_numpy_converts(cache, monkeypatch):
     """The compiled float -> e4m3 conversion of store_dtype fp8 gives NumPy's (ml_dtypes')
     bits: every e4m3 value, every midpoint between two (ties to even), subnormals,
     negative zero, and values spread over 30 binades; the peak 448 makes the scale 1."""
-    from hurraykv.integrations.vllm.store_format import StoreFormat
+    from hurraykv.integrations.vllm.store_format import StoreFormat, decode, decode_pages
 
     e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     grid = np.unique(e4m3[np.isfinite(e4m3)])
@@ -363,6 +363,14 @@ def test_fp8_store_encodes_as_numpy_converts(cache, monkeypatch):
     slow, fast = both_paths(lambda: StoreFormat("fp8").encode(pages, "key", 0), monkeypatch)
     assert slow.fp8_scale == fast.fp8_scale == 1.0
     assert bytes(slow.buffers()[0]) == bytes(fast.buffers()[0])
+    # every finite code decodes (compiled, into the cache dtype) to its e4m3 value
+    assert set(np.frombuffer(fast.buffers()[0], np.uint8)) >= set(range(127)) | set(
+        range(128, 255))
+    want = decode(fast, 0, slots)
+    slow, got = both_paths(lambda: decode_pages(fast, 0, slots, cache), monkeypatch)
+    assert np.array_equal(slow, want)
+    assert got.tobytes() == (want if np.dtype(cache) == np.float16 else
+                             want.astype(cache)).tobytes()
     scaled = pages.astype(np.float32) * 1e-3  # a scale that is not 1: division by it
     slow, fast = both_paths(lambda: StoreFormat("fp8").encode(scaled.astype(cache), "key", 0),
                             monkeypatch)

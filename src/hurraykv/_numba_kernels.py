@@ -244,27 +244,37 @@ def _bf16(v):
                      >> np.uint32(16))
 
 
+@_jit
+def _e4m3(b):
+    """float32 of float8 e4m3fn bits (exact; never NaN here: 0x7F and 0xFF are not
+    written).  The 7 magnitude bits shifted into float32 place give 2**-120 times the
+    value, subnormals included; the sign bit rides along."""
+    u = np.uint32(b)
+    bits = ((u & np.uint32(0x80)) << np.uint32(24)) | ((u & np.uint32(0x7F)) << np.uint32(20))
+    return _f32_from_bits(bits) * np.float32(1.329227995784916e36)  # 2**120
+
+
 @_kernel
-def dequantize_rows(codes, lut, direct, row_scales, col_scales, out, to_bf16, start, stop):
+def dequantize_rows(codes, fp8, row_scales, col_scales, out, to_bf16, start, stop):
     """``out[i, j] = value(codes[i, j]) * row_scales[i] * col_scales[j]`` for rows
-    ``[start, stop)``: ``value`` is the int8 code itself (``direct``) or ``lut[byte]``
-    (fp8); ``out`` float32, or bfloat16 bits (``to_bf16``).  A scale of 1 is exact, so
-    per-slot and per-channel scales give the bits of ``code * scale``."""
+    ``[start, stop)``: ``value`` is the int8 code itself, or the float8 e4m3 value of the
+    byte (``fp8``); ``out`` float32, or bfloat16 bits (``to_bf16``).  A scale of 1 is
+    exact, so per-slot and per-channel scales give the bits of ``code * scale``."""
     n = codes.shape[1]
     for i in range(start, stop):
         rs = row_scales[i]
-        if direct and to_bf16:
+        if fp8 and to_bf16:
             for j in range(n):
-                out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
-        elif direct:
+                out[i, j] = _bf16(_e4m3(codes[i, j]) * rs * col_scales[j])
+        elif fp8:
             for j in range(n):
-                out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
+                out[i, j] = _e4m3(codes[i, j]) * rs * col_scales[j]
         elif to_bf16:
             for j in range(n):
-                out[i, j] = _bf16(lut[codes[i, j]] * rs * col_scales[j])
+                out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
         else:
             for j in range(n):
-                out[i, j] = lut[codes[i, j]] * rs * col_scales[j]
+                out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
 
 
 @_kernel
@@ -273,16 +283,18 @@ def dequantize_packed_rows(packed, row_scales, col_scales, out, to_bf16, start, 
     n = packed.shape[1]
     for i in range(start, stop):
         rs = row_scales[i]
-        for k in range(n):
-            b = np.int32(packed[i, k])
-            lo = np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k]
-            hi = np.float32((((b >> 4) & 15) ^ 8) - 8) * rs * col_scales[2 * k + 1]
-            if to_bf16:
-                out[i, 2 * k] = _bf16(lo)
-                out[i, 2 * k + 1] = _bf16(hi)
-            else:
-                out[i, 2 * k] = lo
-                out[i, 2 * k + 1] = hi
+        if to_bf16:
+            for k in range(n):
+                b = np.int32(packed[i, k])
+                out[i, 2 * k] = _bf16(np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k])
+                out[i, 2 * k + 1] = _bf16(np.float32((((b >> 4) & 15) ^ 8) - 8) * rs
+                                          * col_scales[2 * k + 1])
+        else:
+            for k in range(n):
+                b = np.int32(packed[i, k])
+                out[i, 2 * k] = np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k]
+                out[i, 2 * k + 1] = (np.float32((((b >> 4) & 15) ^ 8) - 8) * rs
+                                     * col_scales[2 * k + 1])
 
 
 @_kernel

@@ -217,7 +217,7 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8),
                             detokenize=False, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    outputs, times = [], []
+    outputs, times, round_stats = [], [], []
     if spec.get("rounds"):
         for _ in range(spec["rounds"]):
             for p in prompts:
@@ -227,12 +227,14 @@ def main() -> int:
                 if spent:
                     connector_times.append(spent[0] - c0)
                 outputs.append(out)
+            if spec.get("round_stats"):  # the counters after each round (cumulative)
+                round_stats.append(connector_stats())
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"outputs": [{"tokens": list(o.outputs[0].token_ids),
                            "num_cached_tokens": o.num_cached_tokens} for o in outputs],
               "times": times, "startup": startup, "stats": connector_stats(),
-              "connector_times": connector_times}
+              "connector_times": connector_times, "round_stats": round_stats}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -161,8 +161,6 @@ def decode(t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
     return pages[first:first + count]
 
 
-# float32 of every e4m3 byte (0x7F and 0xFF, NaN, are never written: encode clips)
-_FP8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 _WRITES = {np.dtype(np.float32): False, np.dtype(ml_dtypes.bfloat16): True}  # -> to_bf16
 
 
@@ -181,7 +179,7 @@ def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
         else None
     if plan is None:
         return decode(t, first, count)
-    codes, lut, rows, cols, packed = plan
+    codes, fp8, rows, cols, packed = plan
     shape = (count, t.page_size, t.num_heads, t.head_dim)
     nbytes = math.prod(shape) * dtype.itemsize
     if out is None or out.nbytes < nbytes:
@@ -195,10 +193,8 @@ def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
         run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, o2, to_bf16,
                                                            a, b), len(codes), nbytes)
     else:
-        direct = lut is None
-        lut = _FP8_VALUES if lut is None else lut
-        run_bands(lambda a, b: kern.dequantize_rows(codes, lut, direct, rows, cols, o2,
-                                                    to_bf16, a, b), len(codes), nbytes)
+        run_bands(lambda a, b: kern.dequantize_rows(codes, fp8, rows, cols, o2, to_bf16,
+                                                    a, b), len(codes), nbytes)
     return values
 
 
@@ -237,15 +233,15 @@ def warm(formats: Any, dtype: Any) -> None:
 
 
 def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
-    """``(codes [slots, bytes], fp8 table or None (int8), per-slot scales, per-element
-    scales, packed)`` of the pages, or None for what ``decode_pages`` leaves to
+    """``(codes [slots, bytes], fp8 (else int8), per-slot scales, per-element scales,
+    packed)`` of the pages, or None for what ``decode_pages`` leaves to
     ``decode`` (zero-points, another scheme or type)."""
     size, elems = t.page_size, t.num_heads * t.head_dim
     slots = count * size
     rows = t._rows[first:first + count]
     q, name = t.quantization, t.element_type.name
     if q is None and t.fp8_scale is not None and name == "float8_e4m3":
-        return (rows.view(np.uint8).reshape(slots, elems), _FP8_VALUES,
+        return (rows.view(np.uint8).reshape(slots, elems), True,
                 np.full(slots, np.float32(t.fp8_scale)), np.ones(elems, np.float32), False)
     if q is None or not q.AFFINE or name not in _LEVELS or elems % 2:
         return None
@@ -262,8 +258,8 @@ def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
     else:
         return None
     if name == "int4":
-        return rows.reshape(slots, elems // 2), None, row_scales, col_scales, True
-    return rows.view(np.int8).reshape(slots, elems), None, row_scales, col_scales, False
+        return rows.reshape(slots, elems // 2), False, row_scales, col_scales, True
+    return rows.view(np.int8).reshape(slots, elems), False, row_scales, col_scales, False
 
 
 def max_error(fmt: StoreFormat, values: np.ndarray, per_slot_axis: int = 0) -> np.ndarray:
