@@ -403,3 +403,46 @@ def test_per_channel_kernels_match_numpy(pool_type, dtype, axis, monkeypatch):
     slow, fast = both_paths(lambda: outcome(run), monkeypatch)
     assert not isinstance(slow, str), slow
     assert_same(slow, fast)
+
+
+def test_decoding_follows_the_numpy_path_for_foreign_forms(monkeypatch):
+    """What the connector never writes but a foreign segment may hold decodes as the
+    NumPy path does: per-channel scales over heads (axis 1), fp8 NaN codes (0x7F, 0xFF),
+    subnormal fp8 codes; and warm() compiles every format for every cache dtype."""
+    from hurraykv.integrations.vllm import store_format as sf
+
+    DecodeBuffers, decode, decode_pages, parse, warm = (
+        sf.DecodeBuffers, sf.decode, sf.decode_pages, sf.parse, sf.warm)
+
+    rng = np.random.default_rng(5)
+    pages = (rng.standard_normal((3, 8, 4, 16)) * 2).astype(np.float32)
+    pages[:, :, 1] *= 30
+    t = hk.BlockPagedTensor(pages, np.arange(3), [0, 3], [24], kv_role="key", layer_index=0)
+    for q in (t.quantize("per_channel", "int8", True, axis=1),
+              t.quantize("per_channel", "int4", True, axis=1)):
+        slow, fast = both_paths(lambda q=q: decode_pages(q, 1, 2, ml_dtypes.bfloat16),
+                                monkeypatch)
+        assert np.array_equal(slow, decode(q, 1, 2))
+        assert fast.tobytes() == decode(q, 1, 2).astype(ml_dtypes.bfloat16).tobytes()
+    codes = np.arange(3 * 8 * 4 * 16, dtype=np.int64).reshape(3, 8, 4, 16) % 256
+    f8 = hk.BlockPagedTensor(codes.astype(np.uint8).view(ml_dtypes.float8_e4m3fn),
+                             np.arange(3), [0, 3], [24], kv_role="key", layer_index=0,
+                             element_type="float8_e4m3", fp8_scale=0.25)
+    want = decode(f8, 0, 3)
+    assert np.isnan(want).sum() == 2 * (want.size // 256)  # 0x7F and 0xFF
+    got = decode_pages(f8, 0, 3, np.float32)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert got.view(np.uint32)[~np.isnan(got)].tobytes() == want.view(np.uint32)[
+        ~np.isnan(want)].tobytes()  # -0.0 and subnormal steps to the bit
+    formats = [parse(f, "store_dtype", None) for f in
+               ("auto", "int8", "int8:per_channel", "int4", "int4:per_channel", "fp8")]
+    for cache in (np.float32, ml_dtypes.bfloat16, np.float16):
+        warm(formats, cache)
+    # a worker's buffers: one per role, reused; each result is whole until the next
+    buffers = DecodeBuffers(ml_dtypes.bfloat16)
+    q = t.quantize("per_block_affine", "int8", True)
+    key, value = buffers.pages(0, q, 0, 3), buffers.pages(1, q, 1, 2)
+    assert key.tobytes() == decode(q, 0, 3).astype(ml_dtypes.bfloat16).tobytes()
+    assert value.tobytes() == decode(q, 1, 2).astype(ml_dtypes.bfloat16).tobytes()
+    again = buffers.pages(0, q, 2, 1)
+    assert np.shares_memory(again, key)

@@ -241,6 +241,45 @@ def test_new_scales_are_checked_when_a_structure_takes_them():
         metadata={checksums.KEY: ""}).structure()
 
 
+def test_a_segment_whose_pages_are_not_in_order_is_refused():
+    """Loads take runs of pages in storage order, so a segment (same identity, checksums
+    right) whose block table permutes or aliases its pages is refused, not misread."""
+    fmt = StoreFormat("int8", "per_block_affine")
+    good = segment(fmt)
+    fmt.check(good, "float32")
+    staged = [[fmt.encode(kv_pages(seed=2 * i + r), role, i)
+               for r, role in enumerate(("key", "value"))] for i in range(2)]
+    staged[1][0] = hk.BlockPagedTensor(kv_pages(seed=2), [0, 2, 1, 3], [0, 4], [4 * 16],
+                                       kv_role="key", layer_index=1).quantize(
+        "per_block_affine", "int8", True)
+    with pytest.raises(hk.HurrayError, match=r"layers.1.key: block_table\[1\] is 2; .*in "
+                       r"order \(block_table 0..3\)"):
+        fmt.check(fmt.segment(staged, "m"), "float32")
+
+
+def test_kv_scales_under_another_member_name_are_found_by_their_fields(tmp_path):
+    """Members are recognised by their fields, not their names (D7): an fp8 segment whose
+    kv_scales member another writer named differently loads, over and over, through one
+    learned layout, with its own scales."""
+    from hurraykv.io.hrry_writer import write_hrry
+    from hurraykv.io.snapshots import HEAD_NAME, snapshot_kv
+
+    fmt = StoreFormat("fp8")
+    store = FileChunks(tmp_path / "kv")
+    snaps = [segment(fmt, seed=s) for s in range(3)]
+    for i, snap in enumerate(snaps):
+        tensors = [(HEAD_NAME, snap.head(), [])] + [
+            ("fp8_scales" if n == "kv_scales" else n, d, b) for n, d, b in snap.members()]
+        write_hrry(store.path(f"{i:032x}-0"), tensors, snapshot_kv(snap), alignment=4096,
+                   fsync=False)
+    for _ in range(2):
+        for i, snap in enumerate(snaps):
+            got = store.get_verified(f"{i:032x}-0")
+            np.testing.assert_array_equal(got.kv_scales, snap.kv_scales)
+            assert got.equal(snap)
+    assert len(store._by_structure) == 1
+
+
 def test_a_segment_of_another_format_is_refused():
     with pytest.raises(hk.HurrayError, match="store format int8:per_channel holds"):
         StoreFormat("int8", "per_channel").check(segment(StoreFormat("int8",

@@ -246,12 +246,18 @@ def _bf16(v):
 
 @_jit
 def _e4m3(b):
-    """float32 of float8 e4m3fn bits (exact; never NaN here: 0x7F and 0xFF are not
-    written).  The 7 magnitude bits shifted into float32 place give 2**-120 times the
-    value, subnormals included; the sign bit rides along."""
+    """float32 of float8 e4m3fn bits, exactly: normals by moving exponent and mantissa
+    into float32 place (bias 7 -> 127), subnormals as ``mantissa * 2**-9`` (no float32
+    subnormal is formed, so a flush-to-zero mode cannot change them); 0x7F and 0xFF are
+    NaN, as in NumPy's conversion.  Selects, not branches: the loop vectorises."""
     u = np.uint32(b)
-    bits = ((u & np.uint32(0x80)) << np.uint32(24)) | ((u & np.uint32(0x7F)) << np.uint32(20))
-    return _f32_from_bits(bits) * np.float32(1.329227995784916e36)  # 2**120
+    e = (u >> np.uint32(3)) & np.uint32(15)
+    m = u & np.uint32(7)
+    normal = ((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20))
+    small = _bits_of_f32(np.float32(np.int32(m)) * np.float32(0.001953125))
+    bits = small if e == np.uint32(0) else normal
+    bits = np.uint32(0x7FC00000) if (u & np.uint32(0x7F)) == np.uint32(0x7F) else bits
+    return _f32_from_bits(bits | ((u & np.uint32(0x80)) << np.uint32(24)))
 
 
 @_kernel

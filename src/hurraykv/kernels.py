@@ -5,7 +5,10 @@ here: each slot row is read once, its absmax (or min and max) found in the integ
 domain of the input's bits, its scale and zero-point computed, and its codes written
 while the row is still in L1.  NumPy's float16 -> float32 conversion is not vectorised
 in the NumPy builds we pin, and its formulation costs four passes over memory; these
-kernels are the same arithmetic in one.
+kernels are the same arithmetic in one.  Symmetric per-channel quantization takes two
+(column ranges, then codes), and the connector's stored formats have their own
+(``integrations/vllm/store_format.py``: float -> e4m3, and codes times scales written
+straight as the cache's bfloat16 or float32 bits).
 
 **Results are bit-identical to the NumPy code in ``quant.py``** (tested on both): the
 same float32 operations in the same order, with ``rint`` rounding half to even.  Input

@@ -431,11 +431,13 @@ class KVCacheSnapshot:
         quantization parameters, ``kv_scales``), as bytes: equal for two snapshots
         exactly when one is the other ``with_pools``."""
         if getattr(self, "_structure", None) is None:
-            parts = [self.head().encode()]
+            parts, scales = [self.head().encode()], self.kv_scales is not None
             for name, desc, bufs in self.members():
                 parts += [name.encode(), desc.encode()]
+                own_scales = scales and name == KV_SCALES  # the first: extras follow
+                scales = scales and not own_scales
                 kept = bufs[1:3] if isinstance(desc.layout, BlockPaged) else (
-                    () if name == KV_SCALES else bufs)
+                    () if own_scales else bufs)
                 parts += [bytes(byte_view(b)) for b in kept]
             parts.append(repr((self.model, sorted(self.metadata.items()))).encode())
             self._structure = b"\x00".join(parts)

@@ -24,6 +24,7 @@ from ..io.atomic import write_pieces
 from ..io.hrry import HrryFile, read_bands
 from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KV_SCALES, KVCacheSnapshot
+from ..snapshot_members import is_kv_scales
 from ..wire.layouts import BlockPaged
 from .chunks import ALIAS_LINE, ChunkStore, check_name, segment_name
 from .file_capacity import Capacity, Entry
@@ -48,8 +49,12 @@ class _FileLayout:
 
     @classmethod
     def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile,
-              plan: checksums.ReadPlan | None = None) -> _FileLayout:
+              plan: checksums.ReadPlan | None = None) -> _FileLayout | None:
+        """The layout of ``data`` (the file ``f``, read as ``snapshot``), or None when a
+        value cannot be placed in it (such files are then parsed one by one)."""
         regions = _values(f, snapshot, data)
+        if regions is None:
+            return None
         text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
         if text:  # every place the entry's text sits outside the pools
             for off, piece in _complement(data, regions):
@@ -108,23 +113,27 @@ def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
 
 
 def _values(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
-            ) -> list[tuple[int, int, Any]]:
+            ) -> list[tuple[int, int, Any]] | None:
     """``(offset, nbytes, source)`` of every value of ``snapshot`` (read from ``f`` over
-    ``data``) in the file: where its view points (``kv_scales``, a float32 copy, is its
-    entry's data), each checked to hold the value's bytes, so that no value is ever left
-    in ``static`` (a later segment would be written with this one's scales)."""
+    ``data``) in the file: where its view points, each checked to hold the value's bytes,
+    so that no value is ever left in ``static`` (a later segment would be written with
+    this one's scales); None when one cannot be placed.  ``kv_scales`` is a float32 copy:
+    its place is the one member of its form (recognised by its fields, D7) holding its
+    bytes."""
     base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
-    entries = {e.name: e for e in f.entries}
     regions = []
     for source, view in snapshot.values().items():
         if source == KV_SCALES:
-            at = entries[KV_SCALES].data_offset
+            places = [e.data_offset for e in f.entries if is_kv_scales(f.descriptor(e.name))
+                      and data[e.data_offset:e.data_offset + len(view)] == view.cast("B")]
+            if len(places) != 1:
+                return None
+            at = places[0]
         else:
             at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
         if not 0 <= at <= at + len(view) <= len(data) or (
                 len(view) <= 4096 and data[at:at + len(view)] != view.cast("B")):
-            raise HurrayError(f"{f.source}: value {source} is not where its member says",
-                              field="value", value=str(source), rule="a value of the file")
+            return None
         regions.append((at, len(view), source))
     return regions
 
@@ -235,7 +244,9 @@ class FileChunks(ChunkStore):
             out.append(name if name is not None and alive[name] else None)
         return out
 
-    def _remember(self, structure: bytes, layout: _FileLayout) -> None:
+    def _remember(self, structure: bytes, layout: _FileLayout | None) -> None:
+        if layout is None:
+            return
         if len(self._by_structure) >= self.LAYOUTS:
             self._by_structure.clear()
             self._by_size.clear()
@@ -260,9 +271,10 @@ class FileChunks(ChunkStore):
                 raise
             f = HrryFile.from_bytes(data, str(self.path(name)))
             layout = _FileLayout.learn(data, snapshot_from_file(f), f)
-            self._remember(structure, layout)
+            if layout is not None:
+                self._remember(structure, layout)
             try:
-                self.capacity.admit(layout.size, name, written=True, then=self._compact)
+                self.capacity.admit(len(data), name, written=True, then=self._compact)
             except HurrayError:  # not counted, so not kept: no file outside the budget
                 self.path(name).unlink(missing_ok=True)
                 raise

@@ -117,6 +117,20 @@ class StoreFormat:
             raise HurrayError(f"a stored segment of store format {self.name} holds "
                               f"(dtype, quantization, fp8 scales) {have}, not {want}",
                               field="segment.dtype", value=have[0], rule="the store format")
+        # loads take a run of pages in storage order (decode_pages, page_pool slices): a
+        # segment is one sequence over its pages in order, as encode and segment make it
+        for layer, role in snap.member_keys():
+            t = snap.tensor(layer, role)
+            head = t.block_table[:t.num_pages]
+            wrong = np.flatnonzero(head != np.arange(len(head)))
+            if len(wrong) or len(t.block_table) != t.num_pages:
+                i = int(wrong[0]) if len(wrong) else len(head)
+                found = int(t.block_table[i]) if i < len(t.block_table) else "nothing"
+                raise HurrayError(f"layers.{layer}.{role}: block_table[{i}] is {found}; a "
+                                  f"stored segment is one sequence over its {t.num_pages} "
+                                  f"pages in order (block_table 0..{t.num_pages - 1})",
+                                  field=f"layers.{layer}.{role}.block_table[{i}]",
+                                  value=found, rule="pages in order")
 
 
 def _peak(pages: np.ndarray) -> float:
