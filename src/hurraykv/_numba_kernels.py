@@ -260,27 +260,42 @@ def _e4m3(b):
     return _f32_from_bits(bits | ((u & np.uint32(0x80)) << np.uint32(24)))
 
 
+@_jit
+def _int8_rows(codes, rs, col_scales, per_column, out, to_bf16, i):
+    n = codes.shape[1]
+    if per_column and to_bf16:
+        for j in range(n):
+            out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
+    elif per_column:
+        for j in range(n):
+            out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
+    elif to_bf16:  # per slot: one scale for the row
+        for j in range(n):
+            out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs)
+    else:
+        for j in range(n):
+            out[i, j] = np.float32(np.int8(codes[i, j])) * rs
+
+
 @_kernel
-def dequantize_rows(codes, fp8, row_scales, col_scales, out, to_bf16, start, stop):
+def dequantize_rows(codes, fp8, row_scales, col_scales, per_column, out, to_bf16, start,
+                    stop):
     """``out[i, j] = value(codes[i, j]) * row_scales[i] * col_scales[j]`` for rows
     ``[start, stop)``: ``value`` is the int8 code itself, or the float8 e4m3 value of the
-    byte (``fp8``); ``out`` float32, or bfloat16 bits (``to_bf16``).  A scale of 1 is
-    exact, so per-slot and per-channel scales give the bits of ``code * scale``."""
+    byte (``fp8``); ``out`` float32, or bfloat16 bits (``to_bf16``).  Without
+    ``per_column`` the column scales are 1 and not read.  A scale of 1 is exact, so
+    per-slot and per-channel scales give the bits of ``code * scale``."""
     n = codes.shape[1]
     for i in range(start, stop):
         rs = row_scales[i]
-        if fp8 and to_bf16:
-            for j in range(n):
-                out[i, j] = _bf16(_e4m3(codes[i, j]) * rs * col_scales[j])
-        elif fp8:
-            for j in range(n):
-                out[i, j] = _e4m3(codes[i, j]) * rs * col_scales[j]
+        if not fp8:
+            _int8_rows(codes, rs, col_scales, per_column, out, to_bf16, i)
         elif to_bf16:
             for j in range(n):
-                out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
+                out[i, j] = _bf16(_e4m3(codes[i, j]) * rs * col_scales[j])
         else:
             for j in range(n):
-                out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
+                out[i, j] = _e4m3(codes[i, j]) * rs * col_scales[j]
 
 
 @_kernel

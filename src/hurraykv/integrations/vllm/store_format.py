@@ -207,8 +207,9 @@ def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
         run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, o2, to_bf16,
                                                            a, b), len(codes), nbytes)
     else:
-        run_bands(lambda a, b: kern.dequantize_rows(codes, fp8, rows, cols, o2, to_bf16,
-                                                    a, b), len(codes), nbytes)
+        per_column = not t.quantization.per_slot if t.quantization is not None else False
+        run_bands(lambda a, b: kern.dequantize_rows(codes, fp8, rows, cols, per_column, o2,
+                                                    to_bf16, a, b), len(codes), nbytes)
     return values
 
 

@@ -58,7 +58,9 @@ class WorkerSide:
         self._later: frozenset[str] = frozenset()  # members verified beside the forward pass
         self._unchecked: dict[str, Any] = {}  # segment name -> its Pending checks
         self._names: dict[int, str] = {}  # id of a fetched snapshot -> its segment's name
-        self._decoded: DecodeBuffers | None = None  # set when the cache is known
+        self._decoded: tuple[DecodeBuffers, DecodeBuffers] | None = None  # by layer parity
+        self._decoder: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future] | None = None  # the next layer's decode, started
 
     # ------------------------------------------------------------------ layers
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -95,8 +97,9 @@ class WorkerSide:
                                      float(getattr(layer, "_v_scale_float", 1.0))))
         self._later = later_members(len(self._layers))
         checksums.warm()  # compiled now, not inside the first load's time
-        self._decoded = DecodeBuffers(numpy_dtype(self._layers[0][1].parts[0].dtype))
-        warm_formats(set(ctx.formats.values()), self._decoded.dtype)
+        dtype = numpy_dtype(self._layers[0][1].parts[0].dtype)
+        self._decoded = (DecodeBuffers(dtype), DecodeBuffers(dtype))
+        warm_formats(set(ctx.formats.values()), dtype)
         log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
                  "segments read on %d core(s) %s", len(self._layers), backend, kind,
                  ctx.chunk_size, ctx.url, threads.workers(), sorted(os.sched_getaffinity(0)))
@@ -136,6 +139,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
+        self._settle_decoder()
         self._fetched, self._written, self._unchecked, self._names = [], set(), {}, {}
         self._checks.settle()
         if plan is None:
@@ -222,14 +226,15 @@ class WorkerSide:
         layer, view = self._layer(layer_name)
         self._drop_unverified(layer)
         try:
-            for blocks, snap, first in self._fetched:
+            decoded = self._decoded_layer(layer)
+            for fetched in self._fetched:
+                blocks, snap, first = fetched
                 n = len(blocks)
                 if self._format_of(snap).auto:
                     pages = [t.page_pool[first:first + n] for t in snap.layer(layer)]
                     stored = sum(p.nbytes for p in pages)
-                else:  # decoded into the cache dtype in reused buffers; write() copies
-                    pages = [self._decoded.pages(r, t, first, n)
-                             for r, t in enumerate(snap.layer(layer))]
+                else:  # decoded into the cache dtype; write() copies them
+                    pages = decoded[id(fetched)]
                     stored = sum(snap.descriptor(layer, role).buffers[0].byte_size * n //
                                  max(t.num_pages, 1) for t, role in zip(
                                      snap.layer(layer), snap.roles, strict=True))
@@ -244,6 +249,44 @@ class WorkerSide:
         self._written.add(layer_name)
         stats["layers_written"] += 1
         stats["load_seconds"] += time.perf_counter() - started
+
+    def _decoded_layer(self, layer: int) -> dict[int, list[np.ndarray]]:
+        """Layer ``layer``'s stored pages of every quantized run, decoded into the cache
+        dtype (by run: ``id`` of its ``_fetched`` entry); then the next layer's decode is
+        started on the decoder thread, so that it runs while this layer is written (the
+        write is the engine's kernel: decoding beside it hides most of the decode).  Two
+        sets of buffers, by layer parity: a layer's pages are never overwritten before the
+        next layer's wait, which comes after its write."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == layer:
+            decoded = ahead[1].result()
+        else:
+            decoded = self._decode(layer, list(self._fetched))
+        if layer + 1 < len(self._layers) and any(
+                not self._format_of(snap).auto for _, snap, _ in self._fetched):
+            if self._decoder is None:
+                self._decoder = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-decode")
+            self._ahead = (layer + 1, self._decoder.submit(self._decode, layer + 1,
+                                                           list(self._fetched)))
+        return decoded
+
+    def _decode(self, layer: int, fetched: list) -> dict[int, list[np.ndarray]]:
+        buffers = self._decoded[layer % 2]
+        out, k = {}, 0
+        for entry in fetched:
+            blocks, snap, first = entry
+            if not self._format_of(snap).auto:
+                out[id(entry)] = [buffers.pages(2 * k + r, t, first, len(blocks))
+                                  for r, t in enumerate(snap.layer(layer))]
+                k += 1
+        return out
+
+    def _settle_decoder(self) -> None:
+        """Wait for a decode started ahead (its buffers are about to be reused)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                ahead[1].result()
 
     def _drop_unverified(self, layer: int) -> None:
         """Wait for layer ``layer``'s checks; a segment that fails them is written no
@@ -387,6 +430,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
         self._checks.close()
+        self._settle_decoder()
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False)
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
 
