@@ -127,7 +127,12 @@ def test_allkeys_lru_evicts_and_every_read_is_exact_or_a_miss(tmp_path, path):
             if seen[sid] == "gone":
                 assert not there and sid not in store  # a miss
 
-        # a lookup answers a snapshot still stored whose tokens are the ones asked for
+        # a lookup answers a snapshot still stored whose tokens are the ones asked for;
+        # one stored just now (older keys idle for a second of Redis's LRU clock) is
+        # there to be found whatever the sampled eviction left of the others
+        time.sleep(1.1)
+        recent, tokens[f"s{n}"] = batch(n)
+        store.put(f"s{n}", recent, token_ids=tokens[f"s{n}"])
         hits = 0
         for sid, toks in tokens.items():
             for seq in toks:
