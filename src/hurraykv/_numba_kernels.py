@@ -261,20 +261,8 @@ def _e4m3(b):
 
 
 @_jit
-def _int8_rows(codes, rs, col_scales, per_column, out, to_bf16, i):
-    n = codes.shape[1]
-    if per_column and to_bf16:
-        for j in range(n):
-            out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs * col_scales[j])
-    elif per_column:
-        for j in range(n):
-            out[i, j] = np.float32(np.int8(codes[i, j])) * rs * col_scales[j]
-    elif to_bf16:  # per slot: one scale for the row
-        for j in range(n):
-            out[i, j] = _bf16(np.float32(np.int8(codes[i, j])) * rs)
-    else:
-        for j in range(n):
-            out[i, j] = np.float32(np.int8(codes[i, j])) * rs
+def _scaled(v, rs, col_scales, per_column, j):
+    return v * rs * col_scales[j] if per_column else v * rs
 
 
 @_kernel
@@ -284,38 +272,45 @@ def dequantize_rows(codes, fp8, row_scales, col_scales, per_column, out, to_bf16
     ``[start, stop)``: ``value`` is the int8 code itself, or the float8 e4m3 value of the
     byte (``fp8``); ``out`` float32, or bfloat16 bits (``to_bf16``).  Without
     ``per_column`` the column scales are 1 and not read.  A scale of 1 is exact, so
-    per-slot and per-channel scales give the bits of ``code * scale``."""
+    per-slot and per-channel scales give the bits of ``code * scale``.  The flags are
+    the same for every element: the branches leave the inner loops."""
     n = codes.shape[1]
     for i in range(start, stop):
         rs = row_scales[i]
-        if not fp8:
-            _int8_rows(codes, rs, col_scales, per_column, out, to_bf16, i)
+        if fp8 and to_bf16:
+            for j in range(n):
+                out[i, j] = _bf16(_scaled(_e4m3(codes[i, j]), rs, col_scales, per_column, j))
+        elif fp8:
+            for j in range(n):
+                out[i, j] = _scaled(_e4m3(codes[i, j]), rs, col_scales, per_column, j)
         elif to_bf16:
             for j in range(n):
-                out[i, j] = _bf16(_e4m3(codes[i, j]) * rs * col_scales[j])
+                out[i, j] = _bf16(_scaled(np.float32(np.int8(codes[i, j])), rs, col_scales,
+                                          per_column, j))
         else:
             for j in range(n):
-                out[i, j] = _e4m3(codes[i, j]) * rs * col_scales[j]
+                out[i, j] = _scaled(np.float32(np.int8(codes[i, j])), rs, col_scales,
+                                    per_column, j)
 
 
 @_kernel
-def dequantize_packed_rows(packed, row_scales, col_scales, out, to_bf16, start, stop):
+def dequantize_packed_rows(packed, row_scales, col_scales, per_column, out, to_bf16, start,
+                           stop):
     """As ``dequantize_rows`` for signed 4-bit codes, two a byte, low nibble first."""
     n = packed.shape[1]
     for i in range(start, stop):
         rs = row_scales[i]
-        if to_bf16:
-            for k in range(n):
-                b = np.int32(packed[i, k])
-                out[i, 2 * k] = _bf16(np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k])
-                out[i, 2 * k + 1] = _bf16(np.float32((((b >> 4) & 15) ^ 8) - 8) * rs
-                                          * col_scales[2 * k + 1])
-        else:
-            for k in range(n):
-                b = np.int32(packed[i, k])
-                out[i, 2 * k] = np.float32(((b & 15) ^ 8) - 8) * rs * col_scales[2 * k]
-                out[i, 2 * k + 1] = (np.float32((((b >> 4) & 15) ^ 8) - 8) * rs
-                                     * col_scales[2 * k + 1])
+        for k in range(n):
+            b = np.int32(packed[i, k])
+            lo = _scaled(np.float32(((b & 15) ^ 8) - 8), rs, col_scales, per_column, 2 * k)
+            hi = _scaled(np.float32((((b >> 4) & 15) ^ 8) - 8), rs, col_scales, per_column,
+                         2 * k + 1)
+            if to_bf16:
+                out[i, 2 * k] = _bf16(lo)
+                out[i, 2 * k + 1] = _bf16(hi)
+            else:
+                out[i, 2 * k] = lo
+                out[i, 2 * k + 1] = hi
 
 
 @_kernel

@@ -49,6 +49,23 @@ def as_bits(rows: np.ndarray, kind: int) -> np.ndarray:
     return rows.view(_BITS_VIEW[kind])
 
 
+_SIGN = {FLOAT16: 0x8000, BFLOAT16: 0x8000, FLOAT32: 0x80000000}
+_DTYPES = {FLOAT16: np.float16, BFLOAT16: ml_dtypes.bfloat16, FLOAT32: np.float32}
+
+
+def key_limits(kind: int) -> int:
+    """The largest magnitude key of an input kind (its bits less the sign bit): what
+    ``column_keys`` starts its minima from."""
+    return _SIGN[kind] - 1
+
+
+def key_floats(keys: np.ndarray, kind: int) -> np.ndarray:
+    """float32 of ordered keys (the kernels' sign-magnitude bits as integers, negative
+    for negative values) of an input kind."""
+    bits = np.where(keys >= 0, keys, (-keys) | _SIGN[kind]).astype(_BITS_VIEW[kind])
+    return bits.view(_DTYPES[kind]).astype(np.float32)
+
+
 def impl() -> ModuleType | None:
     """The compiled kernels, or None without them.  numba is imported, and the kernels
     compiled or loaded from its cache, on the first call; a numba that fails to import

@@ -270,7 +270,7 @@ def _channel_kernel(x: np.ndarray, used: np.ndarray, axis: int, qmin: int, qmax:
     n, heads, dim = x.shape
     bits = _k.as_bits(x.reshape(n, -1), kind)
     u = np.ascontiguousarray(used, np.bool_)
-    sign, mask = {0: (0x8000, 0x7FFF), 1: (0x8000, 0x7FFF), 2: (0x80000000, 0x7FFFFFFF)}[kind]
+    mask = _k.key_limits(kind)
     bands: list[tuple[np.ndarray, np.ndarray, bool]] = []
 
     def ranges(a: int, b: int) -> None:
@@ -283,8 +283,7 @@ def _channel_kernel(x: np.ndarray, used: np.ndarray, axis: int, qmin: int, qmax:
         return None
     keys = np.stack([np.min([lo for lo, _, _ in bands], axis=0),
                      np.max([hi for _, hi, _ in bands], axis=0)])
-    values = np.where(keys >= 0, keys, (-keys) | sign).astype(
-        _k._BITS_VIEW[kind]).view(x.dtype).astype(np.float32).reshape(2, heads, dim)
+    values = _k.key_floats(keys, kind).reshape(2, heads, dim)
     red = 0 if axis == 2 else 1  # over the other of (heads, head_dim)
     lo, hi = values[0].min(axis=red), values[1].max(axis=red)
     if not u.any():

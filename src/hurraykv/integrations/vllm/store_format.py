@@ -133,13 +133,23 @@ class StoreFormat:
                                   value=found, rule="pages in order")
 
 
-def _peak(pages: np.ndarray) -> float:
-    """The largest magnitude in ``pages`` (inf or nan when one is not finite)."""
+def _slot_bits(pages: np.ndarray):
+    """``(kernels, input kind, slot rows as the unsigned bits the kernels read)``, or
+    None where the compiled path does not apply (no numba, another dtype, a view)."""
     kind = kernels.input_kind(pages.dtype)
     kern = kernels.impl() if kind is not None and pages.flags.c_contiguous else None
     if kern is None or not pages.size:
+        return None
+    return kern, kind, kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1),
+                                       kind)
+
+
+def _peak(pages: np.ndarray) -> float:
+    """The largest magnitude in ``pages`` (inf or nan when one is not finite)."""
+    compiled = _slot_bits(pages)
+    if compiled is None:
         return float(np.abs(np.asarray(pages, np.float32)).max()) if pages.size else 0.0
-    rows = kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1), kind)
+    kern, kind, rows = compiled
     n = rows.shape[0]
     used = np.ones(n, np.bool_)
     lo, hi = np.empty(n, np.float32), np.empty(n, np.float32)
@@ -154,12 +164,11 @@ def _peak(pages: np.ndarray) -> float:
 def _fp8_codes(pages: np.ndarray, scale: np.float32) -> np.ndarray:
     """e4m3 codes of ``clip(pages / scale, -448, 448)`` (finite ``pages``): one compiled
     pass from the cache's bits, else NumPy's conversion (the same bits, tested)."""
-    kind = kernels.input_kind(pages.dtype)
-    kern = kernels.impl() if kind is not None and pages.flags.c_contiguous else None
-    if kern is None or not pages.size:
+    compiled = _slot_bits(pages)
+    if compiled is None:
         values = np.asarray(pages, np.float32)
         return np.clip(values / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    rows = kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1), kind)
+    kern, kind, rows = compiled
     codes = alloc.empty(rows.shape, np.uint8)
     run_bands(lambda a, b: kern.fp8_e4m3_encode(rows, kind, scale, codes, a, b),
               rows.shape[0], pages.nbytes)
@@ -176,6 +185,7 @@ def decode(t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
 
 
 _WRITES = {np.dtype(np.float32): False, np.dtype(ml_dtypes.bfloat16): True}  # -> to_bf16
+_NO_COLUMNS = np.ones(1, np.float32)  # what the kernels get for column scales they skip
 
 
 def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
@@ -203,11 +213,12 @@ def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
     o2 = values.reshape(codes.shape[0], -1)
     if to_bf16:
         o2 = o2.view(np.uint16)
+    per_column = cols is not None
+    cols = cols if per_column else _NO_COLUMNS
     if packed:
-        run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, o2, to_bf16,
-                                                           a, b), len(codes), nbytes)
+        run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, per_column, o2,
+                                                           to_bf16, a, b), len(codes), nbytes)
     else:
-        per_column = not t.quantization.per_slot if t.quantization is not None else False
         run_bands(lambda a, b: kern.dequantize_rows(codes, fp8, rows, cols, per_column, o2,
                                                     to_bf16, a, b), len(codes), nbytes)
     return values
@@ -248,16 +259,16 @@ def warm(formats: Any, dtype: Any) -> None:
 
 
 def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
-    """``(codes [slots, bytes], fp8 (else int8), per-slot scales, per-element scales,
-    packed)`` of the pages, or None for what ``decode_pages`` leaves to
-    ``decode`` (zero-points, another scheme or type)."""
+    """``(codes [slots, bytes], fp8 (else int8), per-slot scales, per-element scales or
+    None (per_channel only), packed)`` of the pages, or None for what ``decode_pages``
+    leaves to ``decode`` (zero-points, another scheme or type)."""
     size, elems = t.page_size, t.num_heads * t.head_dim
     slots = count * size
     rows = t._rows[first:first + count]
     q, name = t.quantization, t.element_type.name
     if q is None and t.fp8_scale is not None and name == "float8_e4m3":
         return (rows.view(np.uint8).reshape(slots, elems), True,
-                np.full(slots, np.float32(t.fp8_scale)), np.ones(elems, np.float32), False)
+                np.full(slots, np.float32(t.fp8_scale)), None, False)
     if q is None or not q.AFFINE or name not in _LEVELS or elems % 2:
         return None
     scales, zps = params_arrays(q, t.quant_params, t._param_count())
@@ -265,7 +276,7 @@ def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
         return None
     if q.per_slot:
         row_scales = np.ascontiguousarray(scales[first * size:first * size + slots])
-        col_scales = np.ones(elems, np.float32)
+        col_scales = None
     elif q.GRANULARITY == "channel" and q.axis in (1, 2):
         col_scales = (np.tile(scales, t.num_heads) if q.axis == 2 else
                       np.repeat(scales, t.head_dim)).astype(np.float32)

@@ -400,7 +400,7 @@ class WorkerSide:
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
         """A segment snapshot of these pages: built and validated once per length, then
         the same structure over each new segment's pools (``with_pools``)."""
-        if not self.format.auto:  # encoded tensors: their scales differ segment by segment
+        if not self.format.auto:  # encoded tensors: from_tensors takes their fp8 scales too
             return self.format.segment(pools, self.ctx.identity)
         pages = pools[0][0].shape[0]
         template = self._templates.get(pages)
