@@ -156,6 +156,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def write_all(fd: int, pieces: Sequence[Any], what: str) -> None:
+    """Write every byte of ``pieces`` to ``fd`` in gathered writes (``IOV_MAX`` buffers a
+    call).  Empty pieces are dropped first, since ``writev`` of nothing returns 0; a write
+    that then makes no progress raises instead of being retried forever."""
+    views = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    limit = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+    first = 0
+    while first < len(views):
+        n = os.writev(fd, views[first:first + limit])
+        if n <= 0:
+            left = sum(v.nbytes for v in views[first:])
+            raise ContainerError(f"cannot write {what}: the system wrote 0 of {left} bytes",
+                                 field="path", value=what, rule="every write makes progress")
+        while n:
+            if n >= views[first].nbytes:
+                n -= views[first].nbytes
+                first += 1
+            else:
+                views[first], n = views[first][n:], 0
+
+
 def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
     """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
     return write_pieces(path, [data], len(data), fsync=fsync)
@@ -173,15 +194,7 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int, *,
         if sum(v.nbytes for v in views) != size:
             raise ContainerError(f"{path}: pieces of {sum(v.nbytes for v in views)} bytes "
                                  f"for a file of {size}", field="size", value=size)
-        limit = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-        while views:
-            n = os.writev(fd, views[:limit])
-            while n and views:
-                if n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0], n = views[0][n:], 0
+        write_all(fd, views, str(path))
         if fsync:
             os.fsync(fd)
         os.replace(tmp, path)  # still locked: nobody takes it for a dead writer's

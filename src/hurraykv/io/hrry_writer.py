@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import ContainerError
 from ..paged import byte_view
 from ..wire.descriptor import TensorDescriptor
 from .atomic import create_temp, fsync_dir
@@ -94,17 +95,22 @@ class HrryWriter:
                 return
             mv = memoryview(b"")
         self._flush()
-        while mv:
-            n = self._f.write(mv)
-            mv = mv[n:]
+        self._write_out(mv)
 
     def _flush(self) -> None:
         pending = memoryview(self._pending)
-        while pending:
-            n = self._f.write(pending)
-            pending = pending[n:]
+        self._write_out(pending)
         del pending
         self._pending = bytearray()
+
+    def _write_out(self, mv: memoryview) -> None:
+        while mv:
+            n = self._f.write(mv)
+            if not n:  # None (would block) or 0: retrying would spin, never finish
+                raise ContainerError(f"the output took {n} of {mv.nbytes} bytes",
+                                     field="output", value=n,
+                                     rule="a blocking file that accepts every write")
+            mv = mv[n:]
 
     def _pad_to(self, a: int) -> None:
         n = round_up(self.pos, a) - self.pos

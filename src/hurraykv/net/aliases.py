@@ -12,18 +12,26 @@ that shape (checked by a regular expression before any JSON is decoded, so no ne
 reach the decoder), or cut by a crash, is skipped and counted, never fatal.  After loading,
 and whenever the file holds more than twice what is live, it is rewritten (atomically) with
 the live aliases only.
+
+That rewrite can take as long as the table is large, so it never runs on the thread that
+changes the table (the server's event loop): the live aliases are copied there, then a
+compaction thread writes and fsyncs them to a temporary file.  Appends go on meanwhile, to
+the old file and to a tail kept for the new one; under the file lock the thread writes the
+tail after the copy and renames the result into place, so no acknowledged LINK is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
-from ..io.atomic import write_bytes
+from ..io.atomic import create_temp, fsync_dir, write_all
 
 log = logging.getLogger("hurraykv.server")
 
@@ -52,6 +60,10 @@ class AliasTable:
         self.nbytes = 0
         self._file_bytes = 0
         self._live_bytes = 0  # of the file, what the live aliases' lines take
+        self._file_lock = threading.Lock()  # an append, or a compaction's final rename
+        self._tail: list[bytes] | None = None  # appended since a compaction copied the table
+        self._compactor: threading.Thread | None = None
+        self.compactions_failed = 0
         if path is not None:
             self._load()
 
@@ -119,30 +131,81 @@ class AliasTable:
     def _append(self, data: bytes) -> None:
         if self.path is None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND
-                     | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                data = b"\n" + data  # a line cut by a crash must not glue onto this one
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-            self._file_bytes = size + len(data)
-        finally:
-            os.close(fd)
+        with self._file_lock:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND
+                         | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                size = os.fstat(fd).st_size
+                # a line cut by a crash must not glue onto this one
+                cut = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
+                write_all(fd, [cut, data], str(self.path))
+                os.fsync(fd)
+                self._file_bytes = size + len(cut) + len(data)
+                if self._tail is not None:
+                    self._tail.append(data)
+            finally:
+                os.close(fd)
 
     def _maybe_compact(self) -> None:
-        if self.path is not None and self._file_bytes > 2 * self._live_bytes + COMPACT_SLACK:
-            self.compact()
+        if (self.path is not None and self._compactor is None
+                and self._file_bytes > 2 * self._live_bytes + COMPACT_SLACK):
+            self._start_compaction()
+
+    def _start_compaction(self) -> threading.Thread:
+        items = list(self._target.items())  # here, where the table changes: a consistent copy
+        with self._file_lock:
+            self._tail = []
+        thread = threading.Thread(target=self._compact_from, args=(items,), daemon=True,
+                                  name="hurraykv-alias-compaction")
+        self._compactor = thread
+        thread.start()
+        return thread
 
     def compact(self) -> None:
-        """Rewrite the file with the live aliases only (atomically)."""
+        """Rewrite the file with the live aliases only (atomically), and wait for it."""
         assert self.path is not None
-        data = b"".join(_line(a, t) for a, t in self._target.items())
-        write_bytes(self.path, data)  # temporary, fsync, rename, fsync of the directory
-        self._file_bytes = self._live_bytes = len(data)
+        self.wait_compacted()
+        self._start_compaction().join()
+
+    def wait_compacted(self, timeout: float | None = None) -> None:
+        """Wait for a compaction in progress (a clean shutdown; tests)."""
+        thread = self._compactor
+        if thread is not None:
+            thread.join(timeout)
+
+    def _compact_from(self, items: list[tuple[str, str]]) -> None:
+        assert self.path is not None
+        try:
+            data = self._serialize(items)
+            fd, tmp = create_temp(self.path)
+            try:
+                write_all(fd, [data], tmp)
+                os.fsync(fd)  # the bulk, outside the lock: appends go on meanwhile
+                with self._file_lock:
+                    tail = b"".join(self._tail or ())
+                    write_all(fd, [tail], tmp)
+                    os.fsync(fd)
+                    os.replace(tmp, self.path)
+                    self._file_bytes = len(data) + len(tail)
+                    self._tail = None
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                os.close(fd)
+            fsync_dir(self.path.parent)
+        except Exception as e:  # the old file is whole still: nothing lost, retried later
+            self.compactions_failed += 1
+            log.warning("%s: compaction failed, the file is kept as it is: %s", self.path, e)
+        finally:
+            with self._file_lock:
+                self._tail = None
+            self._compactor = None
+
+    @staticmethod
+    def _serialize(items: list[tuple[str, str]]) -> bytes:
+        return b"".join(_line(a, t) for a, t in items)
 
     def _load(self) -> None:
         assert self.path is not None

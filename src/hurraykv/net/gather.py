@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import ssl
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ def send_gathered(sock: socket.socket, parts: Sequence[Any]) -> None:
     start = 0
     while start < len(views):
         sent = sock.sendmsg(views[start:start + IOV_MAX])
+        if sent <= 0:  # never retried: a send that moves nothing would spin forever
+            raise BrokenPipeError(errno.EPIPE, "the socket took 0 bytes of a send")
         while sent:
             if sent >= views[start].nbytes:
                 sent -= views[start].nbytes

@@ -70,6 +70,11 @@ class KeyStore(PersistedTier):
                     self._evict_disk_down_to(persist_budget)
                 self._drop_gone()
 
+    def close(self) -> None:
+        """Let a compaction of the alias log in progress finish (a server stopping: a new
+        one on the same directory must not see it renamed over its appends)."""
+        self.aliases.wait_compacted()
+
     # -- the budget ----------------------------------------------------------------------
     def idle_room(self) -> int | None:
         """Bytes the receive pool may keep idle now (None: no budget)."""

@@ -1,0 +1,186 @@
+"""Write loops that always finish (issue 29, item 1): an empty rewrite, a write that makes
+no progress, and the server's alias log compacted off its event loop.  Each of these hung
+for ever on the code before the fix: ``writev`` of nothing returns 0, and the loop retried."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.io.atomic import write_all, write_pieces
+from hurraykv.net.aliases import AliasTable
+from hurraykv.net.client import KVClient
+from hurraykv.net.server import KVServer
+from tests.snapshots import make_snapshot
+
+
+def _bounded(fn, seconds: float = 20.0):
+    """Run ``fn`` on a thread and fail (rather than hang the suite) if it does not return."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} did not return within {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+@pytest.mark.parametrize("pieces", [[b""], [b"", b""], [b"", b"ab", b"", b"c", b""]])
+def test_an_empty_or_partly_empty_rewrite_returns(tmp_path, pieces):
+    path = tmp_path / "f"
+    path.write_bytes(b"old")
+    size = sum(map(len, pieces))
+    _bounded(lambda: write_pieces(path, pieces, size, fsync=True))  # before: never returned
+    assert path.read_bytes() == b"".join(pieces)
+    assert os.listdir(tmp_path) == ["f"]  # no temporary left
+
+
+def test_a_write_that_makes_no_progress_is_an_error_not_a_spin(tmp_path):
+    class Stuck:  # a file object whose write takes nothing, as a non-blocking one may
+        def write(self, mv):
+            return 0
+
+    from hurraykv.io.hrry_writer import HrryWriter
+
+    w = HrryWriter.__new__(HrryWriter)
+    w._f = Stuck()
+    with pytest.raises(hk.HurrayError) as exc:
+        _bounded(lambda: w._write_out(memoryview(b"abc")))
+    assert exc.value.field == "output" and "took 0 of 3 bytes" in str(exc.value)
+
+
+def test_write_all_writes_more_pieces_than_one_gathered_write_takes(tmp_path):
+    pieces = [bytes([i % 251]) * (i % 7) for i in range(5000)]  # > IOV_MAX, many empty
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        write_all(fd, pieces, "f")
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
+
+
+# ------------------------------------------------------------------------- alias log
+def _pairs(n: int, prefix: str = "a", target: str = "t") -> list[tuple[str, str]]:
+    return [(f"{prefix}{i:05d}-" + "x" * 990, target) for i in range(n)]
+
+
+def test_removing_every_alias_compacts_the_log_to_nothing(tmp_path):
+    table = AliasTable(tmp_path / "aliases.jsonl")
+    table.link(_pairs(1200))  # 1.2 MB of lines
+    _bounded(lambda: table.drop_target("t"))  # before: the empty rewrite never returned
+    _bounded(table.wait_compacted)
+    assert (tmp_path / "aliases.jsonl").read_bytes() == b""
+    assert len(AliasTable(tmp_path / "aliases.jsonl")) == 0
+
+
+def test_a_compaction_runs_beside_the_caller_and_keeps_links_made_meanwhile(tmp_path):
+    copying, proceed = threading.Event(), threading.Event()
+    caller = threading.get_ident()
+    ran_on: list[int] = []
+
+    class Slow(AliasTable):
+        def _serialize(self, items):
+            ran_on.append(threading.get_ident())
+            copying.set()
+            assert proceed.wait(20)
+            return super()._serialize(items)
+
+    table = Slow(tmp_path / "aliases.jsonl")
+    table.link(_pairs(1200))
+    table.remove([a for a, _ in _pairs(1100)])  # the file now holds far more than is live
+    assert copying.wait(20)
+    # the compaction is under way on its own thread: the table still changes, durably
+    table.link(_pairs(3, prefix="late", target="u"))
+    table.remove(["a01150-" + "x" * 990])
+    proceed.set()
+    table.wait_compacted(20)
+    assert ran_on and ran_on[0] != caller
+    size = (tmp_path / "aliases.jsonl").stat().st_size
+    assert size < 200 * 1024  # compacted
+    again = AliasTable(tmp_path / "aliases.jsonl")
+    assert again.items() == table.items()
+    assert len(again) == 100 - 1 + 3
+
+
+def test_a_failed_compaction_keeps_the_log_whole(tmp_path, monkeypatch):
+    table = AliasTable(tmp_path / "aliases.jsonl")
+    table.link(_pairs(1200))
+
+    def fail(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hurraykv.net.aliases.create_temp", fail)
+    table.remove([a for a, _ in _pairs(1100)])
+    table.wait_compacted(20)
+    assert table.compactions_failed == 1
+    monkeypatch.undo()
+    table.link([("after", "t")])
+    assert AliasTable(tmp_path / "aliases.jsonl").items() == table.items()
+
+
+def test_a_server_keeps_answering_while_an_rm_drops_a_megabyte_of_aliases(tmp_path):
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address, timeout=10) as a, KVClient(st.address, timeout=10) as b:
+        a.push("target", make_snapshot())
+        a.push("other", make_snapshot(seed=2))
+        for chunk in range(4):
+            a.link(_pairs(300, prefix=f"c{chunk}-", target="target"))
+        a.delete("target")  # before: the server never answered again
+        assert b.has(["target", "other"]) == [False, True]
+        b.link([("kept", "other")])
+        st.server.store.aliases.wait_compacted(20)
+        assert (tmp_path / "aliases.jsonl").stat().st_size < 1024
+    with KVServer(listen="127.0.0.1:0", persist=str(tmp_path)).run_in_thread() as st, \
+            KVClient(st.address, timeout=10) as c:
+        assert c.aliases() == [("kept", "other")]
+
+
+def test_a_server_starts_on_an_alias_log_holding_only_a_cut_line(tmp_path):
+    (tmp_path / "aliases.jsonl").write_bytes(b'["cut-by-a-cr')
+    server = _bounded(lambda: KVServer(listen="127.0.0.1:0", persist=str(tmp_path))
+                      .run_in_thread())  # before: never listened
+    with server as st, KVClient(st.address, timeout=10) as c:
+        assert c.aliases() == []
+    assert (tmp_path / "aliases.jsonl").read_bytes() == b""
+
+
+def test_a_file_store_whose_alias_log_compacts_to_nothing_releases_its_lock(tmp_path,
+                                                                               monkeypatch):
+    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
+    from hurraykv.integrations.file_capacity import Capacity
+    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.io import checksums
+
+    monkeypatch.setattr(FileChunks, "COMPACT_SLACK", 2)
+    monkeypatch.setattr(Capacity, "RESCAN_SECONDS", 0.0)
+
+    def seg(seed: int) -> hk.KVCacheSnapshot:
+        pool = np.random.default_rng(seed).standard_normal((8, 4, 2, 8)).astype(np.float16)
+        return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+            [pool], [pool], np.arange(8), [0, 8], [32]))
+
+    def put(store: FileChunks, seed: int) -> None:
+        store.put(ChunkKeys(identity_digest(f"t{seed}"), 4).upto(list(range(32)), 8), 0,
+                  seg(seed), {})
+
+    probe = FileChunks(tmp_path / "probe")
+    put(probe, 0)
+    size = next((tmp_path / "probe").glob("*.hrry")).stat().st_size
+    store = FileChunks(tmp_path / "kv", max_bytes=size)  # room for one: each put evicts all
+    for seed in range(6):
+        _bounded(lambda seed=seed: put(store, seed))  # before: hung holding DIR/.lock
+    other = FileChunks(tmp_path / "kv", max_bytes=size)
+    _bounded(lambda: put(other, 99))
+    assert len(list((tmp_path / "kv").glob("*.hrry"))) == 1
