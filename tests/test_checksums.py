@@ -3,6 +3,8 @@ buffer, carried as ordinary metadata that other Hurray readers keep, verified on
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -291,3 +293,84 @@ def test_the_digests_are_xxh3_of_every_piece_in_order(dtype):
     snap = make_snapshot(dtype)
     assert checksums.digests(snap) == "".join(
         f"{xxhash.xxh3_64_intdigest(v):016x}" for *_, v in checksums._pieces(snap))
+
+
+
+def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(tmp_path):
+    # Issue 29 item 5: a reader that had learned the structure took the digests from the
+    # first place their text sat, here another entry, and accepted what a fresh one refused
+    def plain(seed: int) -> hk.KVCacheSnapshot:
+        rng = np.random.default_rng(seed)
+        pools = [rng.standard_normal((2, 4, 2, 8)).astype(np.float16) for _ in range(2)]
+        return hk.KVCacheSnapshot.from_arrays(pools, [p * 2 for p in pools], np.arange(2),
+                                              [0, 2], [8])
+
+    directory = tmp_path / "kv"
+    open_store(directory.as_uri())
+    good, bad = plain(0), plain(1)
+    ours, theirs = checksums.digests(good), checksums.digests(bad)
+    good_name, bad_name = "a" * 32 + "-0", "b" * 32 + "-0"
+    for name, snap, copy, entry in [(good_name, good, ours, ours),  # a copy of its own
+                                    (bad_name, bad, theirs, ours)]:  # copy right, entry not
+        # the copy first in the file: the text a search for it finds first
+        hk.save_snapshot(snap.with_info(metadata={"note": copy, checksums.KEY: entry}),
+                         directory / f"{name}.hrry", fsync=False)
+    fresh = open_store(directory.as_uri())
+    with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
+        fresh.get_verified(bad_name)
+    learned = open_store(directory.as_uri())
+    assert learned.get_verified(good_name).equal(good)
+    assert learned._by_size  # the structure is known from here on
+    with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
+        learned.get_verified(bad_name)
+    unverified = open_store(directory.as_uri())  # a plain get, then verify: the same
+    unverified.get(good_name)
+    got = unverified.get(bad_name)
+    assert (got.metadata["note"], got.metadata[checksums.KEY]) == (theirs, ours)
+    with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
+        checksums.verify(got)
+    # a file whose copy is the same as the learnt one's takes the known structure, and
+    # still its own entry's digests
+    hk.save_snapshot(bad.with_info(metadata={"note": ours, checksums.KEY: theirs}),
+                     directory / f"{'c' * 32}-0.hrry", fsync=False)
+    assert learned.get_verified("c" * 32 + "-0").equal(bad)
+
+
+@pytest.mark.parametrize(("cut", "why"), [
+    (16, r"holds {n1} digests \({c1} characters\) for {n} checksummed pieces; the number of "
+         r"digests must equal the number of pieces"),
+    (3, r"holds {n1} digests and 13 hex digit\(s\) more \({c3} characters\) for {n} "
+        r"checksummed pieces"),
+])
+def test_a_wrong_number_of_digests_is_said_as_such(tmp_path, capsys, cut, why):
+    # Issue 29 item 7: the file was refused, as "73 damaged pieces ... seq_lens"
+    from hurraykv.cli import main
+
+    snap = checksums.with_checksums(make_snapshot("fp8"))
+    text = snap.metadata[checksums.KEY]
+    n = len(text) // 16
+    why = why.format(n=n, n1=n - 1, c1=len(text) - 16, c3=len(text) - 3)
+    short = snap.with_info(metadata={checksums.KEY: text[:-cut]})
+    with pytest.raises(checksums.ChecksumError, match=r"segment x: checksum\.xxh3_64 " + why
+                       ) as e:
+        checksums.verify(short, "segment x")
+    assert (e.value.field, e.value.value) == (checksums.KEY, n - 1)
+    assert "damaged" not in str(e.value)
+    store = open_store((tmp_path / "kv").as_uri())
+    hk.save_snapshot(short, tmp_path / "kv" / f"{'d' * 32}-0.hrry", fsync=False)
+    for read in (store.get_verified, lambda name: store.get_checked(name, frozenset(
+            {"layers.1.key", "layers.1.value"}))):
+        with pytest.raises(checksums.ChecksumError, match=why):
+            read("d" * 32 + "-0")
+    capsys.readouterr()
+    assert main(["validate", str(tmp_path / "kv" / f"{'d' * 32}-0.hrry")]) == 1
+    assert re.search(why, capsys.readouterr().err)
+
+
+def test_a_digest_that_is_not_hex_is_named_by_its_place():
+    snap = checksums.with_checksums(make_snapshot("float16"))
+    text = snap.metadata[checksums.KEY]
+    for bad in (text[:37] + "g" + text[38:], text[:16] + " " * 16 + text[32:]):
+        with pytest.raises(checksums.ChecksumError, match=r"checksum\.xxh3_64 at character "
+                                                          r"(37 \(digest 2\)|16 \(digest 1\))"):
+            checksums.verify(snap.with_info(metadata={checksums.KEY: bad}))

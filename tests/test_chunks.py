@@ -113,11 +113,18 @@ def test_server_aliases_survive_a_restart_and_stay_in_their_tenant(tmp_path):
         store.close()
 
 
-@pytest.mark.parametrize(("url", "why"), [("ftp://x/y", "scheme"), ("file://host/x", "local"),
-                                          ("http://127.0.0.1:1", "scheme")])
+@pytest.mark.parametrize(("url", "why"), [
+    ("ftp://x/y", "scheme"), ("file://host/x", "local"), ("http://127.0.0.1:1", "scheme"),
+    # Issue 29 item 4: a ValueError, a part of the URL dropped, a NUL byte at open
+    ("hurray://[::1", "does not parse as a URL"),
+    ("file:///tmp/x?max_bytes=1", r"query 'max_bytes=1' is not read by a file:// store "
+                                  r"\(file:///DIR\): max_bytes is a setting of its own"),
+    ("file:///tmp/x%00y", "NUL byte"), ("hurray://h:1#x", "fragment 'x' is not read"),
+])
 def test_store_urls_are_checked(url, why):
-    with pytest.raises(hk.HurrayError, match=why):
-        open_store(url)
+    with pytest.raises(hk.HurrayError, match=why) as e:
+        open_store(url, timeout=0.1)
+    assert e.value.field == "url"
 
 
 def test_a_fresh_process_finds_every_ranks_aliases(tmp_path):

@@ -52,3 +52,48 @@ def test_the_docs_table_lists_exactly_the_known_keys():
     documented = {k for row in table.splitlines()[2:]
                   for k in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     assert documented == set(KEYS)
+
+
+@pytest.mark.parametrize(("extra", "key", "why"), [
+    # Issue 29 item 4: OverflowError, ValueError, a NUL at open, a query dropped
+    *[({"url": "file:///kv", k: 10**400}, k, rf"'{k}'\] is 1000.*\(401 characters\); it is "
+       r"a positive float up to 1e\+09") for k in ("lookup_timeout_ms", "load_timeout_ms",
+                                                   "save_timeout_ms", "max_backoff_s")],
+    ({"url": "file:///kv", "max_bytes": 10**400}, "max_bytes", r"up to 8 EiB"),
+    ({"url": "hurray://[::1"}, "url", r"'hurray://\[::1': it does not parse as a URL"),
+    (["url", "file:///kv"], "kv_connector_extra_config",
+     r"kv_connector_extra_config is a list \(\['url', 'file:///kv'\]\); it is an object"),
+    ("file:///kv", "kv_connector_extra_config", r"is a str"),
+    ({"url": "file:///tmp/%00x"}, "url", r"its path '/tmp/%00x' holds a NUL byte \(at "
+                                         r"character 5 of the decoded path\)"),
+    ({"url": "file:///tmp/%ffx"}, "url", r"percent-escape that is not UTF-8"),
+    ({"url": "file:///DIR?max_bytes=1"}, "url",
+     r"its query 'max_bytes=1' is not read by a file:// store \(file:///DIR\): max_bytes is "
+     r"a setting of its own \(the kv_connector_extra_config key 'max_bytes'"),
+    ({"url": "file:///DIR?x=1"}, "url", r"its query 'x=1' is not read .*'\?' in a path is "
+                                        r"written %3F"),
+    ({"url": "file:///DIR#x"}, "url", r"its fragment 'x' is not read by a file:// store"),
+    ({"url": "file:///DIR\t"}, "url", r"character 11 is '\\t'; a URL holds no control"),
+    ({"url": "hurray://me@h:1"}, "url", r"its userinfo 'me' is not read by a hurray://"),
+    ({"url": "hurray://h:1/x"}, "url", r"its path '/x' is not read by a hurray:// store"),
+    ({"url": "hurray://h:1?tls_ca=x"}, "url", r"tls_ca is a setting of its own"),
+    ({"url": "redis://h:1#x"}, "url", r"its fragment 'x' is not read by a redis:// store"),
+    ({"url": "redis://h:1/abc"}, "url", r"its path '/abc' is not a database number"),
+    ({"url": "redis+cluster://h:1/1"}, "url", r"a cluster has database 0 only"),
+    ({"url": "redis://h:1?socket_timeout="}, "url", r"its query gives 'socket_timeout' no "
+                                                    r"value"),
+    ({"url": "file:///kv", 1: 2, "x": 3}, "kv_connector_extra_config",
+     r"unknown key\(s\) \['x', 1\]"),
+])
+def test_every_refusal_is_a_hurray_error_naming_the_key(extra, key, why):
+    with pytest.raises(hk.HurrayError, match=why) as e:
+        ConnectorConfig.from_extra(extra)
+    assert e.value.field == key
+
+
+@pytest.mark.parametrize("url", ["file://localhost/kv", "file:///a%20b%3Fc", "hurray://h:1/",
+                                 "hurray:///run/hk.sock", "hurray://[::1]:7878",
+                                 "redis://u:pw@h:1/2?socket_timeout=3", "rediss://h:1",
+                                 "redis+cluster://h:1"])
+def test_every_part_a_store_reads_is_still_taken(url):
+    assert ConnectorConfig.from_extra({"url": url}).url == url

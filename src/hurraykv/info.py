@@ -69,6 +69,23 @@ def info_member(model: str | None, metadata: dict[str, Any]) -> tuple[TensorDesc
             [memoryview(data)])
 
 
+def text_offset(model: str | None, metadata: dict[str, Any], key: str) -> int | None:
+    """Where the text of the string ``metadata[key]`` starts in the bytes of
+    ``info_member(model, metadata)``, or None when JSON escapes it (so it is not its text
+    verbatim): the entry placed by the member's form and its key, never found by searching
+    for the text, which another entry may hold too."""
+    value = metadata.get(key)
+    if not isinstance(value, str) or json.dumps(value, ensure_ascii=False) != f'"{value}"':
+        return None
+    keys = list(metadata)
+    head = {k: metadata[k] for k in keys[:keys.index(key)]} | {key: ""}
+    body = json.dumps({"model": model, "metadata": head}, separators=(",", ":"),
+                      ensure_ascii=False)
+    # the member's JSON is written in order: up to the value's opening quote it is this
+    # one's, which ends with that quote and '"}}'
+    return len(PREFIX) + len(body[1:-3].encode("utf-8"))
+
+
 def is_info(desc: TensorDescriptor) -> bool:
     """The fields of an info member (its prefix is checked by ``parse_info``)."""
     return (desc.type_tag == UINT8 and desc.rank == 1 and isinstance(desc.layout, RowMajor)

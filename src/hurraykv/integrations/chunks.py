@@ -25,7 +25,9 @@ serve``; aliases with its LINK and LOCATE messages), ``redis_store.RedisChunks``
 identical pages of different segments stored once; aliases as small keys).  A new backend
 is one ``ChunkStore`` subclass naming its schemes, plus a test class that inherits the
 contract (``tests/store_contract.py``); ``open_store``, its error messages and the
-connector's config check list what is registered.
+connector's config check list what is registered, and refuse a part of a URL (userinfo,
+path, query, fragment) that its class does not read (``URL_PARTS``), so that no setting
+written there is dropped without a word.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
 import numpy as np
 
@@ -121,6 +123,9 @@ class ChunkStore(ABC):
     LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
     SOCKET_PATHS: ClassVar[bool] = False  # also SCHEME:///path of a Unix socket
     OPTIONS: ClassVar[tuple[str, ...]] = ()  # open_store keywords it takes besides timeout
+    # the URL parts it reads besides its scheme and HOST:PORT (or path): of "userinfo",
+    # "path", "query"; any other part present is refused, never silently dropped
+    URL_PARTS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming ``SCHEMES`` is registered for them, and must define the
@@ -163,6 +168,12 @@ class ChunkStore(ABC):
         the caller (the ``Pending`` returned, None when nothing was left)."""
         return self.get_verified(name), None
 
+    @classmethod
+    def url_problem(cls, parsed: ParseResult) -> str:
+        """Why the parts of its URL this class reads (``URL_PARTS``) say nothing it can
+        use ("" if they do); the form common to all is checked before."""
+        return ""
+
     def has(self, keys: Sequence[str]) -> list[bool]:
         return [name is not None for name in self.locate(keys)]
 
@@ -204,9 +215,22 @@ def url_forms() -> str:
     return ", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else forms[0]
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# how a character that would start a URL part is written inside a path
+ESCAPED = {"params": ("';'", "%3B"), "query": ("'?'", "%3F"), "fragment": ("'#'", "%23")}
+
+
 def url_problem(url: str, options: Sequence[str] = ()) -> str:
-    """Why ``url`` (with open_store keywords ``options``) names no store ("" if it does)."""
-    parsed = urlparse(url)
+    """Why ``url`` (with open_store keywords ``options``) names no store ("" if it does):
+    its scheme and form, and every part present read by its store."""
+    control = CONTROL.search(url)
+    if control:  # urlparse drops tabs and newlines anywhere, silently
+        return (f"character {control.start()} is {control.group()!r}; a URL holds no "
+                "control characters (percent-encode them)")
+    try:
+        parsed = urlparse(url)
+    except ValueError as e:  # "hurray://[::1": an unclosed IPv6 address
+        return f"it does not parse as a URL: {e}"
     cls = store_class(parsed.scheme)
     if cls is None:
         return f"scheme {parsed.scheme!r} is not one of {', '.join(schemes())}"
@@ -226,6 +250,38 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
     if extra:
         owners = sorted({c.FORM for c in _REGISTRY.values() if set(extra) & set(c.OPTIONS)})
         return f"{extra} apply to {' and '.join(owners) or 'no store'}, not {cls.FORM}"
+    return _unread_part(parsed, cls) or cls.url_problem(parsed)
+
+
+def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
+    """The first part of the URL present that its store does not read ("" if none): a
+    setting written there would otherwise be dropped without a word."""
+    pathname = cls.LOCAL or (cls.SOCKET_PATHS and not parsed.netloc)
+    if pathname:  # read as a file name: exactly the bytes it decodes to
+        try:
+            path = unquote(parsed.path, errors="strict")
+        except UnicodeDecodeError:
+            return f"its path {parsed.path!r} has a percent-escape that is not UTF-8"
+        if "\0" in path:
+            return (f"its path {parsed.path!r} holds a NUL byte (at character "
+                    f"{path.index(chr(0))} of the decoded path); a file name has none")
+    parts = {"userinfo": parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else "",
+             "path": "" if pathname or parsed.path in ("", "/") else parsed.path,
+             "params": parsed.params, "query": parsed.query, "fragment": parsed.fragment}
+    for part, value in parts.items():
+        if not value or part in cls.URL_PARTS:
+            continue
+        why = f"its {part} {value!r} is not read by a {parsed.scheme}:// store ({cls.FORM})"
+        settings = sorted({name for name, _ in parse_qsl(value, keep_blank_values=True)}
+                          & {o for c in _REGISTRY.values() for o in c.OPTIONS}) if (
+                              part == "query") else []
+        if settings:  # "file:///DIR?max_bytes=1": the capacity is a setting of its own
+            return (f"{why}: {', '.join(settings)} is a setting of its own (the "
+                    f"kv_connector_extra_config key {settings[0]!r}, open_store's "
+                    f"{settings[0]}=), not part of the URL")
+        if part in ESCAPED and pathname:
+            return f"{why}; a {ESCAPED[part][0]} in a path is written {ESCAPED[part][1]}"
+        return why
     return ""
 
 

@@ -11,11 +11,26 @@ total under the budget costs the lock and the record; one that would pass it, or
 first after ``RESCAN_SECONDS`` since the last scan (an operator may have removed files, a
 crashed writer may not have counted its own), scans the directory and, if the real sum
 would pass the budget, evicts down to ``LOW_WATER`` of it (so the next writes do not each
-evict one segment).  A segment of a known size is admitted before it is written, so the
-directory stays within the budget; the first of a new structure (its size known once
-written) is admitted after, passing the budget by that one file meanwhile.  What is not
-counted: the alias log, ``quarantine/`` (the newest 16 damaged segments) and a writer's
-temporary file.
+evict one segment).  A record that is damaged (it does not parse, its total is negative,
+or its scan time is not in the past, which would put off every scan) is taken as no
+record: the next write scans.
+
+*Reservations.*  A segment of a known size is admitted before it is written, so the
+directory stays within the budget: its room is held by a reservation file,
+``.reserve.NAME.BYTES.XXXXXXXX``, created under the exclusive lock and ``flock``-ed by its
+writer until the segment is in place.  A scan counts the finished segments and the live
+reservations, so the room of a write in progress survives another writer's rescan: the
+segments and the reservations never pass the budget together.  The writer removes its
+reservation after the rename, under the shared lock: a scan that began before the rename
+(and may have listed the directory without the segment) has ended by then, and a later
+one lists the segment.  A reservation that nobody holds locked (its writer was killed;
+the kernel dropped the lock) is removed, uncounted, by the next scan.  When the
+reservations leave no room even with every other segment evicted, the write waits for
+them up to ``LOCK_SECONDS``, then is refused (a ``HurrayError``: the save is dropped).
+The first segment of a new structure (its size known once written) is written as a
+writer's temporary file and admitted before it is renamed into place (``file_store``), so
+it does not pass the budget either.  What is not counted: the alias log, ``quarantine/``
+(the newest 16 damaged segments) and a writer's temporary file.
 
 *Several engines.*  A scan-and-evict holds an exclusive ``flock`` on ``DIR/.lock``, so two
 evictors never work from the same listing; appends to the alias log hold it shared, so
@@ -30,15 +45,19 @@ the same name again, or loaded it, since), it is put back unless a newer one is 
 there: an engine never removes a segment it did not choose.
 
 *Crashes.*  A writer's temporary file and an evictor's ``.evict.*`` name left by a crash
-are removed by the next start (``repair``), once older than ``io.atomic.STALE_SECONDS``.
+are removed by the next start (``repair``), once older than ``io.atomic.STALE_SECONDS``;
+its reservation, by the next scan (above).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
+import re
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,6 +70,8 @@ SUFFIX = ".hrry"
 LOCK = ".lock"
 USAGE = ".usage"
 TRASH = ".evict."
+RESERVE = ".reserve."
+RESERVATION = re.compile(r"\.reserve\..+\.([0-9]{1,20})\.[0-9a-f]{8}\Z", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,26 @@ class Entry:
     nbytes: int
     used_ns: int  # modification time: last written or loaded
     inode: int
+
+
+class Reservation:
+    """Room held for a segment being written (``Capacity.admit``), and the segments
+    evicted to make it."""
+
+    def __init__(self, path: Path | None, fd: int | None, evicted: list[Entry]) -> None:
+        self.path, self._fd, self.evicted = path, fd, evicted
+
+    def release(self) -> None:
+        """Give the room back; call it once the segment is in place (it then counts for
+        itself), under the shared lock: a scan (exclusive) that began before the rename
+        may have listed the directory without the segment, and must find the reservation
+        instead.  A second call does nothing."""
+        fd, self._fd = self._fd, None
+        if fd is None or self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(fd)
 
 
 class Capacity:
@@ -120,9 +161,124 @@ class Capacity:
 
     def scan(self) -> list[Entry]:
         """The segments in the directory, oldest use first."""
-        out = []
+        return self._list()[0]
+
+    def check(self, nbytes: int, name: str) -> None:
+        """Refuse a segment that the budget cannot hold even alone."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
+                              f"{self.max_bytes}: not stored", field="max_bytes",
+                              value=nbytes, rule="a segment fits in max_bytes")
+
+    def admit(self, nbytes: int, keep: str, written: bool,
+              then: Callable[[list[Entry]], None] | None = None) -> Reservation:
+        """Account for segment ``keep`` of ``nbytes``, about to be written (or ``written``
+        already, so a scan lists it), evicting the least recently used others when the
+        directory would pass the budget.  The answer holds the room (``release`` it once
+        the segment is in place, under the shared lock) and lists the entries evicted.
+        ``then(remaining)`` runs under the exclusive lock after an eviction (alias
+        compaction).  Room that writes in progress hold is waited for up to
+        ``LOCK_SECONDS``, then the segment is refused (a HurrayError)."""
+        if self.max_bytes is None:
+            return Reservation(None, None, [])
+        evicted: list[Entry] = []
+        deadline = time.monotonic() + self.LOCK_SECONDS
+        pause = 0.005
+        try:
+            while True:
+                with self.lock(exclusive=True):
+                    held, total, reserved = self._admit(nbytes, keep, written, then, evicted)
+                if held is not None:
+                    return held
+                if time.monotonic() > deadline:
+                    raise HurrayError(
+                        f"no room for segment {keep} of {nbytes} bytes in max_bytes "
+                        f"{self.max_bytes}: {total} bytes would be stored, {reserved} of "
+                        f"them reserved by writes in progress; not stored",
+                        field="max_bytes", value=nbytes,
+                        rule="stored segments and writes in progress fit in max_bytes")
+                # the room is held by writes in progress (they last a write) or by
+                # segments used since the scan chose them: look again shortly
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+        finally:
+            self.evictions += len(evicted)
+            self.evicted_bytes += sum(e.nbytes for e in evicted)
+
+    def _admit(self, nbytes: int, keep: str, written: bool,
+               then: Callable[[list[Entry]], None] | None, evicted: list[Entry]
+               ) -> tuple[Reservation | None, int, int]:
+        """One try of ``admit`` (under the exclusive lock): the reservation, or None and
+        the total and reserved bytes that left no room."""
+        assert self.max_bytes is not None
+        total, scanned = self._usage()
+        if total + nbytes <= self.max_bytes and time.time() - scanned < self.RESCAN_SECONDS:
+            held = self._reserve(nbytes, keep, written, evicted)
+            self._record(total + nbytes, scanned)
+            return held, total + nbytes, 0
+        entries, reservations = self._list()
+        reserved = self._reserved(reservations)
+        # a segment stored again under its name replaces the old file: the reservation
+        # stands for both
+        total = reserved + sum(e.nbytes for e in entries if written or e.name != keep) + \
+            (0 if written else nbytes)
+        done: list[Entry] = []
+        if total > self.max_bytes:
+            target = int(self.max_bytes * self.LOW_WATER)
+            for entry in entries:
+                if total <= target:
+                    break
+                if entry.name != keep and self._evict(entry):
+                    total -= entry.nbytes
+                    done.append(entry)
+        evicted += done
+        held = self._reserve(nbytes, keep, written, evicted) \
+            if total <= self.max_bytes else None
+        # refused: the segment is not written (or the caller removes it)
+        self._record(total if held is not None else total - nbytes, time.time())
+        if done and then is not None:
+            gone = {e.name for e in done}
+            then([e for e in entries if e.name not in gone])
+        return held, total, reserved
+
+    def _reserve(self, nbytes: int, keep: str, written: bool, evicted: list[Entry]
+                 ) -> Reservation:
+        """A reservation file for a segment not yet written, locked until released: a
+        scan by another writer counts it, and once its writer dies (the kernel drops the
+        lock) the next scan reclaims it.  Created under the exclusive lock, so no scan
+        sees it before it is locked."""
+        if written:  # already in the directory: scans list the segment itself
+            return Reservation(None, None, evicted)
+        for _ in range(100):
+            path = self.dir / f"{RESERVE}{keep}.{nbytes}.{secrets.token_hex(4)}"
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o666)
+            except FileExistsError:
+                continue  # taken, or a planted file or link
+            except OSError as e:
+                raise HurrayError(f"cannot reserve room for segment {keep} in {self.dir}: "
+                                  f"{e.strerror}", field="reservation", value=str(path),
+                                  rule="a writable store directory") from None
+            # a file system without flock: scans cannot tell it is live and count it
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return Reservation(path, fd, evicted)
+        raise HurrayError(f"no free reservation name for segment {keep} in {self.dir}",
+                          field="reservation", value=keep,
+                          rule="a free .reserve.NAME.BYTES.XXXXXXXX name")
+
+    def _list(self) -> tuple[list[Entry], list[tuple[str, int]]]:
+        """The segments, oldest use first, and the reservations (name, bytes) listed."""
+        out, reservations = [], []
         with os.scandir(self.dir) as entries:
             for entry in entries:
+                if entry.name.startswith(RESERVE):
+                    m = RESERVATION.fullmatch(entry.name)
+                    # a link or a directory of that name is not one (and is left alone)
+                    if m is not None and entry.is_file(follow_symlinks=False):
+                        reservations.append((entry.name, int(m[1])))
+                    continue
                 if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
                     continue
                 try:
@@ -133,63 +289,60 @@ class Capacity:
                     out.append(Entry(entry.name[:-len(SUFFIX)], st.st_size, st.st_mtime_ns,
                                      st.st_ino))
         out.sort(key=lambda e: e.used_ns)
-        return out
+        return out, reservations
 
-    def check(self, nbytes: int, name: str) -> None:
-        """Refuse a segment that the budget cannot hold even alone."""
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
-                              f"{self.max_bytes}: not stored", field="max_bytes",
-                              value=nbytes, rule="a segment fits in max_bytes")
-
-    def admit(self, nbytes: int, keep: str, written: bool,
-              then: Callable[[list[Entry]], None] | None = None) -> list[Entry]:
-        """Account for segment ``keep`` of ``nbytes``, about to be written (or ``written``
-        already, so a scan lists it), evicting the least recently used others when the
-        directory would pass the budget; the entries evicted.  ``then(remaining)`` runs
-        under the exclusive lock after an eviction (alias compaction)."""
-        if self.max_bytes is None:
-            return []
-        evicted: list[Entry] = []
-        with self.lock(exclusive=True):
-            total, scanned = self._usage()
-            if total + nbytes <= self.max_bytes and time.time() - scanned < \
-                    self.RESCAN_SECONDS:
-                self._record(total + nbytes, scanned)
-                return []
-            entries = self.scan()
-            total = sum(e.nbytes for e in entries) + (0 if written else nbytes)
-            if total > self.max_bytes:
-                target = int(self.max_bytes * self.LOW_WATER)
-                for entry in entries:
-                    if total <= target:
-                        break
-                    if entry.name != keep and self._evict(entry):
-                        total -= entry.nbytes
-                        evicted.append(entry)
-            self._record(total, time.time())
-            if evicted and then is not None:
-                gone = {e.name for e in evicted}
-                then([e for e in entries if e.name not in gone])
-        self.evictions += len(evicted)
-        self.evicted_bytes += sum(e.nbytes for e in evicted)
-        return evicted
+    def _reserved(self, reservations: list[tuple[str, int]]) -> int:
+        """The bytes of the live reservations (under the exclusive lock); those whose
+        writer died are removed."""
+        total = 0
+        for name, nbytes in reservations:
+            path = self.dir / name
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                continue
+            except OSError:  # another user's: cannot tell, so never under-count
+                total += nbytes
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # not a reservation (a planted FIFO, ...): left alone
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    total += nbytes  # its writer holds it
+                    continue
+                except OSError:  # no flock here: cannot tell, so never under-count
+                    total += nbytes
+                    continue
+                # nobody holds it (a writer killed before releasing it), and no writer
+                # can take it: new ones are created under the exclusive lock held here
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            finally:
+                os.close(fd)
+        return total
 
     def _usage(self) -> tuple[int, float]:
         """The shared record: bytes stored and when the directory was last scanned (0: a
-        scan is due: no record, or one that does not parse)."""
+        scan is due: no record, or a damaged one: one that does not parse, a negative
+        total, or a scan time not in the past, which would put off the next scan)."""
         try:
             fd = os.open(self.dir / USAGE, os.O_RDONLY | os.O_NOFOLLOW)
             try:
                 total, scanned = os.read(fd, 64).split()
             finally:
                 os.close(fd)
-            return max(0, int(total)), float(scanned)
+            count, when = int(total), float(scanned)
         except (OSError, ValueError):
             return 0, 0.0
+        if count < 0 or not 0 < when <= time.time():  # nan fails both comparisons
+            return 0, 0.0
+        return count, when
 
     def _record(self, total: int, scanned: float) -> None:
-        text = f"{total} {scanned:.3f}\n".encode()
+        # rounded down: a scan time read back is never in the future (a damaged record)
+        text = f"{total} {math.floor(scanned * 1000) / 1000:.3f}\n".encode()
         with contextlib.suppress(OSError):  # unwritable: every admit scans instead
             write_pieces(self.dir / USAGE, [text], len(text))
 
@@ -220,4 +373,4 @@ class Capacity:
             os.utime(fd)
 
 
-__all__ = ["Capacity", "Entry"]
+__all__ = ["Capacity", "Entry", "Reservation"]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import sys
@@ -19,15 +20,17 @@ import numpy as np
 
 from .. import alloc
 from ..errors import HurrayError
+from ..info import PREFIX, info_member, is_info, text_offset
 from ..io import checksums
-from ..io.atomic import write_pieces
+from ..io.atomic import create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
-from ..io.snapshots import save_snapshot, snapshot_from_file
+from ..io.hrry_format import kv_text_spans
+from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
 from ..snapshot import KV_SCALES, KVCacheSnapshot
 from ..snapshot_members import is_kv_scales
 from ..wire.layouts import BlockPaged
 from .chunks import ALIAS_LINE, ChunkStore, check_name, segment_name
-from .file_capacity import Capacity, Entry
+from .file_capacity import Capacity, Entry, Reservation
 
 
 @dataclass
@@ -37,9 +40,11 @@ class _FileLayout:
     index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
     source)`` of what differs, in file order: each value (source: its key in
     ``snapshot.values()``: page pools, quantization scales, ``kv_scales``) and the text of
-    the checksum entry (source: ``CHECKSUMS``, fixed width for a structure);
-    ``snapshot`` is that file's validated snapshot; ``plan`` reads such a file and hashes
-    its checksum pieces in one pass (None: the structure has no checksums)."""
+    the checksum entry (source: ``CHECKSUMS``, fixed width for a structure: the entry
+    the snapshot's metadata comes from) and of its copy in the KV section (``MIRROR``,
+    equal to it in a file that ``matches``); ``snapshot`` is that file's validated
+    snapshot; ``plan`` reads such a file and hashes its checksum pieces in one pass (None:
+    the structure has no checksums)."""
 
     size: int
     static: list[tuple[int, bytes]]
@@ -51,17 +56,14 @@ class _FileLayout:
     def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile,
               plan: checksums.ReadPlan | None = None) -> _FileLayout | None:
         """The layout of ``data`` (the file ``f``, read as ``snapshot``), or None when a
-        value cannot be placed in it (such files are then parsed one by one)."""
+        value or the checksum entry cannot be placed in it (such files are then parsed one
+        by one)."""
         regions = _values(f, snapshot, data)
-        if regions is None:
+        text = checksums.KEY in snapshot.metadata
+        places = _checksum_places(f, snapshot, data) if text else []
+        if regions is None or places is None:
             return None
-        text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
-        if text:  # every place the entry's text sits outside the pools
-            for off, piece in _complement(data, regions):
-                at = piece.find(text)
-                while at >= 0:
-                    regions.append((off + at, len(text), CHECKSUMS))
-                    at = piece.find(text, at + len(text))
+        regions += places
         regions.sort(key=lambda r: r[0])
         if text and plan is None:  # the caller's, when it read the file with one
             plan = checksums.ReadPlan.of(snapshot, data)
@@ -70,15 +72,21 @@ class _FileLayout:
 
     def matches(self, data: memoryview) -> bool:
         # tobytes(): a memoryview compared with == unpacks element by element
-        return len(data) == self.size and all(data[off:off + len(b)].tobytes() == b
-                                              for off, b in self.static)
+        if len(data) != self.size or not all(data[off:off + len(b)].tobytes() == b
+                                             for off, b in self.static):
+            return False
+        entry = [data[off:off + n].tobytes() for off, n, source in self.regions
+                 if source in TEXT]
+        # a KV copy that differs decides nothing (the digests are the entry's), but such
+        # a file is not one of this structure's: the full rules read it
+        return all(copy == entry[0] for copy in entry[1:])
 
     def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
         """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
         values = snapshot.values()
         out = [memoryview(self.static[0][1])]
         for (_, _, source), (_, b) in zip(self.regions, self.static[1:], strict=True):
-            if source == CHECKSUMS:
+            if source in TEXT:
                 out.append(memoryview(str(snapshot.metadata[checksums.KEY]).encode()))
             else:
                 out.append(values[source])
@@ -90,7 +98,7 @@ class _FileLayout:
         with its own checksums."""
         snap = self.snapshot.with_pools({source: data[off:off + n]
                                          for off, n, source in self.regions
-                                         if source != CHECKSUMS}, owner=data)
+                                         if source not in TEXT}, owner=data)
         for off, n, source in self.regions:
             if source == CHECKSUMS:
                 return snap.with_info(metadata={
@@ -99,6 +107,36 @@ class _FileLayout:
 
 
 CHECKSUMS = "checksums"
+MIRROR = "checksums in the KV section"
+TEXT = (CHECKSUMS, MIRROR)
+
+
+def _checksum_places(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
+                     ) -> list[tuple[int, int, Any]] | None:
+    """``(offset, nbytes, CHECKSUMS or MIRROR)`` of the checksum entry the snapshot's
+    metadata was read from (the info member's, else the KV section's) and of its KV copy,
+    placed by the file's structure (the index, the info member's form, the KV keys), never
+    found by searching for the text: a copy in another entry is metadata like any other,
+    so the digests a known structure reads are those a full parse reads.  None when they
+    cannot be placed so (such files are then parsed one by one)."""
+    text = snapshot.metadata[checksums.KEY]
+    if not isinstance(text, str):
+        return None
+    n = len(text.encode())
+    kv = kv_text_spans(data).get(checksums.KEY)
+    if kv is not None and kv[1] != n:
+        return None
+    infos = [name for name in member_names(f) if is_info(f.descriptor(name)) and
+             data[f.entry(name).data_offset:][:len(PREFIX)].tobytes() == PREFIX]
+    if not infos:  # read from the KV section (a file of another writer)
+        return None if kv is None else [(kv[0], n, CHECKSUMS)]
+    member = info_member(snapshot.model, snapshot.metadata)[1][0].tobytes()
+    at = text_offset(snapshot.model, snapshot.metadata, checksums.KEY)
+    start = f.entry(infos[0]).data_offset  # the one snapshot_from_file took
+    if (at is None or f.descriptor(infos[0]).shape[0] != len(member)
+            or data[start:start + len(member)].tobytes() != member):
+        return None  # written in another form: where its entry sits is not known
+    return [(start + at, n, CHECKSUMS)] + ([(kv[0], n, MIRROR)] if kv is not None else [])
 
 
 def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
@@ -150,11 +188,13 @@ def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
 
 
 def _structure_key(snapshot: KVCacheSnapshot) -> bytes:
-    """What two segments of one file layout share: their structure, checksum text blanked
-    (its width is the structure's; its digits are each file's own)."""
-    key = snapshot.structure()
-    text = str(snapshot.metadata.get(checksums.KEY, "")).encode()
-    return key.replace(text, b"#" * len(text)) if text else key
+    """What two segments of one file layout share: their structure, the checksum entry's
+    digits blanked (its width is the structure's; its digits are each file's own; a copy
+    of them in another entry is structure like any metadata)."""
+    text = snapshot.metadata.get(checksums.KEY)
+    if not isinstance(text, str):
+        return snapshot.structure()
+    return snapshot.with_info(metadata={checksums.KEY: "#" * len(text)}).structure()
 
 
 class FileChunks(ChunkStore):
@@ -262,30 +302,22 @@ class FileChunks(ChunkStore):
         structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
         layout = self._by_structure.get(structure)
         if layout is None:
-            save_snapshot(snapshot, self.path(name), metadata=metadata, fsync=False)
-            data = _read(self.path(name))
-            try:
-                self.capacity.check(len(data), name)
-            except HurrayError:
-                self.path(name).unlink(missing_ok=True)
-                raise
-            f = HrryFile.from_bytes(data, str(self.path(name)))
-            layout = _FileLayout.learn(data, snapshot_from_file(f), f)
-            if layout is not None:
-                self._remember(structure, layout)
-            try:
-                self.capacity.admit(len(data), name, written=True, then=self._compact)
-            except HurrayError:  # not counted, so not kept: no file outside the budget
-                self.path(name).unlink(missing_ok=True)
-                raise
-        else:  # room made first: the directory does not pass its capacity even briefly
+            held = self._put_first(name, structure, snapshot, metadata)
+        else:  # room held first: the directory does not pass its capacity even briefly
             self.capacity.check(layout.size, name)
-            self.capacity.admit(layout.size, name, written=False, then=self._compact)
-            write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
+            held = self.capacity.admit(layout.size, name, written=False, then=self._compact)
+            try:
+                write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
+            except BaseException:
+                held.release()  # nothing placed, so no scan can miss it
+                raise
         lines = "".join(f"{key} {name}\n" for key in keys).encode("ascii")
         try:
             # shared: a compaction (exclusive) never replaces the log under an append
             with self.capacity.lock(exclusive=False):
+                # no scan runs now, and a later one lists the segment: the room it held
+                # is no longer needed
+                held.release()
                 fd = os.open(self.dir / self.LOG,
                              os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
                 try:
@@ -295,7 +327,50 @@ class FileChunks(ChunkStore):
         except OSError as e:
             raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
                               field="aliases", value=str(self.dir)) from None
+        finally:
+            held.release()  # the lock refused (held elsewhere): not held for good either
         self._aliases.update((key, name) for key in keys)
+
+    def _put_first(self, name: str, structure: bytes, snapshot: KVCacheSnapshot,
+                   metadata: dict[str, Any]) -> Reservation:
+        """Store the first segment of its structure (its size known only once written):
+        written as a writer's temporary file (not a segment, so not counted; locked, so
+        never taken for a dead writer's) that becomes the segment once admitted, so that
+        this one too never passes the capacity, even briefly; its layout is learned."""
+        path = self.path(name)
+        fd, tmp = create_temp(path)  # the name, taken: save_snapshot replaces it
+        os.close(fd)
+        try:
+            save_snapshot(snapshot, tmp, metadata=metadata, fsync=False)
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                with contextlib.suppress(OSError):  # without flock: its age protects it
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                data = _read_fd(fd, path)
+                self.capacity.check(len(data), name)
+                f = HrryFile.from_bytes(data, str(path))
+                layout = _FileLayout.learn(data, snapshot_from_file(f), f)
+                if layout is not None:
+                    self._remember(structure, layout)
+                held = self.capacity.admit(len(data), name, written=False, then=self._compact)
+                try:
+                    os.replace(tmp, path)  # still locked: nobody takes it for a dead writer's
+                except BaseException:
+                    held.release()
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise HurrayError(f"cannot store segment {name} in {self.dir}: {e.strerror}",
+                              field="path", value=str(path),
+                              rule="a writable store directory") from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return held
 
     def _compact(self, remaining: list[Entry]) -> None:
         """Rewrite the alias log with the aliases of segments still stored, once dead
@@ -456,15 +531,6 @@ class _Buffers:
             self._free.pop(0)
         self._free.append(buf)
         return buf[:size]
-
-
-def _read(path: Path) -> memoryview:
-    """A file's bytes, read into memory of our own; opened without following a link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        return _read_fd(fd, path)
-    finally:
-        os.close(fd)
 
 
 def _read_fd(fd: int, path: Path, buffers: _Buffers | None = None) -> memoryview:

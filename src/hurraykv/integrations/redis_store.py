@@ -5,9 +5,11 @@ Redis's own ``maxmemory`` (decision H91)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import ParseResult
+from urllib.parse import ParseResult, parse_qsl
 
 from ..snapshot import KVCacheSnapshot
 from .chunks import ChunkStore, _valid, check_name, segment_name
@@ -16,6 +18,40 @@ from .chunks import ChunkStore, _valid, check_name, segment_name
 class RedisChunks(ChunkStore):
     SCHEMES = ("redis", "rediss", "redis+cluster")
     FORM = "redis://HOST:PORT or redis+cluster://HOST:PORT"
+    URL_PARTS = ("userinfo", "path", "query")  # redis-py's user, password, db, options
+
+    @classmethod
+    def url_problem(cls, parsed: ParseResult) -> str:
+        """What redis-py would drop or fail on later: a path that is not a database number
+        (dropped), a database in cluster mode, a query option it does not take."""
+        cluster = parsed.scheme == "redis+cluster"
+        if re.fullmatch(r"/?" if cluster else r"/?[0-9]*", parsed.path) is None:
+            return (f"its path {parsed.path!r} is not " + (
+                "empty: a cluster has database 0 only" if cluster else
+                "a database number (/0, /1, ...)"))
+        pairs = parse_qsl(parsed.query, keep_blank_values=True)
+        for name, value in pairs:
+            if not value:
+                return f"its query gives {name!r} no value"
+            if cluster and name == "db":
+                return "its query sets db: a cluster has database 0 only"
+        try:
+            from redis import connection
+        except ImportError:  # refused when the store opens, naming the extra to install
+            return ""
+        parsers = connection.URL_QUERY_ARGUMENT_PARSERS
+        known = {name for c in (connection.AbstractConnection, connection.Connection,
+                                connection.SSLConnection)
+                 for name in inspect.signature(c.__init__).parameters}
+        for name, value in pairs:
+            if name in parsers:
+                try:
+                    parsers[name](value)
+                except (TypeError, ValueError):
+                    return f"its query sets {name}={value!r}, not a value redis-py takes"
+            elif name not in known - {"self", "kwargs"}:
+                return f"its query names {name!r}, an option redis-py does not take"
+        return ""
 
     @classmethod
     def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,

@@ -12,9 +12,13 @@ every other buffer of every member (block tables, sequence pointers and lengths,
         within a member, buffer by buffer; a page pool page by page.
 
 It is ordinary metadata: every Hurray reader keeps it (pyhurray included) and one that
-does not know it ignores it; ``verify`` recomputes it.  xxh3-64 (the ``xxhash`` package)
-reads at the speed of a copy here (10.8 GiB/s; hardware CRC-32C 11.4 GiB/s needs an LGPL
-package, BLAKE3 4.6, zlib's CRC-32 3.7): one more pass over the bytes a load reads.
+does not know it ignores it; ``verify`` recomputes it.  The digests are those of the entry
+under this key in the metadata the snapshot was read with (a file's info member, or its KV
+section when it has none): a reader that knows a file's structure (``FileChunks``) takes
+them from that same entry, located through the file's structure, never by searching for
+the text, so a copy of it in another entry decides nothing.  xxh3-64 (the ``xxhash``
+package) reads at the speed of a copy here (10.8 GiB/s; hardware CRC-32C 11.4 GiB/s needs
+an LGPL package, BLAKE3 4.6, zlib's CRC-32 3.7): one more pass over the bytes a load reads.
 
 That pass is what a load cannot afford (from memory it cost a fifth of a connector
 load), so a reader that knows a file's structure uses a ``ReadPlan``: the file is read in
@@ -26,6 +30,7 @@ read, while it is in the core's cache, by a compiled loop that holds no GIL
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +48,7 @@ from . import page_hash
 
 KEY = "checksum.xxh3_64"  # the "hurraykv." prefix is reserved for the KV section's own keys
 WIDTH = 16  # hex characters per digest
+NOT_HEX = re.compile(r"[^0-9a-fA-F]")
 
 
 class ChecksumError(HurrayError):
@@ -128,9 +134,12 @@ def _stored(snapshot: KVCacheSnapshot, count: int) -> np.ndarray | None:
     if len(text) != WIDTH * count:
         return None
     try:
-        return np.frombuffer(bytes.fromhex(text), ">u8").astype(np.uint64)
+        raw = bytes.fromhex(text)
     except ValueError:
         return None
+    if len(raw) != 8 * count:  # fromhex skips whitespace: fewer digests than characters
+        return None
+    return np.frombuffer(raw, ">u8").astype(np.uint64)
 
 
 def mismatches(snapshot: KVCacheSnapshot, computed: np.ndarray | None = None,
@@ -164,15 +173,50 @@ def verify(snapshot: KVCacheSnapshot, what: str = "snapshot",
            computed: np.ndarray | None = None) -> None:
     """Raise ``ChecksumError`` naming the first damaged piece (and how many there are)
     unless every stored value matches its checksum; a snapshot without checksums is
-    refused too (its values cannot be vouched for).  ``computed``: as for ``mismatches``."""
+    refused too (its values cannot be vouched for), and so is an entry that is not one
+    digest per piece (said as such).  ``computed``: as for ``mismatches``."""
     if not has_checksums(snapshot):
         raise ChecksumError(f"{what} carries no {KEY} checksums", field=KEY,
                             rule="values verified before use")
-    _raise_for(what, mismatches(snapshot, computed))
+    _raise_for(what, mismatches(snapshot, computed), snapshot)
 
 
-def _raise_for(what: str, bad: list[tuple[str, int, int | None]]) -> None:
+def _entry_error(snapshot: KVCacheSnapshot, what: str) -> ChecksumError | None:
+    """Why the entry is not one digest per piece, or None when it is: without this, every
+    piece would be reported damaged, which a wrong count does not say."""
+    text = str(snapshot.metadata.get(KEY, ""))
+    count = sum(1 for _ in _pieces(snapshot))
+    rule = f"{WIDTH} hex digits per checksummed piece, {count} pieces: {WIDTH * count} digits"
+    if len(text) != WIDTH * count:
+        found = f"{len(text) // WIDTH} digests" + (
+            f" and {len(text) % WIDTH} hex digit(s) more" if len(text) % WIDTH else "")
+        return ChecksumError(f"{what}: {KEY} holds {found} ({len(text)} characters) for "
+                             f"{count} checksummed pieces; the number of digests must equal "
+                             "the number of pieces", field=KEY, value=len(text) // WIDTH,
+                             rule=rule)
+    found = NOT_HEX.search(text)
+    if found is not None:
+        bad = found.start()
+        return ChecksumError(f"{what}: {KEY} at character {bad} (digest {bad // WIDTH}): "
+                             f"found {text[bad]!r}; a digest is {WIDTH} hex digits",
+                             field=KEY, offset=bad, value=text[bad], rule=rule)
+    return None
+
+
+def check_entry(snapshot: KVCacheSnapshot, what: str = "snapshot") -> None:
+    """Raise ``ChecksumError`` when the entry is not one digest per piece (a wrong count,
+    a character that is not a hex digit): said as such, not as every piece damaged."""
+    error = _entry_error(snapshot, what)
+    if error is not None:
+        raise error
+
+
+def _raise_for(what: str, bad: list[tuple[str, int, int | None]],
+               snapshot: KVCacheSnapshot) -> None:
     if bad:
+        error = _entry_error(snapshot, what)
+        if error is not None:
+            raise error
         member, buf, page = bad[0]
         where = f"page {page} of " if page is not None else ""
         raise ChecksumError(f"{what}: {where}buffer {buf} of member {member} does not match "
@@ -212,7 +256,8 @@ class Pending:
                 compiled(0, addresses, lengths, found)  # one core: the engine has the other
                 if np.array_equal(found, stored):
                     return
-        _raise_for(self.what, mismatches(self.snapshot, only=wanted, parallel=False))
+        _raise_for(self.what, mismatches(self.snapshot, only=wanted, parallel=False),
+                   self.snapshot)
 
 
 def warm() -> None:
@@ -368,5 +413,5 @@ class ReadPlan:
         return found
 
 
-__all__ = ["KEY", "ChecksumError", "Pending", "ReadPlan", "digests", "has_checksums", "mismatches",
-           "verify", "with_checksums"]
+__all__ = ["KEY", "ChecksumError", "Pending", "ReadPlan", "check_entry", "digests",
+           "has_checksums", "mismatches", "verify", "with_checksums"]

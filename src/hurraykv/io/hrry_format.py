@@ -196,6 +196,18 @@ def parse_header(raw: bytes, size: int | None) -> tuple[int, int, int, int]:
     return flags, align, first, hint
 
 
+def kv_text_spans(data: memoryview | bytes) -> dict[str, tuple[int, int]]:
+    """``(file offset, byte length)`` of the text of each string value in the KV section
+    of a file whose bytes ``data`` passed ``parse_tail``: found through the trailer and
+    each entry's key."""
+    t_off = len(data) - TRAILER.size
+    _, _, kv_off, kv_len, *_ = TRAILER.unpack(bytes(data[t_off:]))
+    spans: dict[str, tuple[int, int]] = {}
+    if kv_len:
+        decode_kv(bytes(data[kv_off:kv_off + kv_len]), kv_off, spans)
+    return spans
+
+
 def parse_tail(read: Callable[[int, int], bytes], size: int, first: int, flags: int
                ) -> tuple[int, dict[str, Any], list[IndexEntry]]:
     """Trailer, KV section and index of a file of ``size`` bytes whose bytes ``read(offset,

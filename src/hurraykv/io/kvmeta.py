@@ -133,8 +133,11 @@ def _value(r: Cursor, tag: int, key: str) -> Any:
     return np.frombuffer(r.take(8, key), _NUMERIC[tag])[0].item()
 
 
-def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
-    """Decode a KV section; ``base`` is its file offset, for messages."""
+def decode_kv(data: memoryview | bytes, base: int = 0,
+              spans: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Decode a KV section; ``base`` is its file offset, for messages.  ``spans``, when
+    given, gets the ``(file offset, byte length)`` of each string value's UTF-8 text: an
+    entry is found by its key, never by searching for its text."""
     r = _reader(data, base)
     count = r.u32("kv_count")
     if count > (len(r.data) - 4) // 4:  # each entry takes >= 4 bytes: bound before looping
@@ -159,7 +162,10 @@ def decode_kv(data: memoryview | bytes, base: int = 0) -> dict[str, Any]:
                                  "0xF0-0xFE private, 0xFF invalid)", field=f"kv.{key}.value_tag",
                                  offset=base + r.pos - 1, value=tag)
         if tag != ARRAY:
+            start = r.pos
             out[key] = _value(r, tag, key)
+            if spans is not None and tag == STRING:
+                spans[key] = (base + start + 4, r.pos - start - 4)  # after the u32 length
             continue
         elem = r.u8(f"{key}.element_tag")
         n_el = r.u32(f"{key}.count")

@@ -60,14 +60,18 @@ def load_snapshot(path: str | os.PathLike, *, mmap: bool = True) -> KVCacheSnaps
     return snapshot_from_file(HrryFile.open(path) if mmap else HrryFile.read(path))
 
 
-def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:
+def member_names(f: HrryFile) -> list[str]:
+    """The tensors of ``f`` a snapshot is read from, in order."""
     heads = [n for n in f.names if isinstance(f.descriptor(n).layout, Composite)
              and f.descriptor(n).layout.rule == GROUP]
     if heads:
-        head = HEAD_NAME if HEAD_NAME in heads else heads[0]
-        names = f.members(head)
-    else:  # a file of tensors and no group: its members are recognised by their fields
-        names = [n for n in f.names if not isinstance(f.descriptor(n).layout, Composite)]
+        return f.members(HEAD_NAME if HEAD_NAME in heads else heads[0])
+    # a file of tensors and no group: its members are recognised by their fields
+    return [n for n in f.names if not isinstance(f.descriptor(n).layout, Composite)]
+
+
+def snapshot_from_file(f: HrryFile) -> KVCacheSnapshot:
+    names = member_names(f)
     # files written without an info member (older ones, other writers) keep the model and
     # metadata in the KV section only
     user = {k: _plain(v) for k, v in f.kv.items() if not k.startswith(RESERVED_PREFIX)}

@@ -26,7 +26,8 @@ Size = int  # a byte count; in the config also "64G"-style text (units.parse_siz
 class ConnectorConfig:
     url: str
     """``file:///DIR``, ``hurray://HOST:PORT``, ``redis://HOST:PORT`` or
-    ``redis+cluster://HOST:PORT``: where chunks are stored."""
+    ``redis+cluster://HOST:PORT``: where chunks are stored (a part of the URL its store
+    does not read, such as ``?max_bytes=``, is refused: settings are keys of their own)."""
     chunk_size: int | None = None
     """Tokens per stored chunk, a multiple of the block size (default: the block size)."""
     save_decode: bool = True
@@ -71,9 +72,14 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        if extra is not None and not isinstance(extra, Mapping):
+            raise HurrayError(f"kv_connector_extra_config is a {type(extra).__name__} "
+                              f"({_shown(extra)}); it is an object of keys and values",
+                              field="kv_connector_extra_config",
+                              value=type(extra).__name__, rule="a JSON object (a dict)")
         extra = dict(extra or {})
         known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(known))
+        unknown = sorted(set(extra) - set(known), key=repr)  # keys need not be strings
         if unknown:
             raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}; "
                               f"known: {', '.join(known)}", field="kv_connector_extra_config",
@@ -135,10 +141,11 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
             out = value if isinstance(value, int) else units.parse_size(value)
         except ValueError:
             out = None
-        if out is None or out <= 0:
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; a size is "
-                              "a positive byte count or a string like \"64G\", \"512M\"",
-                              field=key, value=value, rule="a positive size")
+        if out is None or not 0 < out <= MAX_SIZE:
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; a size "
+                              "is a positive byte count or a string like \"64G\", \"512M\", "
+                              "up to 8 EiB", field=key, value=value,
+                              rule="a positive size up to 2**63 - 1 bytes")
         return out
     if kind.startswith("tuple"):
         items = value.split(",") if isinstance(value, str) else value
@@ -160,11 +167,11 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
             if isinstance(value, bool) or (number is int and isinstance(value, float)):
                 raise ValueError
             out = number(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
             out = None
         if out is None or not 0 < out <= LIMIT:
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
-                              f"positive {number.__name__} up to {LIMIT:g}", field=key,
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; it is "
+                              f"a positive {number.__name__} up to {LIMIT:g}", field=key,
                               value=value, rule=f"a positive {number.__name__}")
         return out
     if not isinstance(value, str) or not value.strip():
@@ -174,6 +181,13 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
     return value
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short when long (``10**400`` has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 LIMIT = 1e9  # finite, and no deadline or count this large is meant
+MAX_SIZE = (1 << 63) - 1  # what a byte count on disk or the wire holds
 
 KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig))
