@@ -108,6 +108,18 @@ class HrryFile:
         return self
 
     @classmethod
+    def index(cls, fd: int, source: str) -> HrryFile:
+        """File ``fd`` parsed with small reads of its header, index and descriptors, and
+        never mapped: for a reader that reads the tensors' bytes itself, where ``spans``
+        says (a mapped file cut underneath kills a reader that touches it with SIGBUS; a
+        short read is an error it can report).  ``buffers`` is not available."""
+        self = cls.__new__(cls)
+        self.source, self.size, self._data = source, os.fstat(fd).st_size, None
+        self._read = lambda off, n: os.pread(fd, n, off)
+        self._parse()
+        return self
+
+    @classmethod
     def read(cls, path: str | os.PathLike) -> HrryFile:
         """Read the whole file into memory (one buffer, filled with readinto) and parse it;
         tensors are views of that buffer.  For a full load where mmap page faults cost."""
@@ -181,13 +193,18 @@ class HrryFile:
 
     def buffers(self, name: str) -> list[memoryview]:
         """Zero-copy views of the tensor's buffers in the mapped file."""
-        e, desc = self.entry(name), self.descriptor(name)
         if self._held is not None:
+            self.entry(name)
             return list(self._held[name])
-        out, off = [], e.data_offset
         view = self._view
+        return [view[off:off + n] for off, n in self.spans(name)]
+
+    def spans(self, name: str) -> list[tuple[int, int]]:
+        """``(file offset, byte size)`` of each of the tensor's buffers."""
+        e, desc = self.entry(name), self.descriptor(name)
+        out, off = [], e.data_offset
         for h in desc.buffers:
-            out.append(view[off:off + h.byte_size])
+            out.append((off, h.byte_size))
             off = round_up(off + h.byte_size, self.alignment)
         return out
 

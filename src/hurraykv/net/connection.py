@@ -3,8 +3,8 @@
 Each connection is an ``asyncio.BufferedProtocol`` state machine: headers and control
 payloads land in small buffers that grow only as bytes arrive, and TENSOR_DATA bytes land
 straight in the destination buffer of the tensor being received (no intermediate copy).
-Pulls write descriptors and data frames from the stored buffers (mmap views for persisted
-objects) under transport flow control.
+Pulls write descriptors and data frames from the stored buffers (read from the file a
+frame at a time for objects served from disk) under transport flow control.
 
 Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
@@ -21,6 +21,9 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
   never taken for a new PUT.
 * Every PUT is answered: a failure inside the commit is an ERROR (INTERNAL for the
   unexpected), never a silent task death.
+* A pull whose persisted file turns out damaged (cut short underneath the server) is
+  answered with ERROR INTERNAL naming the key, before the frame it could not read; it is
+  logged once, as a failure.  A pull stops writing as soon as its transport closes.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from .messages import (
     decode_header,
     encode_data_header,
 )
+from .stored import FileBytes, UnreadableObject
 from .tenants import UnreadableIdentity, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
@@ -344,8 +348,13 @@ class Connection(asyncio.BufferedProtocol):
             self.dead.popitem(last=False)
 
     # -- output ----------------------------------------------------------------------
+    def _gone(self) -> bool:
+        """The transport is closed or closing: whatever is written now is dropped (and
+        asyncio warns about each such write)."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
     def _write(self, *parts: Any) -> None:
-        if not self.closed and self.transport is not None:
+        if not self._gone():
             sent = 0
             for p in parts:
                 self.transport.write(p)
@@ -412,23 +421,48 @@ class Connection(asyncio.BufferedProtocol):
         reply = Hello(1, self.cfg.max_message_size, 0)
         self._write(frame(MessageType.SERVER_HELLO, stream, reply))
 
+    def _fail_pull(self, stream: int, key: str, e: UnreadableObject, sent: int = 0) -> None:
+        """Answer a pull of ``key`` whose persisted file cannot be served: one log line
+        (the file named), one ERROR (the key and what is wrong, not where)."""
+        log.warning("get key=%r failed%s: %s", key,
+                    f" after {units.size(sent)} sent" if sent else "", e)
+        self._send_error(stream, ErrorCode.INTERNAL,
+                         f"key {key!r}: its persisted file cannot be served: {e.why}")
+
     async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
         started = time.perf_counter()
         max_frame = min(self.cfg.frame_bytes, (self.hello.max_message_size if self.hello
                                                 else self.cfg.max_message_size) - 8)
-        for desc, buffers in obj.items:
-            total = sum(h.byte_size for h in desc.buffers)
-            self._write(frame(MessageType.TENSOR_DESCRIPTOR, stream,
-                              DescriptorMessage(desc, total)))
-            for offset, parts in DataPlan([memoryview(b).cast("B") for b in buffers]).frames(
-                    max_frame):
-                if self.closed:
-                    return
-                size = sum(p.nbytes for p in parts)
-                self._write(encode_data_header(stream, offset, size), *parts)
-                if not self._writable.is_set():
-                    await self._writable.wait()
-            self._write(frame(MessageType.TENSOR_DATA_END, stream))
+        sent = 0
+        try:
+            for desc, buffers in obj.items:
+                total = sum(h.byte_size for h in desc.buffers)
+                self._write(frame(MessageType.TENSOR_DESCRIPTOR, stream,
+                                  DescriptorMessage(desc, total)))
+                plan = DataPlan([b if isinstance(b, FileBytes) else memoryview(b).cast("B")
+                                 for b in buffers])
+                for offset, parts in plan.frames(max_frame):
+                    if self._gone():
+                        break
+                    # read before the frame's header goes out: a short read can still be
+                    # answered with ERROR on a stream whose framing is intact
+                    data = [p.read() if isinstance(p, FileBytes) else p for p in parts]
+                    size = sum(len(d) if isinstance(d, bytes) else d.nbytes for d in data)
+                    self._write(encode_data_header(stream, offset, size), *data)
+                    sent += size
+                    if not self._writable.is_set():
+                        await self._writable.wait()
+                if self._gone():
+                    break
+                self._write(frame(MessageType.TENSOR_DATA_END, stream))
+        except UnreadableObject as e:
+            self.server.store.drop_opened(obj)
+            self._fail_pull(stream, key, e, sent)
+            return
+        if self._gone():
+            log.info("get key=%r abandoned after %s of %s: the connection closed", key,
+                     units.size(sent), units.size(obj.nbytes))
+            return
         self.server.counts.pulls += 1
         seconds = time.perf_counter() - started
         log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import admin, puts
 from .codecs import frame
 from .messages import ErrorCode, ErrorMessage, MessageType, ProtocolError, Request
+from .stored import UnreadableObject
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -27,7 +28,11 @@ T = MessageType
 
 
 def request(c: Connection, stream: int, req: Request) -> None:
-    obj = c.server.store.get(c._key(req.key))
+    try:
+        obj = c.server.store.get(c._key(req.key))
+    except UnreadableObject as e:
+        c._fail_pull(stream, req.key, e)
+        return
     if obj is None:
         raise ProtocolError(f"no tensor under key {req.key!r}", ErrorCode.UNKNOWN_TENSOR)
     if req.preferred_device not in (0,) and 0 not in c.hello.devices:  # type: ignore[union-attr]

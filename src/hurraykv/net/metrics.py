@@ -9,16 +9,29 @@ imported when an endpoint starts, not with this module (``hurraykv[metrics]``).
 ``/healthz`` asks the event loop to run a callback and waits for it: 200 when the loop
 answers within ``HEALTH_TIMEOUT`` seconds and the server still listens, 503 otherwise
 (a loop stuck in a long call, or a server shut down).
+
+The endpoint shares the process's file descriptors with the protocol port, and must never
+starve it (idle HTTP connections once took every descriptor, and pushes timed out): a
+connection has ``READ_TIMEOUT`` seconds in all to send its request, at most
+``MAX_CONNECTIONS`` are served at once (one more is closed at once, not queued), and one
+is refused when fewer than ``FD_RESERVE`` descriptors would remain below RLIMIT_NOFILE,
+which leaves those to the protocol port.  Refusals and timeouts are counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import io
 import json
+import logging
+import resource
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -28,8 +41,14 @@ from .messages import ErrorCode
 if TYPE_CHECKING:
     from .server import KVServer
 
+log = logging.getLogger("hurraykv.server")
 PREFIX = "hurraykv_server_"
 HEALTH_TIMEOUT = 2.0  # seconds the event loop has to answer /healthz
+READ_TIMEOUT = 5.0  # seconds a connection has to send its whole request; and per reply
+MAX_CONNECTIONS = 16  # metrics connections served at once (a scraper or two, probes)
+FD_RESERVE = 64  # descriptors below RLIMIT_NOFILE that only the protocol port may take
+ACCEPT_PAUSE = 0.1  # after an accept() failed for want of descriptors
+REFUSAL_LOG_INTERVAL = 60.0  # seconds between two log lines about refused connections
 
 
 def parse_metrics_address(text: str) -> tuple[str, int]:
@@ -112,11 +131,106 @@ class ServerCollector:
         yield from gauge("connections", "Open client connections", server.connections)
         yield from gauge("max_connections", "--max-connections",
                          server.config.max_connections)
+        endpoint = server.metrics
+        if endpoint is not None:
+            yield from gauge("metrics_connections", "Open connections to --metrics-listen "
+                             "(this scrape's included)", endpoint.open)
+            refused = CounterMetricFamily(PREFIX + "metrics_refused", "Connections to "
+                                          "--metrics-listen closed unserved, by reason (cap: "
+                                          f"{MAX_CONNECTIONS} already open; descriptors: "
+                                          "fewer than the protocol port's reserve left)",
+                                          labels=["reason"])
+            seen = dict(endpoint.refused)
+            for reason in ("cap", "descriptors"):
+                refused.add_metric([reason], seen.get(reason, 0))
+            yield refused
+            yield counter("metrics_timeouts", "Connections to --metrics-listen closed for "
+                          f"not sending a request within {READ_TIMEOUT} s (or not taking "
+                          "the reply)", endpoint.timeouts)
 
 
-class _Quiet(WSGIRequestHandler):
+class _Deadline(io.RawIOBase):
+    """A socket's incoming bytes under one deadline for all of them: a timeout per read
+    alone would let a client that sends a byte now and then hold its connection (and a
+    thread) for ever."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock, self.deadline = sock, time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+
+class _Handler(WSGIRequestHandler):
+    """One request per connection, read under ``READ_TIMEOUT`` in all."""
+
+    server: _EndpointServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own file would keep its descriptor open
+        self.rfile = io.BufferedReader(_Deadline(self.connection, READ_TIMEOUT))
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.connection.settimeout(READ_TIMEOUT)  # the reply's own limit, not what is left
+        return ok
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            self.server.endpoint._timed_out()
+        except OSError:
+            pass  # the client went away: nothing to answer
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a scrape every few seconds is not news
+
+
+class _EndpointServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, admitted by ``MetricsEndpoint._admit`` first."""
+
+    daemon_threads = True  # a stuck client never holds up the process's exit
+    request_queue_size = 128  # a burst of connections waits for accept() (no descriptor)
+    endpoint: MetricsEndpoint
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # the connection waits in the backlog and the listening socket stays
+                # readable: without a pause this thread would spin a core until a
+                # descriptor frees
+                time.sleep(ACCEPT_PAUSE)
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.endpoint._admit(request)
+
+    def service_actions(self) -> None:
+        self.endpoint._report()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread: nobody else leaves for it
+            self.endpoint._leave()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.endpoint._leave()
 
 
 class MetricsEndpoint:
@@ -126,9 +240,14 @@ class MetricsEndpoint:
                  loop: asyncio.AbstractEventLoop) -> None:
         require("prometheus_client", "metrics", "hurraykv serve --metrics-listen")
         from prometheus_client import CollectorRegistry, make_wsgi_app
-        from prometheus_client.exposition import ThreadingWSGIServer
 
         self.server, self.loop = server, loop
+        self.open = 0  # connections admitted and not yet closed
+        self.refused: Counter[str] = Counter()  # by reason: "cap", "descriptors"
+        self.timeouts = 0
+        self._lock = threading.Lock()  # open, timeouts: counted by the handler threads
+        self._logged = -REFUSAL_LOG_INTERVAL  # the first refusal is logged at once
+        self._unlogged: Counter[str] = Counter()
         self.registry = CollectorRegistry()
         self.registry.register(ServerCollector(server))
         self._metrics = make_wsgi_app(self.registry)
@@ -137,11 +256,12 @@ class MetricsEndpoint:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                         flags=socket.AI_PASSIVE)[0][0]
 
-            class Server(ThreadingWSGIServer):
+            class Server(_EndpointServer):
                 address_family = family
+                endpoint = self
 
             self.httpd: WSGIServer = make_server(host, port, self._app, Server,
-                                                 handler_class=_Quiet)
+                                                 handler_class=_Handler)
         except OSError as e:
             raise TransportError(f"--metrics-listen {listen}: cannot listen: "
                                  f"{e.strerror or e}", field="metrics_listen", value=listen,
@@ -153,6 +273,51 @@ class MetricsEndpoint:
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,),
                                        daemon=True, name="hurraykv-metrics")
         self.thread.start()
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """Whether to serve a connection just accepted (else it is closed at once)."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # The kernel hands out the lowest free descriptor, so every one below this
+        # connection's is taken: past the ceiling, the rest belong to the protocol port.
+        if soft != resource.RLIM_INFINITY and sock.fileno() >= soft - FD_RESERVE:
+            self._refuse("descriptors")
+            return False
+        with self._lock:
+            if self.open >= MAX_CONNECTIONS:
+                admitted = False
+            else:
+                self.open += 1
+                admitted = True
+        if not admitted:
+            self._refuse("cap")
+        return admitted
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+    def _timed_out(self) -> None:
+        with self._lock:  # handler threads count at once
+            self.timeouts += 1
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
+        self._unlogged[reason] += 1
+
+    def _report(self) -> None:
+        """Log the refusals not yet logged, at most once per ``REFUSAL_LOG_INTERVAL``: a
+        flood of connections is a line a minute with counts, not a line each (called
+        between accepts, on the thread that counts them)."""
+        now = time.monotonic()
+        if not self._unlogged or now - self._logged < REFUSAL_LOG_INTERVAL:
+            return
+        cap, fds = self._unlogged["cap"], self._unlogged["descriptors"]
+        log.warning("metrics endpoint: closed %d connection(s) unserved (%d over the cap "
+                    "of %d open at once, %d with fewer than %d descriptors left below "
+                    "RLIMIT_NOFILE, kept for the protocol port); reported at most once "
+                    "a minute", cap + fds, cap, MAX_CONNECTIONS, fds, FD_RESERVE)
+        self._logged = now
+        self._unlogged.clear()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Whether the event loop answers (and how fast) and the server still listens."""

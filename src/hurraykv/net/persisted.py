@@ -1,5 +1,5 @@
 """The server's disk tier: objects persisted as .hrry files under ``--persist DIR``,
-LRU under ``--persist-budget``, served from an mmap after a restart.  ``PersistedTier``
+LRU under ``--persist-budget``, served from the file after a restart.  ``PersistedTier``
 is the part of ``KeyStore`` that holds it (a base class sharing the store's state: the
 memory tier's ``_objects``, whose ``path`` an eviction from disk clears, and the
 ``evictions`` counts); ``hrry_size`` is a file's size before it is written.
@@ -8,10 +8,14 @@ The disk tier is changed from two threads: files are written in worker threads (
 commit), read and deleted on the event loop.  Its index (``_files``, in
 least-recently-used order, ``_sizes``, ``_mapped``) is therefore only touched under
 ``_disk``, a lock held for bookkeeping and unlinks, never while a file is written.  A file
-leaves the index before it is unlinked, under the lock, so a reader either maps the whole
-file or does not find it; a reader that mapped it before keeps valid pages (an unlinked
-file's pages live as long as a mapping does).  Keys evicted from disk for good are left
-in ``_gone`` for the store to drop their aliases on the event loop.
+leaves the index before it is unlinked, under the lock, so a reader either opens the whole
+file or does not find it; a reader that opened it before keeps reading it (an unlinked
+file lives as long as a descriptor does).  Keys evicted from disk for good are left in
+``_gone`` for the store to drop their aliases on the event loop.
+
+A persisted object is served by reading its file a frame at a time (``FileBytes``), not
+from a mapping: a file cut underneath a mapping is SIGBUS in whoever copies from it and
+EFAULT in ``send()``, where a short read is ``UnreadableObject``, which the pull reports.
 
 Recency survives a restart in the files' modification times: each write and each read
 of a persisted object sets its file's mtime to a clock that only moves forward, and a
@@ -40,7 +44,7 @@ from ..io.snapshots import HEAD_NAME, snapshot_kv
 from ..snapshot import is_kv_scales, is_seq_lens, member_name
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged
-from .stored import PersistFull, StoredObject
+from .stored import FileBytes, ObjectFile, PersistFull, StoredObject, UnreadableObject
 
 log = logging.getLogger("hurraykv.server")
 
@@ -84,8 +88,8 @@ class PersistedTier:
         self.persist_budget = persist_budget
         # Guarded by _disk (see the module's docstring): persisted files in
         # least-recently-used order, their sizes, and those already opened, whose index is
-        # parsed and validated once, not per pull (they live in the page cache, outside
-        # the memory budget).
+        # parsed and validated once, not per pull (their bytes stay in the page cache,
+        # outside the memory budget).
         self._disk = threading.RLock()
         self._files: OrderedDict[str, Path] = OrderedDict()
         self._sizes: dict[str, int] = {}
@@ -228,8 +232,9 @@ class PersistedTier:
         return self.persist / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".hrry")
 
     def _from_disk(self, key: str) -> StoredObject | None:
-        """``key``'s persisted object, its file mapped and validated on first use and
-        served zero-copy from the mapping after; None when it has no file."""
+        """``key``'s persisted object, its file opened and its index validated on first
+        use, its bytes read from the file as they are sent; None when it has no file,
+        ``UnreadableObject`` when the file cannot be opened or read as the object."""
         with self._disk:
             obj = self._mapped.get(key)
             if obj is not None:
@@ -238,19 +243,38 @@ class PersistedTier:
             path = self._files.get(key)
             if path is not None:
                 try:
-                    f = HrryFile.open(path)  # served zero-copy from the mapping
+                    file = ObjectFile(path)
                 except FileNotFoundError:
                     log.warning("%s (key %r) was removed from %s by someone else", path.name,
                                 key, self.persist)
                     self._forget_file(key)
-                else:
-                    items = [(f.descriptor(n), f.buffers(n)) for n in f.names]
-                    obj = StoredObject(items, sum(h.byte_size for d, _ in items
-                                                  for h in d.buffers), path)
-                    self._mapped[key] = obj
-                    self._use(key)
-                    return obj
+                    return None
+                except OSError as e:
+                    raise UnreadableObject(f"cannot open {path.name}: {e.strerror or e}",
+                                           path, field="file", value=path.name,
+                                           rule="a persisted file the server can open"
+                                           ) from None
+                try:  # the file's name only: messages may reach a tenant
+                    f = HrryFile.index(file.fd, path.name)
+                except HurrayError as e:
+                    file.close()
+                    raise UnreadableObject.of(e, path) from None
+                items = [(f.descriptor(n), [FileBytes(file, off, size)
+                                            for off, size in f.spans(n)]) for n in f.names]
+                obj = StoredObject(items, sum(h.byte_size for d, _ in items
+                                              for h in d.buffers), path)
+                self._mapped[key] = obj
+                self._use(key)
+                return obj
         return None
+
+    def drop_opened(self, obj: StoredObject) -> None:
+        """Forget ``obj``, an object served from its file, which a pull found damaged:
+        the next pull opens the file afresh and is refused before any byte is sent."""
+        with self._disk:
+            for key, opened in list(self._mapped.items()):
+                if opened is obj:
+                    del self._mapped[key]
 
     def persist_object(self, key: str, obj: StoredObject, snap: Any) -> Path | None:
         """Write the object's .hrry file (atomic) and its pages to the backing store;

@@ -196,6 +196,7 @@ class KVServer:
                 await self._server.serve_forever()
         finally:
             self.close_metrics()
+            self.store.close()
 
     def run_in_thread(self) -> ServerThread:
         return ServerThread(self)
@@ -241,6 +242,7 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.server.close_metrics()
+        self.server.store.close()
 
     def __enter__(self) -> ServerThread:
         return self

@@ -1,7 +1,9 @@
 """What the KV server stores, and the budgets' refusals: ``StoredObject`` (an object as
 the wire carries it, in pre-order), ``object_from_items`` (received items validated and
 prepared for storage), ``StoreFull`` (the memory budget) and ``PersistFull`` (the persist
-budget), both answered with ERROR STORE_FULL.
+budget), both answered with ERROR STORE_FULL; ``FileBytes`` (a buffer of an object served
+from its persisted file) and ``UnreadableObject`` (such a file found damaged: ERROR
+INTERNAL).
 
 An object is a snapshot (a group head and its members) or one tensor, kept as the list
 of ``(descriptor, buffers)`` the wire carries, in pre-order.  Objects are immutable once
@@ -11,6 +13,8 @@ replaces a key never shows anyone a partial snapshot.
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,67 @@ class PersistFull(HurrayError):
                          f".hrry file (file_bytes) but --persist-budget is {budget} bytes "
                          f"({budget / (1 << 30):.3f} GiB){others}",
                          field="file_bytes", value=nbytes, rule="--persist-budget")
+
+
+class UnreadableObject(HurrayError):
+    """A persisted object whose file cannot be served: cut short or otherwise damaged
+    since it was written, or not to be opened; answered with ERROR INTERNAL.  ``why`` says
+    what is wrong without the directory (a tenant is not told where the server persists);
+    the message, for the server's log, names the file."""
+
+    def __init__(self, why: str, path: Path, *, field: str | None = "file_size",
+                 offset: int | None = None, value: Any = None,
+                 rule: str | None = "a persisted file holds every byte its index names"
+                 ) -> None:
+        self.why, self.path = why, path
+        super().__init__(f"{path}: {why}", field=field, offset=offset, value=value,
+                         rule=rule)
+
+    @classmethod
+    def of(cls, e: HurrayError, path: Path) -> UnreadableObject:
+        """The file at ``path`` refused by the reader with ``e``."""
+        return cls(str(e), path, field=e.field, offset=e.offset, value=e.value, rule=e.rule)
+
+
+class ObjectFile:
+    """An open persisted file, read with ``pread`` and never mapped: a mapped file cut
+    underneath raises SIGBUS in whoever copies it (the TLS layer) and EFAULT in
+    ``send()``, where a short read is an error a pull can report.  The descriptor closes
+    when the last object or pull holding it lets go, so a pull under way keeps reading an
+    evicted (unlinked) file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.close = weakref.finalize(self, os.close, self.fd)
+
+
+class FileBytes:
+    """``nbytes`` bytes of an ``ObjectFile`` from ``offset``: a buffer of an object served
+    from disk.  Sliced like a byte view (``DataPlan`` cuts frames from it); ``read()``
+    returns the bytes, or ``UnreadableObject`` when the file now ends before them."""
+
+    __slots__ = ("file", "nbytes", "offset")
+
+    def __init__(self, file: ObjectFile, offset: int, nbytes: int) -> None:
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+
+    def __getitem__(self, part: slice) -> FileBytes:
+        start, stop, _ = part.indices(self.nbytes)
+        return FileBytes(self.file, self.offset + start, max(stop - start, 0))
+
+    def read(self) -> bytes:
+        data = os.pread(self.file.fd, self.nbytes, self.offset)
+        if len(data) != self.nbytes:
+            size = os.fstat(self.file.fd).st_size
+            raise UnreadableObject(f"file_size: found {size} bytes; its index puts "
+                                   f"{self.nbytes} bytes of data at byte {self.offset} "
+                                   "(the file was cut short after it was written)",
+                                   self.file.path, value=size)
+        return data
+
+    def __bytes__(self) -> bytes:
+        return self.read()
 
 
 @dataclass

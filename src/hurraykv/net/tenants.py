@@ -7,12 +7,12 @@ x400Address and ediPartyName into ``'<unsupported>'``, so two certificates namin
 DER of the issuer name, of the subject name and of every subjectAltName entry (all
 types: otherName, rfc822Name, dNSName, x400Address, directoryName, ediPartyName, URI,
 IP address, registeredID), the entries taken as a set (their order in the certificate
-does not matter; DER itself orders the attributes of an RDN).  Certificates issued
-again with the same names (new key, new serial, new validity) are the same tenant; any
-difference in a name, its attribute types or their string types is another tenant.  A
-certificate with an empty subject and no subjectAltName names nobody, and one whose
-names cannot be read exactly (a structure this reader does not take) is refused too:
-both are answered ERROR UNAUTHORIZED before the Hurray handshake completes.
+does not matter, nor does an entry repeated; DER itself orders the attributes of an RDN).
+Certificates issued again with the same names (new key, new serial, new validity) are
+the same tenant; any difference in a name, its attribute types or their string types is
+another tenant.  A certificate with an empty subject and no subjectAltName names nobody,
+and one whose names cannot be read exactly (a structure this reader does not take) is
+refused too: both are answered ERROR UNAUTHORIZED before the Hurray handshake completes.
 
 Inside the server a tenant's key is ``tenant_id + NUL + key``, where ``tenant_id`` is
 the first 128 bits of SHA-256 over those DER bytes, in hex.  Client keys may not contain
@@ -86,7 +86,7 @@ def _expect(tag: int, want: int, pos: int, what: str) -> None:
 
 def certificate_names(der: bytes) -> tuple[bytes, bytes, list[bytes]]:
     """``(issuer DER, subject DER, [subjectAltName entry DER, ...])`` of a certificate,
-    or ``UnreadableIdentity``."""
+    the entries sorted and each once (a set), or ``UnreadableIdentity``."""
     der = bytes(der)
     tag, start, end = _element(der, 0, len(der), "certificate")
     _expect(tag, 0x30, 0, "certificate")
@@ -130,7 +130,7 @@ def certificate_names(der: bytes) -> tuple[bytes, bytes, list[bytes]]:
             _expect(gtag, 0x30, vpos, "GeneralNames")
             sans = [der[a:b] for t, a, b in _children(der, gstart, gend, "GeneralName")
                     if _general_name(t, a)]
-    return issuer, subject, sorted(sans or [])
+    return issuer, subject, sorted(set(sans or []))
 
 
 def _general_name(tag: int, pos: int) -> bool:
