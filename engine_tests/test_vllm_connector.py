@@ -161,6 +161,9 @@ def test_damaged_segments_are_recomputed_not_used(tiny_llama, tmp_path, referenc
                      "damaged")
     assert [o["tokens"] for o in out["outputs"]] == reference()
     assert out["stats"]["chunks_failed"] >= 1
+    # both damages are parse failures, counted as corrupt: each chunk a request wanted
+    # from the damaged segment it read (the chunks after it are failed, never read)
+    assert 0 < out["stats"]["chunks_corrupt"] <= out["stats"]["chunks_failed"]
     assert "could not be loaded" in out["log"] and "will be recomputed" in out["log"]
     for segment in _segments(store):  # stored again, whole, once recomputed
         assert hk.load_snapshot(segment).num_layers == 2

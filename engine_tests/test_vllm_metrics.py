@@ -7,6 +7,7 @@ with ``.venv-vllm/bin/python -m pytest engine_tests/test_vllm_metrics.py``."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -162,6 +163,14 @@ def test_vllm_logging_and_prometheus_accept_the_stats() -> None:
         assert {METRICS[k][0] for k in METRICS} <= names
     finally:
         _unregister_ours()
+
+
+def test_the_docs_metrics_table_names_every_metric() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    table = docs[docs.index("**Metrics.**"):docs.index("**KV events.**")]
+    for name, _ in METRICS.values():  # a row names its first metric whole, then suffixes
+        suffix = name.removeprefix("vllm:hurraykv")
+        assert f"`{name}`" in table or f"`{suffix}`" in table, name
 
 
 # ------------------------------------------------------------------ events

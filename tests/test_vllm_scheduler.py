@@ -18,12 +18,13 @@ from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
 from hurraykv.integrations.guard import Guarded
 from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
-from hurraykv.integrations.vllm.events import HurrayKVEvents
+from hurraykv.integrations.vllm.events import HurrayKVEvents, SavedSegments
 from hurraykv.integrations.vllm.request_keys import request_seed
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from hurraykv.io import checksums
 
 BLOCK, CHUNK = 16, 32  # two blocks a chunk
+LOADED = "loaded"  # a worker's load record, (LOADED, request id): events.LOADED
 IDENTITY = "model=tiny;cache_dtype=float16;chunk_size=32;tp_size=1"
 
 
@@ -85,7 +86,11 @@ def test_a_stored_prefix_is_matched_and_planned_into_the_allocated_blocks(side):
     save, = plan.saves  # the third chunk (tokens 64..96) is computed this step
     assert save.first_chunk == 2 and save.blocks == [[14, 15]]
     stats = sched.ctx.stats
-    assert (stats["lookups"], stats["lookup_hits"], stats["tokens_hit"]) == (1, 1, 48)
+    assert (stats["lookups"], stats["lookup_hits"], stats["tokens_hit"]) == (1, 1, 0)
+    # hit tokens are counted once the workers report the step that loaded them
+    sched.output(SimpleNamespace(invalid_block_ids=set(),
+                                 kv_cache_events=SavedSegments([(LOADED, "a")])))
+    assert (stats["tokens_hit"], stats["tokens_failed"]) == (48, 0)
 
 
 def test_nothing_stored_is_a_miss_and_every_computed_chunk_is_saved(side):
@@ -133,6 +138,7 @@ def test_a_plan_that_cannot_be_made_reports_the_expected_loads_failed(side):
     sched.after_alloc(req, 48)
     plan = sched.failed_plan(step(new=[("d", range(30, 37), 16)]))
     assert plan.failed == [31, 32, 33, 34, 35, 36] and plan.loads == plan.saves == []
+    assert (sched.ctx.stats["tokens_hit"], sched.ctx.stats["tokens_failed"]) == (0, 48)
 
 
 def test_finished_requests_are_forgotten(side):
@@ -140,3 +146,23 @@ def test_finished_requests_are_forgotten(side):
     sched.matched(request("e", PROMPT), 0)
     sched.plan(step(finished=["e"]))
     assert "e" not in sched.requests
+
+
+def test_a_load_is_counted_when_its_step_is_reported_even_after_the_request_finished(side):
+    """vLLM frees a request that finished in the step that loaded it (max_tokens=1)
+    before it hands the connector that step's output: the load is counted all the same,
+    once (every tensor-parallel rank reports it), split at the first failed block."""
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 3)
+    req = request("f", PROMPT)
+    assert sched.matched(req, 0)[0] == 96
+    sched.after_alloc(req, 96)
+    sched.plan(step(new=[("f", range(40, 47), 0)], scheduled={"f": 100}))
+    sched.finished(req)
+    sched.output(SimpleNamespace(invalid_block_ids={42, 43, 44, 45}, kv_cache_events=(
+        SavedSegments([(LOADED, "f"), (LOADED, "f"), "f/unknown-segment"]))))
+    stats = sched.ctx.stats
+    assert (stats["tokens_hit"], stats["tokens_failed"]) == (32, 64)
+    sched.output(SimpleNamespace(invalid_block_ids=set(),
+                                 kv_cache_events=SavedSegments([(LOADED, "f")])))
+    assert (stats["tokens_hit"], stats["tokens_failed"]) == (32, 64)

@@ -54,7 +54,7 @@ STATS = ("chunks_loaded", "chunks_saved", "chunks_failed", "lookups_missed", "sa
          "hook_errors", "chunks_corrupt", "verify_seconds", "evictions", "segments_loaded",
          "segments_saved", "layers_written", "bytes_loaded", "bytes_saved", "save_seconds",
          "load_seconds", "fetch_seconds", "write_seconds", "lookups", "lookup_hits",
-         "lookup_misses", "tokens_hit")
+         "lookup_misses", "tokens_hit", "tokens_failed", "tokens_loaded")
 
 
 @dataclass

@@ -36,6 +36,11 @@ the offloading connector publishes for its CPU/storage tiers
   hashes announced before;
 * ``take_events()`` (the connector's ``take_events``) returns and clears the queue.
 
+The same worker-to-scheduler channel carries ``("loaded", request id)`` for each request
+whose load a worker ran in the step (``WorkerSegments.loaded``): vLLM hands the scheduler
+a step's records together with the blocks whose load failed, from every worker at once,
+so the scheduler counts a load's tokens as hit or failed exactly (``split_records``).
+
 ``medium`` is vLLM's ``MEDIUM_STORAGE`` ("STORAGE", the tier the offloading connector's
 file/object tiers use) so routers that score tiers by medium understand it;
 ``ownership`` (vLLM: "Secondary offloading tier identifier") says "hurraykv", and
@@ -197,8 +202,25 @@ def _connector_kv_events_base() -> type:
     return KVConnectorKVEvents
 
 
+LOADED = "loaded"  # the tag of a load record: (LOADED, request id)
+
+
+def split_records(records: Iterable[Any]) -> tuple[list[str], set[str]]:
+    """A step's worker records: the ids of the segments written, and the ids of the
+    requests whose load ran."""
+    segments: list[str] = []
+    loaded: set[str] = set()
+    for r in records:
+        if isinstance(r, str):
+            segments.append(r)
+        elif isinstance(r, tuple) and len(r) == 2 and r[0] == LOADED:
+            loaded.add(r[1])
+    return segments, loaded
+
+
 class SavedSegments:
-    """Worker side: ids of the segments written since the last step, carried to the
+    """Worker side: ids of the segments written since the last step (and the load
+    records, ``split_records``), carried to the
     scheduler in ``KVConnectorOutput.kv_cache_events``.  It implements vLLM's
     ``KVConnectorKVEvents`` interface (``vllm/distributed/kv_events.py:227-258``), which
     ``KVOutputAggregator`` uses to merge the workers' (``add_events``,
@@ -246,18 +268,23 @@ class SavedSegments:
 
 class WorkerSegments:
     """Worker-side recorder, fed from the writer thread: ``saved(id)`` after a segment is
-    written; ``take()`` (what ``get_kv_connector_kv_cache_events`` returns) hands them
-    over as a ``SavedSegments``, or None when there are none."""
+    written, and from the engine's: ``loaded(request id)`` when a request's load runs;
+    ``take()`` (what ``get_kv_connector_kv_cache_events`` returns) hands them over as a
+    ``SavedSegments``, or None when there are none."""
 
     def __init__(self) -> None:
         import threading
 
         self._lock = threading.Lock()
-        self._saved: list[str] = []
+        self._saved: list[Any] = []
 
     def saved(self, segment: str) -> None:
         with self._lock:
             self._saved.append(segment)
+
+    def loaded(self, req_id: str) -> None:
+        with self._lock:
+            self._saved.append((LOADED, req_id))
 
     def take(self) -> SavedSegments | None:
         with self._lock:
@@ -265,5 +292,5 @@ class WorkerSegments:
         return SavedSegments(saved) if saved else None
 
 
-__all__ = ["MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments", "WorkerSegments",
-           "locality_of"]
+__all__ = ["LOADED", "MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments",
+           "WorkerSegments", "locality_of", "split_records"]

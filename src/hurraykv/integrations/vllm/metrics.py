@@ -44,9 +44,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 # name in the stats payload -> (Prometheus name, help text).  All are counters (sums of
-# per-interval deltas).  Payload names are the connector's own ``self.stats`` keys where
-# it has one; the others (lookups, lookup_hits, lookup_misses, tokens_hit, evictions,
-# store_outages) are counters the connector adds; tokens_* are derived by CounterDeltas.
+# per-interval deltas).  Payload names are the connector's own ``self.stats`` keys;
+# store_outages comes from its guards, tokens_saved is derived by CounterDeltas.  Each
+# counts what its name says in the unit it names (issue 29: chunk counters went up once
+# per segment, stored bytes counted dropped saves, hits counted failed loads).
 METRICS: dict[str, tuple[str, str]] = {
     # scheduler side: lookups (get_num_new_matched_tokens)
     "lookups": ("vllm:hurraykv_lookups",
@@ -58,29 +59,38 @@ METRICS: dict[str, tuple[str, str]] = {
     "lookups_missed": ("vllm:hurraykv_lookup_errors",
                        "Lookups not answered (store down, late or failing): counted as misses."),
     "tokens_hit": ("vllm:hurraykv_hit_tokens",
-                   "Prompt tokens the store held beyond vLLM's own prefix cache."),
+                   "Prompt tokens loaded from the store into the engine's cache, beyond "
+                   "vLLM's own prefix cache (loads that failed are not counted)."),
+    "tokens_failed": ("vllm:hurraykv_failed_tokens",
+                      "Prompt tokens vLLM took from the store (its cached_tokens count them) "
+                      "whose load failed: recomputed."),
     "store_outages": ("vllm:hurraykv_store_outages",
                       "Times a store connection was declared down by the circuit breaker."),
     "hook_errors": ("vllm:hurraykv_hook_errors",
                     "Connector hooks that raised and were answered with the safe default."),
     # worker side: loads
-    "chunks_loaded": ("vllm:hurraykv_loaded_chunks", "Chunks loaded from the store."),
-    "tokens_loaded": ("vllm:hurraykv_loaded_tokens", "Tokens loaded from the store."),
-    "segments_loaded": ("vllm:hurraykv_loaded_segments", "Segments read from the store."),
+    "chunks_loaded": ("vllm:hurraykv_loaded_chunks",
+                      "Chunks loaded from the store into the engine's cache (not failed)."),
+    "tokens_loaded": ("vllm:hurraykv_loaded_tokens",
+                      "Tokens loaded from the store into the engine's cache (not failed)."),
+    "segments_loaded": ("vllm:hurraykv_loaded_segments",
+                        "Segments some chunks of which were loaded into the engine's cache."),
     "bytes_loaded": ("vllm:hurraykv_loaded_bytes",
                      "Bytes of KV pages written into the engine's cache from the store."),
     "load_seconds": ("vllm:hurraykv_load_seconds",
                      "Seconds spent fetching and writing loaded KV (all workers)."),
     "chunks_failed": ("vllm:hurraykv_failed_chunks",
-                      "Chunks whose load failed (recomputed instead)."),
+                      "Chunks whose load failed (recomputed instead), each chunk once."),
     "chunks_corrupt": ("vllm:hurraykv_corrupt_chunks",
-                       "Chunks that failed their checksum or did not parse."),
+                       "Of the failed chunks, those held by a segment that failed its "
+                       "checksum or did not parse (cut short, mangled)."),
     # worker side: saves
     "chunks_saved": ("vllm:hurraykv_stored_chunks", "Chunks written to the store."),
     "tokens_saved": ("vllm:hurraykv_stored_tokens", "Tokens written to the store."),
     "segments_saved": ("vllm:hurraykv_stored_segments", "Segments written to the store."),
     "bytes_saved": ("vllm:hurraykv_stored_bytes",
-                    "Bytes of KV pages copied out of the engine's cache for the store."),
+                    "Bytes of KV pages (as stored: quantized where store_dtype says) of the "
+                    "segments written to the store; dropped saves are not counted."),
     "save_seconds": ("vllm:hurraykv_save_seconds",
                      "Seconds the forward pass spent copying KV out for the store."),
     "write_seconds": ("vllm:hurraykv_write_seconds",
@@ -88,7 +98,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "saves_dropped": ("vllm:hurraykv_dropped_saves",
                       "Segments not stored (writer full, store down or failing)."),
     "evictions": ("vllm:hurraykv_evictions",
-                  "Stored chunks found gone (evicted or discarded) and announced removed."),
+                  "Segments this engine evicted to stay within max_bytes."),
 }
 
 # keys counted once per chunk (not per byte or second): with tensor parallelism every

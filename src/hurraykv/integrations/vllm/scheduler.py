@@ -7,17 +7,23 @@ workers load and store (no vLLM or torch import: tested without an engine,
 blocks vLLM allocated, and the newly computed chunks the store lacks, one segment per run
 of consecutive chunks.  A failed load (reported back by the workers) makes the chunks
 from it on stored again once recomputed.
+
+``tokens_hit`` counts the tokens a load actually put into the engine's cache, when the
+workers report the step that ran it (``output``): vLLM counts a load in its
+``cached_tokens`` when it schedules it, before it knows whether the load fails; the
+tokens of a failed load, which vLLM recomputes, are ``tokens_failed``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..chunks import ChunkKeys, segment_first
 from .common import Context, Plan, Transfer, holds
-from .events import HurrayKVEvents
+from .events import HurrayKVEvents, split_records
 from .request_keys import passed_through, request_seed
 
 
@@ -39,10 +45,16 @@ class RequestState:
 
 
 class SchedulerSide:
+    MAX_LOADING = 100_000  # loads whose step was never reported (aborted) are forgotten
+
     def __init__(self, ctx: Context, events: HurrayKVEvents,
                  new_plan: Callable[[], Plan] = Plan) -> None:
         self.ctx, self.events, self.new_plan = ctx, events, new_plan
         self.requests: dict[str, RequestState] = {}
+        # request id -> (tokens, the blocks) of a load planned and not yet reported; kept
+        # apart from ``requests`` because vLLM finishes a request (max_tokens=1) before it
+        # hands the connector the output of the step that loaded it
+        self.loading: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -85,7 +97,6 @@ class SchedulerSide:
         st.stored = max(st.stored, found)
         new = max(0, st.matched - num_computed_tokens)
         stats["lookup_hits" if new else "lookup_misses"] += 1
-        stats["tokens_hit"] += new
         return new, False
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
@@ -102,6 +113,12 @@ class SchedulerSide:
             st.computed = new.num_computed_tokens
             if st.load > 0:
                 plan.loads.append(self._transfer(st, st.local, st.local + st.load))
+                block = self.ctx.block_size
+                self.loading[new.req_id] = (st.load, st.blocks[st.local // block:
+                                                              (st.local + st.load) // block])
+                self.loading.move_to_end(new.req_id)
+                while len(self.loading) > self.MAX_LOADING:
+                    self.loading.popitem(last=False)
                 st.load = 0
             scheduled.append(st)
         cached = scheduler_output.scheduled_cached_reqs
@@ -132,6 +149,7 @@ class SchedulerSide:
             st = self.requests.get(new.req_id)
             if st is not None and st.load > 0 and new.block_ids:
                 plan.failed += list(new.block_ids[0])[st.local // self.ctx.block_size:]
+                self.ctx.stats["tokens_failed"] += st.load
                 st.load = 0
         return plan
 
@@ -186,9 +204,11 @@ class SchedulerSide:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
         saved = getattr(connector_output, "kv_cache_events", None)
-        if saved:
-            self.events.confirm(saved.get_all_events())
+        segments, loaded = split_records(saved.get_all_events() if saved else ())
+        if segments:
+            self.events.confirm(segments)
         invalid = getattr(connector_output, "invalid_block_ids", None)
+        self._loads_done(loaded, invalid or set())
         if not invalid:
             return
         per = self.ctx.per
@@ -200,6 +220,21 @@ class SchedulerSide:
                 self.events.removed(st.request, first, max(0, len(st.located) - first))
                 st.stored = min(st.stored, first)
                 st.rewrite = True
+
+    def _loads_done(self, req_ids: set[str], invalid: set[int]) -> None:
+        """The loads of ``req_ids`` ran in the step whose failed blocks are ``invalid``:
+        vLLM recomputes a request from its first failed block on, so the tokens before it
+        are hits and the rest failed."""
+        stats, block = self.ctx.stats, self.ctx.block_size
+        for req_id in req_ids:
+            done = self.loading.pop(req_id, None)
+            if done is None:
+                continue
+            tokens, blocks = done
+            bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            hit = tokens if bad is None else min(tokens, bad * block)
+            stats["tokens_hit"] += hit
+            stats["tokens_failed"] += tokens - hit
 
     def finished(self, request: Any) -> None:
         self.requests.pop(getattr(request, "request_id", None), None)

@@ -9,14 +9,21 @@ the writer (so the engine's blocks are free when it returns, and the store's lat
 stays off the next forward pass).  A chunk that is missing, damaged or does not fit is
 never written into the cache: its blocks (and those after them) are reported by
 ``load_errors`` so vLLM recomputes them, and one line is logged.
+
+The counters mean what ``metrics.py`` names them: a load's chunks are counted loaded or
+failed once vLLM has asked which failed (``load_errors``), per chunk; stored bytes once
+the writer has stored them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,18 @@ import numpy as np
 from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers, pages_to_numpy
-from ...errors import HurrayError, TransportError
+from ...errors import (
+    ContainerError,
+    DescriptorError,
+    ElementTypeError,
+    HurrayBufferError,
+    HurrayError,
+    LayoutError,
+    QuantizationError,
+    SnapshotError,
+    StreamError,
+    TransportError,
+)
 from ...io import checksums
 from ...io.checksums import ChecksumError
 from ...snapshot import KVCacheSnapshot
@@ -33,6 +51,97 @@ from .events import WorkerSegments
 from .layer_checks import LayerChecks, later_members
 from .store_format import DecodeBuffers, StoreFormat
 from .store_format import warm as warm_formats
+
+# What a segment that was read but does not parse raises (cut short, mangled structure):
+# damaged, as a checksum failure is.  Not damage: a missing segment, a store error, one
+# of another identity or geometry (plain HurrayError), a format this build cannot read.
+DAMAGED = (ChecksumError, ContainerError, DescriptorError, ElementTypeError,
+           HurrayBufferError, LayoutError, QuantizationError, SnapshotError, StreamError)
+
+
+@dataclass
+class _Load:
+    """One request's load in this step.  vLLM recomputes a request from its first failed
+    block on (it truncates the computed tokens there), so chunks ``[0, ok)`` are loaded
+    and the rest failed."""
+
+    transfer: Transfer
+    ok: int
+    corrupt: int = 0  # its chunks held by a segment that failed its checksum or parse
+
+
+class WriterBacklog:
+    """What the log says about the writer falling behind (its queue full: new segments
+    dropped) and catching up.  A store at its limit (Redis at ``maxmemory``) makes the
+    writer flap between the two many times a second, and a line per transition flooded
+    the log (100 lines in 10 s, issue 29): a transition is told at once only when no line
+    was written for ``interval`` seconds; otherwise it is counted, and the counts go out
+    as one line at the first drop, store or step after the interval."""
+
+    INTERVAL = 10.0
+
+    def __init__(self, url: str, *, interval: float = INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.interval, self.clock = url, interval, clock
+        self.behind = False
+        self._lock = threading.Lock()  # the engine's thread drops, the writer's stores
+        self._last: float | None = None  # when the last line was written
+        self._falls = self._catches = self._dropped = 0  # since that line
+        self._episode = 0  # segments dropped since the writer last fell behind
+
+    def dropped(self, waiting: int, req_id: str, *, quiet: bool = False) -> None:
+        """A segment dropped because ``waiting`` segments wait; ``quiet``: the store is
+        down, which ``guard.py`` logs, so the fall is not told on its own."""
+        with self._lock:
+            fell = not self.behind
+            self.behind = True
+            self._falls += fell
+            self._dropped += 1
+            self._episode = 1 if fell else self._episode + 1
+            line = None if quiet else self._line(f"it is behind: {waiting} segments waiting",
+                                                 (waiting, req_id) if fell else None)
+        if line is not None:
+            log.warning(*line)
+
+    def stored(self) -> None:
+        """A segment stored: the writer has caught up, if it was behind."""
+        with self._lock:
+            self._catches += self.behind
+            self.behind = False
+            line = self._line("it has caught up")
+        if line is not None:
+            log.warning(*line)
+
+    def tick(self) -> None:
+        """Counts older than the interval go out now (a step, with nothing else to say)."""
+        with self._lock:
+            line = self._line("it is still behind" if self.behind else "it has caught up")
+        if line is not None:
+            log.warning(*line)
+
+    def _line(self, now: str, fall: tuple[int, str] | None = None) -> tuple[Any, ...] | None:
+        """The line to write now, if any (its counts start again).  Drops while the
+        writer stays behind are no news: the caught-up line counts them."""
+        if not (self._falls or self._catches) or not self._due():
+            return None
+        if fall is not None and (self._falls, self._catches, self._dropped) == (1, 0, 1):
+            line: tuple[Any, ...] = (
+                "the writer to %s has %d segments waiting: new chunks are not stored until "
+                "it catches up (request %s first)", self.url, *fall)
+        elif not self.behind and self._falls <= 1 and self._catches == 1:
+            line = ("the writer to %s caught up; %d segments were not stored meanwhile",
+                    self.url, self._episode)
+        else:
+            since = "" if self._last is None else f" in the last {self.clock() - self._last:.0f} s"
+            line = ("the writer to %s fell behind %d times and caught up %d times%s; %d "
+                    "segments were not stored (%s)", self.url, self._falls, self._catches,
+                    since, self._dropped, now)
+        self._last = self.clock()
+        self._falls = self._catches = self._dropped = 0
+        return line
+
+    def _due(self) -> bool:
+        return self._last is None or self.clock() - self._last >= self.interval
 
 
 class WorkerSide:
@@ -45,11 +154,14 @@ class WorkerSide:
         self.saved = WorkerSegments()
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        self._dropped_since = 0  # segments the writer had no room for since it last stored
+        self.backlog = WriterBacklog(ctx.url)
         self._layers: list[tuple[str, LayerView]] = []
         self._index: dict[str, int] = {}
         self._scales: list[tuple[float, float]] | None = None
         self._fetched: list[tuple[list[int], KVCacheSnapshot, int]] = []
+        self._loads: list[_Load] = []  # this step's, counted by _settle
+        self._origin: dict[int, tuple[_Load, int]] = {}  # id of a _fetched entry -> its
+        # load and the index of its first chunk there
         self._written: set[str] = set()
         self._staged: dict[int, list[list[np.ndarray]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
@@ -139,56 +251,69 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
+        self._settle()  # a step whose load errors vLLM did not ask for
         self._settle_decoder()
         self._fetched, self._written, self._unchecked, self._names = [], set(), {}, {}
+        self._origin = {}
         self._checks.settle()
         if plan is None:
             return
         stats = self.ctx.stats
         self._failed.update(plan.failed)
         started = time.perf_counter()
-        segments: dict[str, KVCacheSnapshot] = {}
-        for load in plan.loads:
+        segments: dict[str, KVCacheSnapshot | HurrayError] = {}
+        for transfer in plan.loads:
+            load = _Load(transfer, len(transfer.names))
+            self._loads.append(load)
+            # the scheduler counts a hit once it knows whether this load failed
+            self.saved.loaded(transfer.req_id)
             if self.ctx.disabled:  # the scheduler matched, but this worker cannot write
-                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
-                           f"not loaded: {self.ctx.disabled}")
+                self._fail_logged(load, 0, f"not loaded: {self.ctx.disabled}")
                 continue
             try:
                 self._fetch(load, segments)
             except Exception as e:  # a bug of ours is a recompute too, never a dead engine
-                self._fail([b for blocks in load.blocks for b in blocks], load.req_id,
-                           f"{type(e).__name__}: {e}")
+                self._fail_logged(load, 0, f"{type(e).__name__}: {e}")
         self._checks.start(self._unchecked, len(self._layers))
         stats["fetch_seconds"] += time.perf_counter() - started
         stats["load_seconds"] += time.perf_counter() - started
 
-    def _fetch(self, load: Transfer, segments: dict[str, KVCacheSnapshot]) -> None:
-        """Fetch and check a load's segments; from the first chunk that cannot be
-        loaded on, its blocks are recomputed."""
-        stats = self.ctx.stats
-        for i, name in enumerate(load.names):
+    def _fetch(self, load: _Load, segments: dict[str, KVCacheSnapshot | HurrayError]
+               ) -> None:
+        """Fetch and check a load's segments (``segments``: those of this step so far, or
+        the damage found in them); from the first chunk that cannot be loaded on, its
+        blocks are recomputed."""
+        t = load.transfer
+        for i, name in enumerate(t.names):
             snap = segments.get(name)
+            if isinstance(snap, HurrayError):  # told once, by the load that found it
+                load.corrupt += t.names[i:].count(name)
+                self._fail_logged(load, i, f"segment {name} could not be loaded (damaged)")
+                return
             if snap is None:
                 got = self.ctx.loads.call(
                     "get", lambda store, n=name: self._get_checked(store, n), None)
                 if not isinstance(got, KVCacheSnapshot):
+                    if isinstance(got, DAMAGED):  # every chunk of the load it holds
+                        load.corrupt += t.names[i:].count(name)
+                        segments[name] = got  # other loads of this step: damaged, not gone
                     why = str(got) if got is not None else "the store did not answer in time"
-                    self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
-                               f"segment {name} could not be loaded ({why})")
+                    self._fail_logged(load, i, f"segment {name} could not be loaded ({why})")
                     return
                 snap = segments[name] = got
-                stats["segments_loaded"] += 1
-            first = load.pages[i]
-            if first + len(load.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
-                self._fail([b for blocks in load.blocks[i:] for b in blocks], load.req_id,
-                           f"segment {name} holds fewer pages than chunk {i} needs")
+            first = t.pages[i]
+            if first + len(t.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
+                self._fail_logged(load, i, f"segment {name} holds fewer pages than chunk {i} "
+                                  "needs")
                 return
             last = self._fetched[-1] if self._fetched else None
-            if last is not None and last[1] is snap and last[2] + len(last[0]) == first:
-                last[0].extend(load.blocks[i])  # one write per run of a segment's pages
-            else:
-                self._fetched.append((list(load.blocks[i]), snap, first))
-            stats["chunks_loaded"] += 1
+            if (last is not None and last[1] is snap and last[2] + len(last[0]) == first
+                    and self._origin[id(last)][0] is load):
+                last[0].extend(t.blocks[i])  # one write per run of a segment's pages
+            else:  # runs stay within a load: a failure drops that request's chunks only
+                entry = (list(t.blocks[i]), snap, first)
+                self._fetched.append(entry)
+                self._origin[id(entry)] = (load, i)
 
     def _get_checked(self, store: Any, name: str) -> KVCacheSnapshot | HurrayError:
         """A segment that fits this engine, or the error that says why the object is bad
@@ -205,7 +330,6 @@ class WorkerSide:
         except TransportError:
             raise
         except ChecksumError as e:  # damaged: out of the store, stored again once computed
-            stats["chunks_corrupt"] += 1
             with contextlib.suppress(Exception):
                 store.discard(name)
             return e
@@ -214,10 +338,38 @@ class WorkerSide:
         finally:
             stats["verify_seconds"] += store.verify_seconds - before
 
-    def _fail(self, blocks: list[int], req_id: str, why: str) -> None:
+    def _fail(self, load: _Load, chunk: int) -> int:
+        """``load``'s chunks from ``chunk`` on are recomputed: their blocks reported, their
+        fetched pages written no further.  Returns how many blocks that adds."""
+        if chunk >= load.ok:
+            return 0  # failed from an earlier chunk already
+        blocks = [b for bs in load.transfer.blocks[chunk:load.ok] for b in bs]
         self._failed.update(blocks)
-        self.ctx.stats["chunks_failed"] += 1
-        log.warning("request %s: %s; %d blocks will be recomputed", req_id, why, len(blocks))
+        load.ok = chunk
+        self._fetched = [f for f in self._fetched if not (
+            self._origin[id(f)][0] is load and self._origin[id(f)][1] >= chunk)]
+        return len(blocks)
+
+    def _fail_logged(self, load: _Load, chunk: int, why: str) -> None:
+        blocks = self._fail(load, chunk)
+        log.warning("request %s: %s; %d blocks will be recomputed", load.transfer.req_id,
+                    why, blocks)
+
+    def _settle(self) -> None:
+        """Count the step's loads, once vLLM has asked which failed (a chunk checked
+        beside the forward pass may fail after its fetch): per chunk, as the names say."""
+        loads, self._loads = self._loads, []
+        if not loads:
+            return
+        stats, names = self.ctx.stats, set()
+        for load in loads:
+            t = load.transfer
+            stats["chunks_loaded"] += load.ok
+            stats["tokens_loaded"] += self.ctx.block_size * sum(map(len, t.blocks[:load.ok]))
+            stats["chunks_failed"] += len(t.names) - load.ok
+            stats["chunks_corrupt"] += load.corrupt
+            names.update(t.names[:load.ok])
+        stats["segments_loaded"] += len(names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._fetched or layer_name in self._written or layer_name not in self._index:
@@ -241,10 +393,9 @@ class WorkerSide:
                 view.write(blocks, pages)
                 stats["bytes_loaded"] += stored
         except Exception as e:  # e.g. a file changed underneath: every loaded block again
-            blocks = [b for fetched in self._fetched for b in fetched[0]]
-            self._fetched = []
-            self._fail(blocks, "(this step)", f"writing layer {layer_name} failed "
-                       f"({type(e).__name__}: {e})")
+            blocks = sum(self._fail(load, 0) for load in self._loads)
+            log.warning("writing layer %s failed (%s: %s); %d blocks of this step will be "
+                        "recomputed", layer_name, type(e).__name__, e, blocks)
             return
         self._written.add(layer_name)
         stats["layers_written"] += 1
@@ -294,14 +445,22 @@ class WorkerSide:
         bad, waited = self._checks.wait(layer)
         self.ctx.stats["verify_seconds"] += waited
         for name, error in bad:
-            gone = [f for f in self._fetched if self._names.get(id(f[1])) == name]
-            self._fetched = [f for f in self._fetched if f not in gone]
-            self.ctx.stats["chunks_corrupt"] += 1
-            self._fail([b for f in gone for b in f[0]], "(this step)",
-                       f"segment {name} could not be loaded ({error})")
+            first: dict[int, tuple[_Load, int]] = {}  # per load, its first chunk in `name`
+            for f in self._fetched:
+                if self._names.get(id(f[1])) == name:
+                    load, chunk = self._origin[id(f)]
+                    if id(load) not in first or chunk < first[id(load)][1]:
+                        first[id(load)] = (load, chunk)
+            blocks = 0
+            for load, chunk in first.values():
+                load.corrupt += load.transfer.names[chunk:load.ok].count(name)
+                blocks += self._fail(load, chunk)
+            log.warning("segment %s could not be loaded (%s); %d blocks of this step will be "
+                        "recomputed", name, error, blocks)
             self.ctx.loads.call("discard", lambda store, n=name: store.discard(n), None)
 
     def load_errors(self) -> set[int]:
+        self._settle()  # vLLM asks once the forward pass is done: every check has answered
         failed, self._failed = self._failed, set()
         return failed
 
@@ -321,7 +480,6 @@ class WorkerSide:
                     parts = [self.format.encode(p, role, layer)
                              for p, role in zip(parts, roles, strict=True)]
                 staged[layer] = parts
-                stats["bytes_saved"] += sum(_nbytes(p) for p in parts)
         except Exception as e:  # nothing stored this step; the engine goes on
             self._staged.clear()
             stats["saves_dropped"] += len(plan.saves)
@@ -330,6 +488,7 @@ class WorkerSide:
         stats["save_seconds"] += time.perf_counter() - started
 
     def wait_for_save(self, plan: Plan | None) -> None:
+        self.backlog.tick()
         if plan is None:
             return
         stats = self.ctx.stats
@@ -338,6 +497,7 @@ class WorkerSide:
             staged = self._staged.pop(i, None)
             if staged is None or any(not parts for parts in staged):
                 continue
+            nbytes = sum(_nbytes(p) for parts in staged for p in parts)
             try:
                 segment = self._segment(staged)  # owns copies: the blocks may be reused now
             except Exception as e:
@@ -346,7 +506,7 @@ class WorkerSide:
                             save.req_id, type(e).__name__, e)
                 continue
             if not self.ctx.config.async_save:
-                self._put(save, segment)
+                self._put(save, segment, nbytes)
                 continue
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
@@ -354,21 +514,18 @@ class WorkerSide:
             if len(self._pending) >= self.ctx.config.max_pending_saves:
                 self._drop_save(save)  # a slow store never grows the queue without bound
                 continue
-            self._pending.append(self._writer.submit(self._put, save, segment))
+            self._pending.append(self._writer.submit(self._put, save, segment, nbytes))
         self._staged.clear()
         stats["save_seconds"] += time.perf_counter() - started
 
     def _drop_save(self, save: Transfer) -> None:
         with self.ctx.stats_lock:
             self.ctx.stats["saves_dropped"] += 1
-            self._dropped_since += 1
-            if self._dropped_since > 1 or self.ctx.saves.down:
-                return  # logged once per episode (guard.py logs a store that is down)
-        log.warning("the writer to %s has %d segments waiting: new chunks are not stored "
-                    "until it catches up (request %s first)", self.ctx.url,
-                    len(self._pending), save.req_id)
+        # guard.py logs a store that is down: the backlog is its consequence
+        self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
 
-    def _put(self, save: Transfer, segment: KVCacheSnapshot) -> None:
+    def _put(self, save: Transfer, segment: KVCacheSnapshot, nbytes: int) -> None:
+        """Store one segment (``nbytes``: its pages' bytes, counted once it is stored)."""
         ctx, stats = self.ctx, self.ctx.stats
         started = time.perf_counter()
         evicted = [0]
@@ -390,12 +547,10 @@ class WorkerSide:
                 return
             stats["chunks_saved"] += len(save.keys)
             stats["segments_saved"] += 1
+            stats["bytes_saved"] += nbytes
             self.saved.saved(f"{save.req_id}/{save.keys[0]}")
             stats["write_seconds"] += time.perf_counter() - started
-            caught_up, self._dropped_since = self._dropped_since, 0
-        if caught_up:
-            log.warning("the writer to %s caught up; %d segments were not stored meanwhile",
-                        ctx.url, caught_up)
+        self.backlog.stored()
 
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
         """A segment snapshot of these pages: built and validated once per length, then
