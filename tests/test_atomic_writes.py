@@ -121,7 +121,7 @@ def test_a_failed_compaction_keeps_the_log_whole(tmp_path, monkeypatch):
     def fail(*_):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("hurraykv.net.aliases.create_temp", fail)
+    monkeypatch.setattr("hurraykv.io.atomic.create_temp", fail)
     table.remove([a for a, _ in _pairs(1100)])
     table.wait_compacted(20)
     assert table.compactions_failed == 1

@@ -14,7 +14,6 @@ import time
 import urllib.error
 from pathlib import Path
 
-import numpy as np
 import pytest
 from cryptography import x509
 
@@ -26,6 +25,7 @@ from hurraykv.net.server import KVServer
 from hurraykv.net.tenants import certificate_names, tenant_identity
 from tests.certs import PKI, name
 from tests.snapshots import make_snapshot, zeroed
+from tests.test_issue19_server import _fused
 from tests.test_issue19_tenants import _cert_der
 from tests.test_metrics import get, one, scrape
 
@@ -181,16 +181,6 @@ def test_a_repeated_subject_alt_name_names_the_same_tenant(tmp_path):
 
 
 # ------------------------------------------------- 9 a persisted object cut short
-def _fused(layers: int, mib: int, seed: int = 0) -> hk.KVCacheSnapshot:
-    """``layers`` members of ``mib`` MiB each: several 4 MiB data frames per member."""
-    rng = np.random.default_rng(seed)
-    pages = mib * 16  # 64 KiB per page
-    pools = [rng.standard_normal((pages, 16, 16, 128)).astype(np.float16)
-             for _ in range(layers)]
-    return hk.KVCacheSnapshot.from_arrays(pools, None, np.arange(pages), [0, pages],
-                                          [pages * 16])
-
-
 def _serve(persist: Path, *tls: str) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                           "127.0.0.1:0", "--persist", str(persist), "--log-level", "info",

@@ -26,7 +26,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,28 +182,51 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> 
     return write_pieces(path, [data], len(data), fsync=fsync)
 
 
+class Replacement:
+    """A temporary file that ``commit`` renames over its target (``replacement``)."""
+
+    def __init__(self, path: Path, fsync: bool) -> None:
+        self.path, self.fsync = path, fsync
+        self.fd, self.tmp = create_temp(path)
+        self.committed = False
+
+    def commit(self) -> None:
+        """fsync (when asked) and rename over the target: from now on it is the file."""
+        if self.fsync:
+            os.fsync(self.fd)
+        os.replace(self.tmp, self.path)  # still locked: nobody takes it for a dead writer's
+        self.committed = True
+
+
+@contextlib.contextmanager
+def replacement(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Replacement]:
+    """A temporary file beside ``path`` to write (``.fd``), renamed over ``path`` by
+    ``commit()``; removed if the block ends without it, or with an exception.  The
+    directory is fsynced after a commit when ``fsync``.  A caller may commit under a lock
+    of its own, having written the bulk before taking it (the alias log's compaction)."""
+    out = Replacement(Path(path), fsync)
+    try:
+        yield out
+    finally:
+        if not out.committed:
+            with contextlib.suppress(OSError):
+                os.unlink(out.tmp)
+        os.close(out.fd)
+    if out.committed and fsync:
+        fsync_dir(out.path.parent)
+
+
 def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int, *,
                  fsync: bool = False) -> Path:
     """Replace ``path`` with ``pieces`` back to back, atomically (temporary file, an
     fsync of it and its directory when ``fsync``, rename), in as few gathered writes as
     the system allows (a .hrry file whose layout is already known: ``integrations.file_store``)."""
     path = Path(path)
-    fd, tmp = create_temp(path)
-    try:
-        views = [memoryview(p).cast("B") for p in pieces]
+    views = [memoryview(p).cast("B") for p in pieces]
+    with replacement(path, fsync=fsync) as out:
         if sum(v.nbytes for v in views) != size:
             raise ContainerError(f"{path}: pieces of {sum(v.nbytes for v in views)} bytes "
                                  f"for a file of {size}", field="size", value=size)
-        write_all(fd, views, str(path))
-        if fsync:
-            os.fsync(fd)
-        os.replace(tmp, path)  # still locked: nobody takes it for a dead writer's
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    finally:
-        os.close(fd)
-    if fsync:
-        fsync_dir(path.parent)
+        write_all(out.fd, views, str(path))
+        out.commit()
     return path

@@ -22,7 +22,6 @@ tail after the copy and renames the result into place, so no acknowledged LINK i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..io.atomic import create_temp, fsync_dir, write_all
+from ..io.atomic import replacement, write_all
 
 log = logging.getLogger("hurraykv.server")
 
@@ -177,24 +176,15 @@ class AliasTable:
         assert self.path is not None
         try:
             data = self._serialize(items)
-            fd, tmp = create_temp(self.path)
-            try:
-                write_all(fd, [data], tmp)
-                os.fsync(fd)  # the bulk, outside the lock: appends go on meanwhile
+            with replacement(self.path) as out:
+                write_all(out.fd, [data], out.tmp)
+                os.fsync(out.fd)  # the bulk, outside the lock: appends go on meanwhile
                 with self._file_lock:
                     tail = b"".join(self._tail or ())
-                    write_all(fd, [tail], tmp)
-                    os.fsync(fd)
-                    os.replace(tmp, self.path)
+                    write_all(out.fd, [tail], out.tmp)
+                    out.commit()
                     self._file_bytes = len(data) + len(tail)
                     self._tail = None
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            finally:
-                os.close(fd)
-            fsync_dir(self.path.parent)
         except Exception as e:  # the old file is whole still: nothing lost, retried later
             self.compactions_failed += 1
             log.warning("%s: compaction failed, the file is kept as it is: %s", self.path, e)
