@@ -48,12 +48,14 @@ def request(req_id: str, tokens: list[int], **extra) -> SimpleNamespace:
                            mm_features=extra.get("mm"))
 
 
-def step(new=(), cached=(), scheduled=None, finished=()) -> SimpleNamespace:
+def step(new=(), cached=(), scheduled=None, finished=(), resumed=()) -> SimpleNamespace:
     """A SchedulerOutput: ``new`` as (req_id, blocks, computed), ``cached`` as
-    (req_id, new blocks, computed)."""
+    (req_id, new blocks, computed); ``resumed``: those of ``cached`` back from preemption
+    (their new blocks are all their blocks, ``_make_cached_request_data``)."""
     new_reqs = [SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=c)
                 for r, b, c in new]
-    cached_reqs = SimpleNamespace(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+    cached_reqs = SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                  resumed_req_ids=set(resumed),
                                   new_block_ids=[(list(b),) if b else None
                                                  for _, b, _ in cached],
                                   num_computed_tokens=[c for _, _, c in cached])
@@ -166,3 +168,40 @@ def test_a_load_is_counted_when_its_step_is_reported_even_after_the_request_fini
     sched.output(SimpleNamespace(invalid_block_ids=set(),
                                  kv_cache_events=SavedSegments([(LOADED, "f")])))
     assert (stats["tokens_hit"], stats["tokens_failed"]) == (32, 64)
+
+
+def test_a_request_resumed_after_preemption_loads_what_vllm_takes_as_computed(side):
+    """vLLM 0.32 frees a preempted request's blocks and sets its num_computed_tokens to 0
+    (scheduler.py, _preempt_request); back from the waiting queue it asks the connector
+    for its matched tokens again, allocates, calls update_state_after_alloc and schedules
+    it as a resumed cached request with all its blocks new (schedule(),
+    _make_cached_request_data).  Those tokens must be loaded into the new blocks: before,
+    no load was planned and the engine read blocks nobody wrote as computed KV."""
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 3)
+    req = request("p", PROMPT)
+    assert sched.matched(req, 0)[0] == 96
+    sched.after_alloc(req, 96)
+    first = sched.plan(step(new=[("p", range(40, 47), 0)], scheduled={"p": 100}))
+    assert [b for load in first.loads for b in load.blocks] == [[40, 41], [42, 43], [44, 45]]
+    # preempted, then scheduled again into other blocks
+    assert sched.matched(req, 0)[0] == 96
+    sched.after_alloc(req, 96)
+    again = sched.plan(step(cached=[("p", range(60, 67), 0)], resumed=["p"],
+                            scheduled={"p": 100}))
+    load, = again.loads
+    before, = first.loads
+    assert load.blocks == [[60, 61], [62, 63], [64, 65]]  # the same pages, new blocks
+    assert (load.names, load.pages) == (before.names, before.pages)
+    assert sched.loading["p"] == (96, [60, 61, 62, 63, 64, 65])
+
+
+def test_a_resumed_request_whose_plan_fails_has_its_expected_loads_reported_failed(side):
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)
+    req = request("q", PROMPT)
+    sched.matched(req, 0)
+    sched.after_alloc(req, 64)
+    plan = sched.failed_plan(step(cached=[("q", range(70, 77), 0)], resumed=["q"]))
+    assert plan.failed == [70, 71, 72, 73, 74, 75, 76]
+    assert sched.ctx.stats["tokens_failed"] == 64

@@ -111,15 +111,7 @@ class SchedulerSide:
                 continue
             st.blocks = list(new.block_ids[0]) if new.block_ids else []
             st.computed = new.num_computed_tokens
-            if st.load > 0:
-                plan.loads.append(self._transfer(st, st.local, st.local + st.load))
-                block = self.ctx.block_size
-                self.loading[new.req_id] = (st.load, st.blocks[st.local // block:
-                                                              (st.local + st.load) // block])
-                self.loading.move_to_end(new.req_id)
-                while len(self.loading) > self.MAX_LOADING:
-                    self.loading.popitem(last=False)
-                st.load = 0
+            self._plan_load(plan, st)
             scheduled.append(st)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -128,7 +120,12 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # a preempted request back from the waiting queue: vLLM asked for its
+                # matched tokens again and counts them computed, so they load like a
+                # new request's (vllm/v1/core/sched/scheduler.py, schedule(): the
+                # connector is asked when num_computed_tokens == 0, preempted included)
                 st.blocks = list(new_blocks[0]) if new_blocks else []
+                self._plan_load(plan, st)
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             st.computed = cached.num_computed_tokens[i]
@@ -141,14 +138,33 @@ class SchedulerSide:
             self.requests.pop(req_id, None)
         return plan
 
+    def _plan_load(self, plan: Plan, st: RequestState) -> None:
+        """The load of the external tokens vLLM took for ``st`` at its allocation."""
+        if st.load <= 0:
+            return
+        plan.loads.append(self._transfer(st, st.local, st.local + st.load))
+        block, req_id = self.ctx.block_size, st.request.request_id
+        self.loading[req_id] = (st.load, st.blocks[st.local // block:
+                                                   (st.local + st.load) // block])
+        self.loading.move_to_end(req_id)
+        while len(self.loading) > self.MAX_LOADING:
+            self.loading.popitem(last=False)
+        st.load = 0
+
     def failed_plan(self, scheduler_output: Any) -> Plan:
         """When planning failed: nothing stored this step, and what vLLM expects loaded
         is reported failed by the workers, so it is recomputed."""
         plan = self.new_plan()
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
-            st = self.requests.get(new.req_id)
-            if st is not None and st.load > 0 and new.block_ids:
-                plan.failed += list(new.block_ids[0])[st.local // self.ctx.block_size:]
+        allocated = [(new.req_id, new.block_ids) for new in
+                     getattr(scheduler_output, "scheduled_new_reqs", None) or []]
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            allocated += [(r, cached.new_block_ids[i]) for i, r in enumerate(cached.req_ids)
+                          if r in cached.resumed_req_ids]
+        for req_id, block_ids in allocated:
+            st = self.requests.get(req_id)
+            if st is not None and st.load > 0 and block_ids:
+                plan.failed += list(block_ids[0])[st.local // self.ctx.block_size:]
                 self.ctx.stats["tokens_failed"] += st.load
                 st.load = 0
         return plan
