@@ -161,6 +161,27 @@ def test_an_operators_clean_up_is_seen_without_a_restart(tmp_path):
     assert None not in reader.locate(keys)
 
 
+def test_a_log_replaced_by_a_longer_one_is_read_from_its_start(tmp_path):
+    """A log replaced by another file is read again from its start, even when the new one
+    is no shorter than what was read of the old (its size alone says nothing: its inode
+    does), so aliases the new log no longer holds are forgotten."""
+    url = (tmp_path / "kv").as_uri()
+    first = ChunkKeys(identity_digest("first"), CHUNK).upto(list(range(8)), 2)
+    second = ChunkKeys(identity_digest("second"), CHUNK).upto(list(range(8)), 2)
+    writer, reader = open_store(url), open_store(url)
+    writer.put(first, 0, segment(2), {})
+    log = tmp_path / "kv" / "aliases.log"
+    kept = log.read_bytes()
+    writer.put(second, 0, segment(2, seed=1), {})
+    assert None not in reader.locate(first) and None not in reader.locate(second)
+    # the first segment's lines, then a line that is no alias, past what was read
+    replacement = tmp_path / "kv" / "new.log"
+    replacement.write_bytes(kept + b"#" * (2 * len(log.read_bytes())) + b"\n")
+    replacement.replace(log)
+    assert reader.locate(second) == [None, None]
+    assert None not in reader.locate(first)
+
+
 @pytest.mark.parametrize("name", ["../x-0", "/etc/passwd-0", "a" * 300 + "-0", "ab\0cd-0",
                                   "ab" * 16, "ab" * 16 + "-x", "ab" * 16 + ".tp1/../y-3"])
 def test_names_outside_the_grammar_are_misses(tmp_path, name):

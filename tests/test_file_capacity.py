@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,10 +45,10 @@ def test_the_least_recently_used_segments_leave_first(tmp_path):
     size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
     store = FileChunks(tmp_path / "kv", max_bytes=5 * size)
     names = [put(store, seed) for seed in range(5)]
-    time.sleep(0.01)
+    later(tmp_path / "kv")
     store.get_verified(names[0])  # a load is a use: 0 is now the most recent
     for seed in range(5, 8):
-        time.sleep(0.01)
+        later(tmp_path / "kv")
         put(store, seed)
         assert stored_bytes(tmp_path / "kv") <= 5 * size
     located = {seed: store.locate(keys(seed))[0] for seed in range(8)}
@@ -58,6 +59,108 @@ def test_the_least_recently_used_segments_leave_first(tmp_path):
         if name is not None:
             assert store.get_verified(name).equal(segment(seed))
     assert store.evictions >= 3 and store.capacity.evicted_bytes >= 3 * size
+
+
+def later(directory: Path) -> None:
+    """Wait until the file system's clock has passed the newest segment's mtime (the
+    quarantined ones' too), so the next write or load stamps a strictly later one: the
+    store orders segments by mtime, and on many kernels file times come from a coarse
+    clock (one tick is 1-10 ms), under which two uses in a row would tie."""
+    newest = max(p.stat().st_mtime_ns for p in directory.rglob("*.hrry"))
+    probe = directory.parent / f"{directory.name}.clock"
+    deadline = time.monotonic() + 5
+    while True:
+        probe.touch()  # a utime to now, from the clock the store's writes and loads use
+        if probe.stat().st_mtime_ns > newest:
+            return
+        assert time.monotonic() < deadline, "the file system clock did not move in 5 s"
+        time.sleep(0.001)
+
+
+def stored(store: FileChunks, seeds) -> list[int]:
+    return [s for s in seeds if store.locate(keys(s))[0] is not None]
+
+
+def test_eviction_takes_the_least_recently_used_in_exact_order(tmp_path):
+    """Issue 35 item 7: with eviction sorted by name, or loads not counted as uses, the
+    earlier test passed.  Here each write past the cap evicts exactly one segment (the cap
+    is one byte short of six: the write that makes six evicts down to 90%, 5.4, so one
+    goes), so the order in which they went is seen write by write.  Loads by another
+    engine on the directory count (the mtime is the record), and so does a store opened
+    later."""
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    directory = tmp_path / "kv"
+    writer = FileChunks(directory, max_bytes=6 * size - 1)
+    reader = FileChunks(directory)  # another engine: loads only
+    for seed in range(5):
+        if seed:
+            later(directory)
+        put(writer, seed)
+    assert sorted(p.stat().st_size for p in directory.glob("*.hrry")) == [size] * 5
+    for seed in (3, 0):  # used: 1, 2, 4, 3, 0 from the oldest
+        later(directory)
+        assert reader.get_verified(reader.locate(keys(seed))[0]).equal(segment(seed))
+    seeds = list(range(10))
+
+    def write(store: FileChunks, seed: int, evicted: int) -> None:
+        before = stored(reader, seeds)
+        later(directory)
+        put(store, seed)
+        after = stored(reader, seeds)
+        assert [s for s in before if s not in after] == [evicted], (seed, after)
+        assert seed in after and stored_bytes(directory) <= 6 * size - 1
+
+    write(writer, 5, 1)  # by name, or with loads not counted, another would go
+    write(writer, 6, 2)
+    later(directory)
+    reader.get_verified(reader.locate(keys(4))[0])  # used: 3, 0, 5, 6, 4
+    write(writer, 7, 3)
+    write(FileChunks(directory, max_bytes=6 * size - 1), 8, 0)  # a new engine: same order
+    write(writer, 9, 5)
+    assert stored(reader, seeds) == [4, 6, 7, 8, 9]
+    assert writer.evictions == 4  # the fifth was the new engine's
+
+
+def test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark(tmp_path):
+    """A write past ``max_bytes`` evicts the oldest down to 90% of it, so the writes after
+    it fit without a scan and an eviction each."""
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    directory = tmp_path / "kv"
+    store = FileChunks(directory, max_bytes=5 * size)
+    for seed in range(5):
+        if seed:
+            later(directory)
+        put(store, seed)
+    later(directory)
+    store.get_verified(store.locate(keys(0))[0])  # used: 1, 2, 3, 4, 0
+    later(directory)
+    put(store, 5)  # six would pass the cap: down to 4.5 segments, so two go
+    assert stored(store, range(6)) == [0, 3, 4, 5] and store.evictions == 2
+    later(directory)
+    put(store, 6)  # fits in the room left: nothing goes
+    assert stored(store, range(7)) == [0, 3, 4, 5, 6] and store.evictions == 2
+
+
+def test_quarantine_keeps_the_newest_damaged_segments_uncounted(tmp_path):
+    """``DIR/quarantine/`` keeps the newest ``QUARANTINED`` (16) damaged segments, for
+    inspection, not as a second cache: older ones go, and none counts against
+    ``max_bytes``."""
+    probe = FileChunks(tmp_path / "probe")
+    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    directory = tmp_path / "kv"
+    store = FileChunks(directory, max_bytes=3 * size)
+    names = {}
+    for seed in range(FileChunks.QUARANTINED + 2):
+        if seed:
+            later(directory)
+        names[seed] = put(store, seed)
+        store.discard(names[seed])
+        assert store.locate(keys(seed)) == [None, None]
+    quarantined = {p.stem for p in (directory / "quarantine").glob("*.hrry")}
+    assert quarantined == {names[s] for s in range(2, FileChunks.QUARANTINED + 2)}
+    assert store.evictions == 0  # 18 segments passed through a cap of 3: none counted
 
 
 def test_a_segment_larger_than_the_capacity_is_refused(tmp_path):
@@ -293,10 +396,13 @@ def test_room_held_by_writes_in_progress_is_waited_for_then_refused(tmp_path, mo
     store = FileChunks(directory, max_bytes=2 * size)
     other = Capacity(directory, 2 * size)  # another engine with two writes in progress
     held = [other.admit(size, name, written=False) for name in ("a" * 32 + "-0", "b" * 32 + "-0")]
+    started = time.monotonic()
     with pytest.raises(hk.HurrayError, match=r"no room for segment \S+ of \d+ bytes in "
                        rf"max_bytes {2 * size}: \d+ bytes would be stored, {2 * size} of "
                        r"them reserved by writes in progress"):
         store.put(keys(1), 0, segment(1), {})
+    waited = time.monotonic() - started
+    assert 0.2 <= waited < 0.2 + 2.0, waited  # LOCK_SECONDS, then refused
     assert list(directory.glob("*.hrry")) == []
     for h in held:
         h.release()

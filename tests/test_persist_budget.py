@@ -93,6 +93,49 @@ def test_the_least_recently_used_files_leave_first(tmp_path):
             assert c.pull(key).equal(zeroed(snaps[key]))
 
 
+def test_disk_evicts_the_least_recently_used_in_exact_order_across_a_restart(tmp_path):
+    """Issue 35 item 7: the order itself, write by write.  A pull is a use whether it is
+    served from memory (the newest push) or from the file; a restart orders the files by
+    the mtimes the server gave them, so it evicts in the same order."""
+    snaps = {f"k{i}": make_snapshot("float16", seed=i) for i in range(8)}
+    size = _file_size(tmp_path, snaps["k0"])
+    budget = 3 * size + size // 2  # three files; a fourth evicts exactly one
+    objects = snaps["k0"].nbytes
+
+    def run(c: KVClient, st, steps: list[str]) -> None:
+        """``push KEY [EVICTED]``, ``pull KEY`` (from its file), ``pull-memory KEY``."""
+        for step in steps:
+            op, key, *evicted = step.split()
+            if op.startswith("pull"):
+                assert (key in st.server.store._objects) == (op == "pull-memory"), step
+                assert c.pull(key).equal(zeroed(snaps[key]))
+                continue
+            before = set(_files(tmp_path / "store"))
+            c.push(key, snaps[key])
+            after = _files(tmp_path / "store")
+            assert sorted(before - set(after)) == evicted, (step, sorted(after))
+            assert key in after and sum(after.values()) <= budget
+            assert sorted(st.server.store._files) == sorted(after)
+
+    # memory holds one object: the newest push is pulled from memory, the rest from files
+    with _server(tmp_path, budget, memory_budget=objects + objects // 2) as st, \
+            KVClient(st.address) as c:
+        run(c, st, ["push k0", "push k1", "push k2",
+                    "pull k0",  # used: k1, k2, k0
+                    "pull-memory k2",  # used: k1, k0, k2
+                    "push k3 k1",  # by name, or without the pulls, k0 would go
+                    "pull k0",  # used: k2, k3, k0
+                    "push k4 k2",
+                    "push k5 k3",
+                    "pull k4"])  # used: k0, k5, k4
+        assert c.stat()["disk_evictions"] == 3
+    with _server(tmp_path, budget) as st, KVClient(st.address) as c:
+        run(c, st, ["push k6 k0",  # the oldest use, though the first of them pushed
+                    "push k7 k5"])  # not k4, pulled after it
+        assert c.has(["k0", "k5", "k4"]) == [False, False, True]
+        assert c.stat()["disk_evictions"] == 2
+
+
 def test_an_object_evicted_from_disk_stays_served_from_memory(tmp_path):
     snaps = {f"k{i}": make_snapshot("float16", seed=i) for i in range(3)}
     size = _file_size(tmp_path, snaps["k0"])

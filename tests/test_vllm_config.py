@@ -54,6 +54,24 @@ def test_the_docs_table_lists_exactly_the_known_keys():
     assert documented == set(KEYS)
 
 
+def test_the_docs_table_defaults_are_the_configs():
+    """Every number the table gives as a default (the deadlines "When things go wrong"
+    quotes, the failures before down, ...) is the one a config without the key gets."""
+    text = (Path(__file__).parents[1] / "docs" / "vllm.md").read_text()
+    table = text[text.index("| key |"):]
+    table = table[:table.index("\n\n")]
+    defaults = ConnectorConfig.from_extra({"url": "file:///kv"})
+    checked = []
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        key, default = re.fullmatch(r"`([a-z_]+)`", cells[0]), re.fullmatch(r"`([0-9.]+)`",
+                                                                            cells[-1])
+        if key and default:
+            assert getattr(defaults, key[1]) == float(default[1]), row
+            checked.append(key[1])
+    assert {"lookup_timeout_ms", "load_timeout_ms", "failures_before_down"} <= set(checked)
+
+
 @pytest.mark.parametrize(("extra", "key", "why"), [
     # Issue 29 item 4: OverflowError, ValueError, a NUL at open, a query dropped
     *[({"url": "file:///kv", k: 10**400}, k, rf"'{k}'\] is 1000.*\(401 characters\); it is "
