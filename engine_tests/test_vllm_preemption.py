@@ -1,0 +1,40 @@
+"""Preemption in a real engine: a request vLLM preempts and later resumes is asked for its
+external tokens again (vllm/v1/core/sched/scheduler.py, ``schedule()``: the connector is
+asked whenever ``num_computed_tokens == 0``, preempted requests included) and scheduled
+as a resumed request whose blocks are all new; the connector must load the stored prefix
+into those blocks, since vLLM counts it computed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_tests.conftest import run_engine
+
+BLOCK = 32
+
+
+def _spec(model, connector, prompts, **kw) -> dict:
+    return {"model": str(model), "dtype": "float32", "prompts": prompts, "max_tokens": 250,
+            "connector": connector, "block_size": BLOCK} | kw
+
+
+def test_preempted_requests_reload_their_stored_prefix_and_keep_the_tokens(tiny_llama,
+                                                                          tmp_path):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 1000, 200).tolist() for _ in range(8)]
+    url = (tmp_path / "kv").as_uri()
+    conn = {"url": url, "role": "kv_producer", "extra": {"url": url}}
+    stored = run_engine(_spec(tiny_llama, conn, prompts, max_tokens=1), tmp_path, "store")
+    assert stored["stats"]["chunks_saved"] == 8 * (199 // BLOCK)
+    reference = run_engine(_spec(tiny_llama, None, prompts), tmp_path, "reference")
+    # two requests admitted at 7 blocks each grow to 15 (450 tokens): 20 blocks of 32
+    # make vLLM preempt one, which later resumes into other blocks
+    tight = {"num_blocks": 20, "max_model_len": 512}
+    consumer = {"url": url, "role": "kv_consumer", "extra": {"url": url}}
+    out = run_engine(_spec(tiny_llama, consumer, prompts, **tight), tmp_path, "preempted")
+    stats = out["stats"]
+    # each request loads its 6 chunks when first scheduled; more: resumed requests reloaded
+    assert stats["chunks_loaded"] > len(prompts) * (199 // BLOCK), stats
+    assert stats["chunks_failed"] == 0, stats
+    assert [o["tokens"] for o in out["outputs"]] == \
+        [o["tokens"] for o in reference["outputs"]]
