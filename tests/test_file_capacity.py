@@ -338,9 +338,9 @@ def _reservations(directory) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.startswith(".reserve.")]
 
 
-def test_a_write_in_progress_keeps_its_room_through_another_writers_rescan(tmp_path):
-    """Issue 29 item 2: a segment admitted but not yet written was invisible to another
-    writer's scan, which rewrote the record without it (7 segments under a cap of 6)."""
+def _four_and_a_paused_writer(tmp_path):
+    """A store of 4 segments under a cap of 6, and another engine's process whose second
+    segment is admitted and paused before it is written (``go`` lets it write)."""
     probe = FileChunks(tmp_path / "probe")
     size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
     cap, directory = 6 * size, tmp_path / "kv"
@@ -351,8 +351,15 @@ def test_a_write_in_progress_keeps_its_room_through_another_writers_rescan(tmp_p
     admitted, go = ctx.Event(), ctx.Event()
     writer = ctx.Process(target=_paused_writer, args=(str(directory), cap, 100, admitted, go))
     writer.start()
+    assert admitted.wait(60)
+    return store, directory, size, cap, writer, go
+
+
+def test_a_write_in_progress_keeps_its_room_through_another_writers_rescan(tmp_path):
+    """Issue 29 item 2: a segment admitted but not yet written was invisible to another
+    writer's scan, which rewrote the record without it (7 segments under a cap of 6)."""
+    store, directory, size, cap, writer, go = _four_and_a_paused_writer(tmp_path)
     try:
-        assert admitted.wait(60)
         assert stored_bytes(directory) == 5 * size  # and one reserved: the cap is full
         put(store, 4)  # past the record: a scan, which must count the other's room
         before = stored_bytes(directory)
@@ -367,17 +374,7 @@ def test_a_write_in_progress_keeps_its_room_through_another_writers_rescan(tmp_p
 
 
 def test_the_reservation_of_a_killed_writer_is_reclaimed(tmp_path):
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
-    cap, directory = 6 * size, tmp_path / "kv"
-    store = FileChunks(directory, max_bytes=cap)
-    for seed in range(4):
-        put(store, seed)
-    ctx = multiprocessing.get_context("spawn")
-    admitted, go = ctx.Event(), ctx.Event()
-    writer = ctx.Process(target=_paused_writer, args=(str(directory), cap, 100, admitted, go))
-    writer.start()
-    assert admitted.wait(60)
+    store, directory, size, _, writer, _ = _four_and_a_paused_writer(tmp_path)
     writer.kill()  # SIGKILL between admission and write: its reservation stays behind
     writer.join(60)
     assert len(_reservations(directory)) == 1
