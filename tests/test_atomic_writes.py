@@ -187,3 +187,84 @@ def test_a_file_store_whose_alias_log_compacts_to_nothing_releases_its_lock(tmp_
     other = FileChunks(tmp_path / "kv", max_bytes=size)
     _bounded(lambda: put(other, 99))
     assert len(list((tmp_path / "kv").glob("*.hrry"))) == 1
+
+
+# ------------------------------------------------- the alias log on a full disk
+def test_a_link_the_disk_cannot_hold_is_an_error_and_links_nothing(tmp_path):
+    from tests.disk_fixtures import fill, tmpfs
+
+    with tmpfs(tmp_path / "small", "4m") as disk:
+        with KVServer(listen="127.0.0.1:0", persist=str(disk)).run_in_thread() as st, \
+                KVClient(st.address, timeout=10) as c:
+            c.push("target", make_snapshot())
+            c.link([("kept", "target")])
+            filler = fill(disk)
+            with pytest.raises(hk.RemoteError) as exc:  # before: the connection dropped
+                c.link(_pairs(100, target="target"))
+            assert exc.value.code == hk.net.messages.ErrorCode.INTERNAL
+            assert "nothing was linked" in str(exc.value) and "space" in str(exc.value)
+            assert str(disk) not in str(exc.value)  # a tenant is not told where
+            assert c.aliases() == [("kept", "target")]  # the same connection answers
+            filler.unlink()
+            c.link([("after", "target")])
+        with KVServer(listen="127.0.0.1:0", persist=str(disk)).run_in_thread() as st, \
+                KVClient(st.address, timeout=10) as c:  # before: a part of it came back
+            assert c.aliases() == [("after", "target"), ("kept", "target")]
+
+
+def test_an_rm_whose_aliases_the_disk_cannot_drop_says_so_and_can_be_retried(tmp_path):
+    from tests.disk_fixtures import fill, tmpfs
+
+    with tmpfs(tmp_path / "small", "8m") as disk:
+        with KVServer(listen="127.0.0.1:0", persist=str(disk)).run_in_thread() as st, \
+                KVClient(st.address, timeout=10) as c:
+            c.push("target", make_snapshot())
+            c.push("other", make_snapshot(seed=2))
+            c.link(_pairs(1000, target="target"))
+            filler = fill(disk)
+            with pytest.raises(hk.RemoteError) as exc:
+                c.delete("target")
+            assert exc.value.code == hk.net.messages.ErrorCode.INTERNAL
+            assert "rm it again" in str(exc.value)
+            assert c.has(["target", "other"]) == [False, True]
+            filler.unlink()
+            c.delete("target")  # the retry removes the aliases left
+            assert c.aliases() == []
+        with KVServer(listen="127.0.0.1:0", persist=str(disk)).run_in_thread() as st, \
+                KVClient(st.address, timeout=10) as c:
+            assert c.aliases() == [] and c.has(["other"]) == [True]
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "directory"])
+def test_an_alias_log_that_is_not_a_regular_file_stops_the_start_naming_it(tmp_path, kind):
+    log = tmp_path / "aliases.jsonl"
+    if kind == "link":
+        (tmp_path / "elsewhere").write_bytes(b'["a","t"]\n')
+        log.symlink_to(tmp_path / "elsewhere")  # before: read, then every LINK failed
+    elif kind == "fifo":
+        os.mkfifo(log)  # before: the server never listened
+    else:
+        log.mkdir()
+    with pytest.raises(hk.HurrayError) as exc:
+        _bounded(lambda: KVServer(listen="127.0.0.1:0", persist=str(tmp_path)))
+    assert str(log) in str(exc.value) and exc.value.field == "aliases"
+
+
+def test_a_failed_compaction_is_tried_again_only_after_an_interval(tmp_path, monkeypatch):
+    table = AliasTable(tmp_path / "aliases.jsonl")
+    table.link(_pairs(1200))
+
+    def fail(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hurraykv.io.atomic.create_temp", fail)
+    for chunk in range(4):  # each change past the threshold would try again
+        table.remove([a for a, _ in _pairs(1200)[chunk * 250:(chunk + 1) * 250]])
+        table.wait_compacted(20)
+    assert table.compactions_failed == 1
+    monkeypatch.undo()
+    table._retry_at = 0.0  # the interval over
+    table.remove([_pairs(1200)[1100][0]])
+    table.wait_compacted(20)
+    assert table.compactions_failed == 1
+    assert (tmp_path / "aliases.jsonl").stat().st_size < 250_000  # 199 aliases live

@@ -9,6 +9,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from .aliases import AliasLogError
 from .codecs import frame
 from .keystore import StoreFull
 from .messages import Delete, ErrorCode, MessageType, ProtocolError
@@ -22,7 +23,14 @@ log = logging.getLogger("hurraykv.server")
 
 def delete(c: Connection, stream: int, msg: Delete) -> None:
     key = msg.key
-    if not c.server.store.delete(c._key(key)):
+    try:
+        found = c.server.store.delete(c._key(key))
+    except AliasLogError as e:
+        log.warning("delete key=%r: the object is removed, its aliases are not: %s", key, e)
+        raise ProtocolError(f"key {key!r} is removed, but the server could not record its "
+                            f"aliases as removed ({e.why}); rm it again once that is "
+                            "mended", ErrorCode.INTERNAL, field="aliases") from None
+    if not found:
         raise ProtocolError(f"no tensor under key {key!r}", ErrorCode.UNKNOWN_TENSOR)
     log.info("delete key=%r", key)
     c._write(frame(MessageType.DELETE_ACK, stream))
@@ -40,6 +48,11 @@ def link(c: Connection, stream: int, pairs: list[tuple[str, str]]) -> None:
     except StoreFull as e:
         raise ProtocolError(f"link of {len(pairs)} aliases: {e}", ErrorCode.STORE_FULL,
                             field="aliases", value=e.value) from None
+    except AliasLogError as e:
+        log.warning("link of %d aliases failed, nothing linked: %s", len(pairs), e)
+        raise ProtocolError(f"link of {len(pairs)} aliases: the server could not record "
+                            f"them ({e.why}); nothing was linked", ErrorCode.INTERNAL,
+                            field="aliases") from None
     c._write(frame(MessageType.LINK_ACK, stream))
 
 

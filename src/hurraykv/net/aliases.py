@@ -22,14 +22,18 @@ tail after the copy and renames the result into place, so no acknowledged LINK i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
+import time
 from pathlib import Path
 
+from ..errors import ContainerError, HurrayError
 from ..io.atomic import replacement, write_all
 
 log = logging.getLogger("hurraykv.server")
@@ -40,6 +44,7 @@ _STRING = r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"'
 _LINE = re.compile(rf"\[\s*({_STRING})\s*,\s*({_STRING}|null)\s*\]\s*\Z")
 ENTRY_BYTES = 200  # two dict entries and a set slot, beside the two strings
 COMPACT_SLACK = 1 << 20
+COMPACT_RETRY_SECONDS = 30.0  # after a failed compaction (a full disk)
 
 
 def cost(alias: str, target: str) -> int:
@@ -49,6 +54,18 @@ def cost(alias: str, target: str) -> int:
 
 def _line(alias: str, target: str | None) -> bytes:
     return (json.dumps([alias, target], separators=(",", ":")) + "\n").encode("utf-8")
+
+
+class AliasLogError(HurrayError):
+    """A change the alias log could not record (nothing was changed).  The message, for
+    the server's log, names the file; ``why`` says what went wrong without it (a tenant
+    is not told where the server persists)."""
+
+    def __init__(self, path: Path, error: OSError | HurrayError) -> None:
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        super().__init__(f"cannot record aliases in {path}: {why}", field="aliases",
+                         value=str(path), rule="a writable --persist directory")
+        self.why = why
 
 
 class AliasTable:
@@ -63,6 +80,7 @@ class AliasTable:
         self._tail: list[bytes] | None = None  # appended since a compaction copied the table
         self._compactor: threading.Thread | None = None
         self.compactions_failed = 0
+        self._retry_at = 0.0  # monotonic time before which a failed compaction waits
         if path is not None:
             self._load()
 
@@ -106,8 +124,15 @@ class AliasTable:
         return gone
 
     def drop_target(self, target: str) -> list[str]:
-        """Remove every alias of ``target`` (it is gone); returns them."""
-        return self.remove(sorted(self._aliases.get(target, ())))
+        """Remove every alias of ``target`` (it is gone: evicted, during another client's
+        PUT); returns them.  A log that cannot record that (a full disk) leaves them and
+        says so: they name nothing now, and an ``rm`` of the target removes them."""
+        try:
+            return self.remove(sorted(self._aliases.get(target, ())))
+        except AliasLogError as e:
+            log.warning("the aliases of an evicted object stay until its key is removed: %s",
+                        e)
+            return []
 
     def _set(self, alias: str, target: str) -> None:
         if alias in self._target:
@@ -128,17 +153,28 @@ class AliasTable:
 
     # -- the file --------------------------------------------------------------------
     def _append(self, data: bytes) -> None:
+        """Append whole lines, fsynced, or change nothing: a write that fails midway (a
+        full disk) is cut back off, so no partial change reappears after a restart."""
         if self.path is None:
             return
         with self._file_lock:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND
-                         | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND
+                             | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                             0o666)
+            except OSError as e:
+                raise AliasLogError(self.path, e) from None
             try:
                 size = os.fstat(fd).st_size
                 # a line cut by a crash must not glue onto this one
                 cut = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
-                write_all(fd, [cut, data], str(self.path))
-                os.fsync(fd)
+                try:
+                    write_all(fd, [cut, data], str(self.path))
+                    os.fsync(fd)
+                except (OSError, HurrayError) as e:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, size)
+                    raise AliasLogError(self.path, e) from None
                 self._file_bytes = size + len(cut) + len(data)
                 if self._tail is not None:
                     self._tail.append(data)
@@ -147,6 +183,7 @@ class AliasTable:
 
     def _maybe_compact(self) -> None:
         if (self.path is not None and self._compactor is None
+                and time.monotonic() >= self._retry_at
                 and self._file_bytes > 2 * self._live_bytes + COMPACT_SLACK):
             self._start_compaction()
 
@@ -187,7 +224,11 @@ class AliasTable:
                     self._tail = None
         except Exception as e:  # the old file is whole still: nothing lost, retried later
             self.compactions_failed += 1
-            log.warning("%s: compaction failed, the file is kept as it is: %s", self.path, e)
+            # not again at every change (each retry copies the table and fills what space
+            # is left with a temporary): one try, and one warning, per interval
+            self._retry_at = time.monotonic() + COMPACT_RETRY_SECONDS
+            log.warning("%s: compaction failed, the file is kept as it is; next try in "
+                        "%.0f s: %s", self.path, COMPACT_RETRY_SECONDS, e)
         finally:
             with self._file_lock:
                 self._tail = None
@@ -199,10 +240,21 @@ class AliasTable:
 
     def _load(self) -> None:
         assert self.path is not None
-        try:
-            f = open(self.path, "rb")  # noqa: SIM115 - read line by line below
+        try:  # never through a link (appends refuse one) nor blocking on a FIFO
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return
+        except OSError as e:
+            raise ContainerError(f"cannot read the alias log {self.path}: {e.strerror}",
+                                 field="aliases", value=str(self.path),
+                                 rule="a regular file, not a symbolic link") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ContainerError(f"the alias log {self.path} is not a regular file",
+                                 field="aliases", value=str(self.path),
+                                 rule="a regular file")
+        f = os.fdopen(fd, "rb")
         skipped = lines = read = 0
         with f:
             while True:

@@ -281,10 +281,11 @@ class KeyStore(PersistedTier):
             self.persisted_bytes -= self._sizes.pop(key, 0)
             if path is not None:
                 path.unlink(missing_ok=True)
-        # the key as an alias, and an object's own aliases, in one fsynced append
-        removed = self.aliases.remove([key, *sorted(self.aliases.aliases_of(key))]
-                                      if found else [key])
-        return found or key in removed
+        # the key as an alias, and the object's own aliases, in one fsynced append; also
+        # when the object is gone already: an rm whose aliases could not be recorded as
+        # removed (a full disk) is retried this way
+        removed = self.aliases.remove([key, *sorted(self.aliases.aliases_of(key))])
+        return found or bool(removed)
 
 
 __all__ = ["ALIASES", "Items", "KeyStore", "PersistFull", "StoreFull", "StoredObject",
