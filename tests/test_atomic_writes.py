@@ -268,3 +268,41 @@ def test_a_failed_compaction_is_tried_again_only_after_an_interval(tmp_path, mon
     table.wait_compacted(20)
     assert table.compactions_failed == 1
     assert (tmp_path / "aliases.jsonl").stat().st_size < 250_000  # 199 aliases live
+
+
+def test_a_file_store_alias_append_cut_short_is_an_error_and_never_glues(tmp_path):
+    """On a full disk an append to aliases.log can be written in part: put() returned as
+    if stored (its segment unnamed), and the next append glued onto the cut line, so its
+    first key was lost for every engine."""
+    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
+    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.io import checksums
+    from tests.disk_fixtures import fill, tmpfs
+
+    def seg(seed: int) -> hk.KVCacheSnapshot:
+        pool = np.random.default_rng(seed).standard_normal((2, 4, 2, 8)).astype(np.float16)
+        return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+            [pool], [pool], np.arange(2), [0, 2], [8]))
+
+    def keys(seed: int) -> list[str]:
+        return ChunkKeys(identity_digest(f"t{seed}"), 4).upto(list(range(8)), 2)
+
+    with tmpfs(tmp_path / "small", "1m") as disk:
+        store = FileChunks(disk)
+        store.put(keys(0), 0, seg(0), {})
+        size = next(disk.glob("*.hrry")).stat().st_size
+        log = disk / "aliases.log"
+        with open(log, "ab") as f:  # a stray line: the next append crosses a page
+            f.write(b"#" * (4096 - 30 - log.stat().st_size - 1) + b"\n")
+        filler = fill(disk, leave=-(-size // 4096) * 4096)  # room for the segment alone
+        with pytest.raises(hk.HurrayError) as exc:
+            store.put(keys(1), 0, seg(1), {})
+        assert exc.value.field == "aliases" and "not stored" in str(exc.value)
+        assert log.stat().st_size == 4096  # cut short: 30 bytes of the 2 lines
+        assert len(list(disk.glob("*.hrry"))) == 1  # the unnamed segment removed
+        filler.unlink()
+        store.put(keys(2), 0, seg(2), {})
+        reader = FileChunks(disk)
+        assert None not in reader.locate(keys(0)) + reader.locate(keys(2))
+        assert reader.get_verified(reader.locate(keys(2))[0]).equal(seg(2))
+        assert reader.locate(keys(1)) == [None, None]

@@ -318,18 +318,36 @@ class FileChunks(ChunkStore):
                 # no scan runs now, and a later one lists the segment: the room it held
                 # is no longer needed
                 held.release()
-                fd = os.open(self.dir / self.LOG,
-                             os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-                try:
-                    os.write(fd, lines)  # one append: concurrent writers never interleave it
-                finally:
-                    os.close(fd)
-        except OSError as e:
-            raise HurrayError(f"cannot record chunk aliases in {self.dir}: {e.strerror}",
-                              field="aliases", value=str(self.dir)) from None
+                self._append_log(lines)
+        except (OSError, HurrayError) as e:
+            # a segment no alias names is only room taken: removed, the put refused
+            with contextlib.suppress(OSError):
+                os.unlink(self.path(name))
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise HurrayError(f"cannot record chunk aliases in {self.dir}: {why}; segment "
+                              f"{name} not stored", field="aliases",
+                              value=str(self.dir)) from None
         finally:
             held.release()  # the lock refused (held elsewhere): not held for good either
         self._aliases.update((key, name) for key in keys)
+
+    def _append_log(self, lines: bytes) -> None:
+        """One append of whole lines (concurrent writers never interleave it).  A line an
+        earlier append left cut (a full disk) is ended first, so it never glues onto
+        these; a short write is an error, never a success with a cut record."""
+        fd = os.open(self.dir / self.LOG,
+                     os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                lines = b"\n" + lines
+            written = os.write(fd, lines)
+            if written != len(lines):
+                raise HurrayError(f"the alias log took {written} of {len(lines)} bytes",
+                                  field="aliases", value=written,
+                                  rule="an append is written whole")
+        finally:
+            os.close(fd)
 
     def _put_first(self, name: str, structure: bytes, snapshot: KVCacheSnapshot,
                    metadata: dict[str, Any]) -> Reservation:
