@@ -13,14 +13,18 @@ answers within ``HEALTH_TIMEOUT`` seconds and the server still listens, 503 othe
 The endpoint shares the process's file descriptors with the protocol port, and must never
 starve it (idle HTTP connections once took every descriptor, and pushes timed out): a
 connection has ``READ_TIMEOUT`` seconds in all to send its request, at most
-``MAX_CONNECTIONS`` are served at once (one more is closed at once, not queued), and one
-is refused when fewer than ``FD_RESERVE`` descriptors would remain below RLIMIT_NOFILE,
-which leaves those to the protocol port.  Refusals and timeouts are counted.
+``MAX_CONNECTIONS`` are open at once, and one is refused when fewer than ``FD_RESERVE``
+descriptors would remain below RLIMIT_NOFILE, which leaves those to the protocol port.
+At the cap a new connection takes the place of the oldest one that has not sent a whole
+request yet (that one is closed): a client holding idle connections cannot keep a health
+probe, which sends its request at once, from being answered.  Only when every connection
+is past its request is a new one closed unserved.  Refusals and timeouts are counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import io
 import json
@@ -29,7 +33,7 @@ import resource
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
@@ -137,11 +141,12 @@ class ServerCollector:
                              "(this scrape's included)", endpoint.open)
             refused = CounterMetricFamily(PREFIX + "metrics_refused", "Connections to "
                                           "--metrics-listen closed unserved, by reason (cap: "
-                                          f"{MAX_CONNECTIONS} already open; descriptors: "
-                                          "fewer than the protocol port's reserve left)",
-                                          labels=["reason"])
+                                          f"{MAX_CONNECTIONS} open and past their request; "
+                                          "idle: the oldest without a request, for a newer "
+                                          "one; descriptors: fewer than the protocol port's "
+                                          "reserve left)", labels=["reason"])
             seen = dict(endpoint.refused)
-            for reason in ("cap", "descriptors"):
+            for reason in ("cap", "idle", "descriptors"):
                 refused.add_metric([reason], seen.get(reason, 0))
             yield refused
             yield counter("metrics_timeouts", "Connections to --metrics-listen closed for "
@@ -180,6 +185,8 @@ class _Handler(WSGIRequestHandler):
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
+        if ok:  # the request line and headers are in: this connection is being served
+            self.server.endpoint._requested(self.connection)
         self.connection.settimeout(READ_TIMEOUT)  # the reply's own limit, not what is left
         return ok
 
@@ -223,14 +230,14 @@ class _EndpointServer(ThreadingMixIn, WSGIServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread: nobody else leaves for it
-            self.endpoint._leave()
+            self.endpoint._leave(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.endpoint._leave()
+            self.endpoint._leave(request)
 
 
 class MetricsEndpoint:
@@ -243,7 +250,9 @@ class MetricsEndpoint:
 
         self.server, self.loop = server, loop
         self.open = 0  # connections admitted and not yet closed
-        self.refused: Counter[str] = Counter()  # by reason: "cap", "descriptors"
+        # of those, the ones that have not sent a whole request, oldest first
+        self._waiting: OrderedDict[socket.socket, None] = OrderedDict()
+        self.refused: Counter[str] = Counter()  # by reason: "cap", "idle", "descriptors"
         self.timeouts = 0
         self._lock = threading.Lock()  # open, timeouts: counted by the handler threads
         self._logged = -REFUSAL_LOG_INTERVAL  # the first refusal is logged at once
@@ -282,18 +291,37 @@ class MetricsEndpoint:
         if soft != resource.RLIM_INFINITY and sock.fileno() >= soft - FD_RESERVE:
             self._refuse("descriptors")
             return False
+        victim = None
         with self._lock:
             if self.open >= MAX_CONNECTIONS:
-                admitted = False
+                victim = next(iter(self._waiting), None)  # the oldest without a request
+                if victim is None:
+                    admitted = False
+                else:
+                    del self._waiting[victim]
+                    admitted = True
             else:
-                self.open += 1
                 admitted = True
+            if admitted:
+                self.open += 1
+                self._waiting[sock] = None
+        if victim is not None:
+            # its thread's read ends at once, and that thread leaves (counted then)
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)
+            self._refuse("idle")
         if not admitted:
             self._refuse("cap")
         return admitted
 
-    def _leave(self) -> None:
+    def _requested(self, sock: socket.socket) -> None:
+        """``sock`` sent its whole request: no newer connection takes its place now."""
         with self._lock:
+            self._waiting.pop(sock, None)
+
+    def _leave(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._waiting.pop(sock, None)
             self.open -= 1
 
     def _timed_out(self) -> None:
@@ -311,11 +339,13 @@ class MetricsEndpoint:
         now = time.monotonic()
         if not self._unlogged or now - self._logged < REFUSAL_LOG_INTERVAL:
             return
-        cap, fds = self._unlogged["cap"], self._unlogged["descriptors"]
+        cap, idle = self._unlogged["cap"], self._unlogged["idle"]
+        fds = self._unlogged["descriptors"]
         log.warning("metrics endpoint: closed %d connection(s) unserved (%d over the cap "
-                    "of %d open at once, %d with fewer than %d descriptors left below "
-                    "RLIMIT_NOFILE, kept for the protocol port); reported at most once "
-                    "a minute", cap + fds, cap, MAX_CONNECTIONS, fds, FD_RESERVE)
+                    "of %d open at once, %d idle without a request for a newer one, %d "
+                    "with fewer than %d descriptors left below RLIMIT_NOFILE, kept for the "
+                    "protocol port); reported at most once a minute", cap + idle + fds, cap,
+                    MAX_CONNECTIONS, idle, fds, FD_RESERVE)
         self._logged = now
         self._unlogged.clear()
 
