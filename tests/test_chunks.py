@@ -120,6 +120,13 @@ def test_server_aliases_survive_a_restart_and_stay_in_their_tenant(tmp_path):
     ("file:///tmp/x?max_bytes=1", r"query 'max_bytes=1' is not read by a file:// store "
                                   r"\(file:///DIR\): max_bytes is a setting of its own"),
     ("file:///tmp/x%00y", "NUL byte"), ("hurray://h:1#x", "fragment 'x' is not read"),
+    # the outside review of issue 29: a UnicodeError at the first connection, OSErrors at
+    # open
+    ("hurray://" + "a" * 64 + ":1", "is not a DNS name"),
+    ("redis://" + ("a" * 60 + ".") * 5 + "b:1", "a DNS name has at most 253"),
+    ("file:///dev/null", "cannot be opened: File exists: /dev/null"),
+    ("file:///proc/self/no/such", "cannot be opened: No such file or directory"),
+    ("file:///tmp/" + "x" * 300, "cannot be opened: File name too long"),
 ])
 def test_store_urls_are_checked(url, why):
     with pytest.raises(hk.HurrayError, match=why) as e:

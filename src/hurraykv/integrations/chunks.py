@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import ipaddress
 import re
 import time
 from abc import ABC, abstractmethod
@@ -246,11 +247,32 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
             port_ok = False
         if not parsed.hostname or not port_ok:
             return f"a network store names HOST:PORT ({cls.FORM}), not {parsed.netloc!r}"
+        why = _host_problem(parsed.hostname)
+        if why:
+            return why
     extra = sorted(set(options) - set(cls.OPTIONS))
     if extra:
         owners = sorted({c.FORM for c in _REGISTRY.values() if set(extra) & set(c.OPTIONS)})
         return f"{extra} apply to {' and '.join(owners) or 'no store'}, not {cls.FORM}"
     return _unread_part(parsed, cls) or cls.url_problem(parsed)
+
+
+def _host_problem(host: str) -> str:
+    """Why ``host`` can never be looked up ("" if it may be): the resolver encodes a name
+    with IDNA at the first connection, which refuses a label over 63 characters or a
+    name over 253 (a ``UnicodeError`` then, not a miss)."""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError as e:
+        return f"its host {host[:80]!r} is not a DNS name ({e})"
+    if len(encoded.rstrip(b".")) > 253:
+        return f"its host is {len(encoded)} characters; a DNS name has at most 253"
+    return ""
 
 
 def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
@@ -347,8 +369,15 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
         raise HurrayError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
                           field="url", value=url, rule="a registered chunk store URL")
     parsed = urlparse(url)
-    store = _REGISTRY[parsed.scheme].open(  # type: ignore[attr-defined]
-        url, parsed, timeout=timeout, **options)
+    try:
+        store = _REGISTRY[parsed.scheme].open(  # type: ignore[attr-defined]
+            url, parsed, timeout=timeout, **options)
+    except (OSError, UnicodeError) as e:  # a directory that cannot be made, ...
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        if isinstance(e, OSError) and e.filename:
+            why += f": {e.filename}"
+        raise HurrayError(f"url {url!r}: the store cannot be opened: {why}", field="url",
+                          value=url, rule="a store this process can open") from None
     return Suffixed(store, suffix) if suffix else store
 
 
