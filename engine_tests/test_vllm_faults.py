@@ -8,6 +8,7 @@ an engine without a connector, and the connector's log lines are counted per out
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -18,11 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.holding_proxy import HoldingProxy
 from tests.redis_servers import free_port, redis_server_binary, start_redis
+from tests.test_vllm_stalls import LOAD_S, LOOKUP_S, MARGIN
 
 from engine_tests.conftest import Engine, run_engine, skip_unless_cpu_takes
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
 from hurraykv import errors as hk_errors
+from hurraykv.integrations import engine_run
+from hurraykv.net.messages import MessageType as T
 
 
 @pytest.fixture(scope="module")
@@ -128,27 +133,67 @@ def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path,
 
 
 def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, lines):
+    """A server that answers lookups and hangs on a fetch (a proxy holds the fetch's
+    request): the step waits ``load_timeout_ms`` and recomputes; a server that hangs
+    altogether (SIGSTOP): a lookup waits ``lookup_timeout_ms``, later ones none.  The
+    waits are measured in the engine, against the values docs/vllm.md gives."""
     server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                                "127.0.0.1:0", "--log-level", "warning"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    address = server.stdout.readline().split()[-1]
+    proxy = HoldingProxy(server.stdout.readline().split()[-1])
     eng = Engine(tiny_llama, block_size=BLOCK,
-                 connector=conn(f"hurray://{address}", async_save=False))
+                 connector=conn(f"hurray://{proxy.address}", async_save=False))
     lines = lines()
     both = list(prompts())
+    scheduler = eng.core.scheduler.connector
+    waits: list[float] = []  # of each lookup, as vLLM's scheduler calls it
+    matched = scheduler.get_num_new_matched_tokens
+
+    def timed(*args):
+        started = time.monotonic()
+        try:
+            return matched(*args)
+        finally:
+            waits.append(time.monotonic() - started)
+
+    scheduler.get_num_new_matched_tokens = timed
     try:
-        generate(eng, both)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        stats = get_kv_transfer_group().stats
+        _, _, computed = generate(eng, both)
         tokens, cached, healthy = generate(eng, both)
         assert tokens == want and cached == [192, 160]
+
+        proxy.hold(T.TENSOR_REQUEST)
+        fetched, failed = stats["fetch_seconds"], stats["chunks_failed"]
+        tokens, cached, seconds = generate(eng, both)
+        fetched = stats["fetch_seconds"] - fetched
+        assert tokens == want
+        assert cached == [192, 160]  # the lookups were answered: vLLM took the chunks
+        # the first fetch hung; the second, while it had not returned, was not tried
+        assert proxy.held[T.TENSOR_REQUEST] == 1
+        assert stats["chunks_failed"] - failed == 6 + 5  # all recomputed
+        assert LOAD_S <= fetched < LOAD_S + MARGIN, fetched
+        assert seconds < computed + LOAD_S + MARGIN
+        proxy.release()
+
         server.send_signal(signal.SIGSTOP)
+        waits.clear()
         started = time.monotonic()
         for _ in range(4):
             tokens, cached, seconds = generate(eng, both)
             assert tokens == want and cached == [0, 0] and seconds < healthy + 2.0
         assert time.monotonic() - started < 4 * (healthy + 2.0)
+        # the first lookup waits its deadline; while it has not returned, and once the
+        # store is down, lookups miss at once (a probe after the 1 s backoff may wait one
+        # more deadline)
+        assert LOOKUP_S <= max(waits) < LOOKUP_S + MARGIN, waits
+        assert sum(waits) < 2 * LOOKUP_S + MARGIN, waits
         assert lines.count("is failing") == 1, lines.messages
     finally:
         server.send_signal(signal.SIGCONT)
+        proxy.close()
         server.terminate()
         server.wait(10)
         eng.close()
@@ -157,33 +202,95 @@ def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, li
 def test_segments_cut_underneath_loads_are_recomputed_never_a_signal(tiny_llama, tmp_path,
                                                                      want):
     """Segments truncated in place while an engine keeps loading them: SIGBUS killed the
-    worker when segments were mapped; read, a short file is a recompute."""
+    worker when segments were mapped; read, a short file is a recompute.  One engine (in a
+    process of its own: a signal would end it, not the test run) loads the two prompts'
+    stored chunks, 6 and 5 a round, from the segments whole, then cut short, then while a
+    thread cuts and mends them: every chunk vLLM took from the store is loaded or counted
+    failed, and the tokens are an engine's without a connector every time."""
     store = tmp_path / "kv"
-    first, second = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path, "store")
-    segments = sorted(store.glob("*.hrry"))
-    whole = {p: p.read_bytes() for p in segments}
+    both = list(prompts())
+    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+    # a consumer: nothing it recomputes is stored again over the files being cut
+    out = engine_run.run(spec(tiny_llama, conn(store.as_uri(), "kv_consumer"), both),
+                         tmp_path, "loads", entry=_load_whole_cut_and_racing)
+    assert out["code"] == 0, out["log"][-6000:]
+    whole, cut, *racing = out["phases"]
+    assert [p["tokens"] for p in out["phases"]] == [want] * (2 + len(racing))
+    assert whole["cached"] == [192, 160] and whole["counts"] == [6 + 5, 0, 0]
+    # vLLM counts what it took from the store when it schedules the load; each of those
+    # chunks failed, and those in the segment a request read first count as damaged (its
+    # chunks after them failed before their segment was read)
+    assert cut["cached"] == [192, 160]
+    damaged = sum(names.count(names[0]) for names in out["located"])
+    assert cut["counts"] == [6 + 5, 6 + 5, damaged]
+    took = sum(sum(p["cached"]) for p in racing) // BLOCK
+    loaded, failed, _ = racing[-1]["counts"]
+    assert loaded + failed == 2 * (6 + 5) + took
+
+
+def _load_whole_cut_and_racing(spec_path: str) -> int:
+    """In the engine process (``engine_run.run``'s ``entry``): the spec's prompts loaded
+    from their stored segments whole, cut to a third, then 4 times while a thread cuts and
+    mends them; per phase the tokens, ``num_cached_tokens`` and the counters (loaded,
+    failed, damaged chunks), with where the scheduler finds each prompt's chunks."""
+    spec = json.loads(Path(spec_path).read_text())
+    for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                       ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    from hurraykv.integrations.chunks import ChunkKeys
+    from hurraykv.integrations.file_store import FileChunks
+
+    llm = LLM(**engine_run.engine_kwargs(spec))
+    connector = get_kv_transfer_group()
+    store = Path(connector.ctx.url.removeprefix("file://"))
+    located = [FileChunks(store).locate(ChunkKeys(connector.seed, BLOCK).upto(p, n))
+               for p, n in zip(spec["prompts"], (6, 5), strict=True)]
+    whole = {p: p.read_bytes() for p in sorted(store.glob("*.hrry"))}
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], detokenize=False,
+                            ignore_eos=True)
+    prompts_ = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    stats = connector.stats
+    phases = []
+
+    def run() -> None:
+        outs = llm.generate(prompts_, params, use_tqdm=False)
+        phases.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                       "cached": [o.num_cached_tokens for o in outs],
+                       "counts": [stats["chunks_loaded"], stats["chunks_failed"],
+                                  stats["chunks_corrupt"]]})
+
+    def cut(p: Path, data: bytes) -> None:
+        with open(p, "r+b") as f:  # in place: readers keep the same inode
+            f.truncate(len(data) // 3)
+
     stop = threading.Event()
 
     def cut_and_mend() -> None:
         while not stop.is_set():
             for p, data in whole.items():
-                with open(p, "r+b") as f:  # in place: readers keep the same inode
-                    f.truncate(len(data) // 3)
-                time.sleep(0.002)
+                cut(p, data)
+                time.sleep(0.002)  # how long a file stays cut
                 with open(p, "r+b") as f:
                     f.write(data)
 
+    run()
+    for p, data in whole.items():
+        cut(p, data)
+    run()
     cutter = threading.Thread(target=cut_and_mend)
     cutter.start()
     try:
-        out = run_engine(dict(spec(tiny_llama, conn(store.as_uri(), "kv_consumer"),
-                                   [first, second]), rounds=6), tmp_path, "loads")
+        for _ in range(4):
+            run()
     finally:
         stop.set()
         cutter.join()
-    assert out["code"] == 0
-    assert [o["tokens"] for o in out["outputs"]] == want * 6
+    print("RESULT " + json.dumps({"phases": phases, "located": located}), flush=True)
+    return 0
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """``integrations/vllm/metrics.py`` and ``events.py`` against vLLM's own classes (stats logging,
-Prometheus, KV events encoding and ZMQ publisher).  No engine is started: fast.
+Prometheus, KV events encoding and ZMQ publisher), with the shipped ``HurrayConnector`` as
+the class vLLM resolves.  No engine is started: fast.
 
 The main venv has no vLLM (``.venv`` cannot ``import vllm``), so these live here and run
 with ``.venv-vllm/bin/python -m pytest engine_tests/test_vllm_metrics.py``."""
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from prometheus_client import REGISTRY
@@ -21,6 +23,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
     ZmqEventPublisher,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
@@ -48,25 +51,11 @@ from hurraykv.integrations.vllm.metrics import (
 )
 
 
-class HurrayStatsProbe(HurrayConnector):
-    """``HurrayConnector`` with the two classmethod hooks this change asks for, so vLLM's
-    ``KVConnectorFactory.get_connector_class`` resolves a class that has them (the real
-    connector gets them in vllm.py)."""
-
-    @classmethod
-    def build_kv_connector_stats(cls, data=None):
-        return vllm_metrics.build_kv_connector_stats(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return vllm_metrics.build_prom_metrics(vllm_config, metric_types, labelnames,
-                                               per_engine_labelvalues)
-
-
 def _vllm_config() -> VllmConfig:
+    """The shipped connector, selected as docs/vllm.md tells users to select it."""
     return VllmConfig(kv_transfer_config=KVTransferConfig(
-        kv_connector="HurrayStatsProbe", kv_role="kv_both",
-        kv_connector_module_path=__name__,
+        kv_connector="HurrayConnector", kv_role="kv_both",
+        kv_connector_module_path="hurraykv.integrations.vllm",
         kv_connector_extra_config={"url": "file:///nonexistent"}))
 
 
@@ -129,6 +118,9 @@ def test_stats_payload_survives_vllm_serialisation() -> None:
 
 def test_vllm_logging_and_prometheus_accept_the_stats() -> None:
     config = _vllm_config()
+    # the class vLLM's stats logger and Prometheus exporter ask for their objects
+    # (kv_connector/v1/metrics.py:57 and :156) is the one it loads as the connector
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is HurrayConnector
     # vllm/v1/metrics/loggers.py:132 and :239 -- the periodic log line
     logging = KVConnectorLogging(config.kv_transfer_config)
     logging.observe({"lookups": 3, "lookup_hits": 3, "chunks_loaded": 6})
@@ -171,6 +163,72 @@ def test_the_docs_metrics_table_names_every_metric() -> None:
     for name, _ in METRICS.values():  # a row names its first metric whole, then suffixes
         suffix = name.removeprefix("vllm:hurraykv")
         assert f"`{name}`" in table or f"`{suffix}`" in table, name
+
+
+def test_the_shipped_connectors_counts_reach_vllms_log_and_prometheus(tiny_llama, tmp_path
+                                                                     ) -> None:
+    """``HurrayConnector`` built as vLLM builds it: the engine's config from the arguments
+    ``LLM(...)`` takes (``EngineArgs.create_engine_config``, as ``LLM.__init__`` does), the
+    scheduler's connector from ``KVConnectorFactory.create_connector(config, SCHEDULER,
+    kv_cache_config)`` (``vllm/v1/core/sched/scheduler.py:176-180``, which calls
+    ``connector_cls(config, role, kv_cache_config)``, ``kv_connector/factory.py:75``).  Its
+    lookups, a miss and a hit, travel as ``Scheduler.update_from_output`` and
+    ``make_stats`` send them (``scheduler.py:2342`` and ``:2938``) to vLLM's log line
+    and Prometheus counters."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    import hurraykv as hk
+    from hurraykv.integrations import engine_run
+    from hurraykv.integrations.chunks import ChunkKeys, open_store
+    from hurraykv.io import checksums
+
+    url = (tmp_path / "kv").as_uri()
+    config = EngineArgs(**engine_run.engine_kwargs(
+        {"model": str(tiny_llama), "connector": {"url": url}})).create_engine_config()
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
+    try:
+        assert type(connector) is HurrayConnector
+        prompt = list(range(1, 101))
+
+        def lookup(req_id: str) -> int:
+            request = Request(req_id, prompt, SamplingParams(max_tokens=1), None)
+            try:
+                return connector.get_num_new_matched_tokens(request, 0)[0]
+            finally:
+                connector.request_finished(request, [])
+
+        assert lookup("miss") == 0
+        pages = 2
+        pool = np.zeros((pages, 32, 1, 8), np.float16)
+        segment = checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+            [pool], [pool], np.arange(pages), [0, pages], [pages * 32]))
+        store = open_store(url)
+        store.put(ChunkKeys(connector.seed, 32).upto(prompt, 2), 0, segment, {})
+        store.close()
+        assert lookup("hit") == 64
+        stats = connector.get_kv_connector_stats()
+        assert connector.get_kv_connector_stats() is None  # deltas: nothing new since
+        payload = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(
+            SchedulerStats(kv_connector_stats=stats.to_dict()))).kv_connector_stats
+        lines: list[str] = []
+        logging = KVConnectorLogging(config.kv_transfer_config)
+        logging.observe(payload)
+        logging.log(lambda fmt, s: lines.append(fmt % s))
+        assert "lookups=2" in lines[0] and "lookup_hit_rate=0.5" in lines[0]
+        _unregister_ours()
+        try:
+            prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+            prom.observe(payload, 0)
+            labels = {"model_name": "tiny", "engine": "0"}
+            assert [REGISTRY.get_sample_value(f"vllm:hurraykv_{name}_total", labels)
+                    for name in ("lookups", "lookup_hits", "lookup_misses")] == [2, 1, 1]
+        finally:
+            _unregister_ours()
+    finally:
+        connector.shutdown()
 
 
 # ------------------------------------------------------------------ events

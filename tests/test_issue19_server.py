@@ -80,13 +80,43 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+class Received:
+    """What a ``hurraykv serve`` has read from other connections: STAT's
+    ``bytes_received`` (framing included) less what this client's own STAT requests
+    added.  Open it before the traffic it is to count."""
+
+    def __init__(self, address: str) -> None:
+        self.client = KVClient(address)  # its handshake is answered: the loop serves
+        self.first = self.client.stat()["bytes_received"]
+        self.per = self.client.stat()["bytes_received"] - self.first  # one STAT request
+        self.asked = 1
+
+    def others(self) -> int:
+        total = self.client.stat()["bytes_received"]
+        self.asked += 1
+        return total - self.first - self.asked * self.per
+
+    def wait(self, total: int, timeout: float = 60.0) -> None:
+        """Until the server has read ``total`` bytes from the other connections."""
+        deadline = time.monotonic() + timeout
+        while (got := self.others()) < total:
+            assert time.monotonic() < deadline, f"the server read {got} of {total} bytes"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+HELLO = len(m.message(T.CLIENT_HELLO, 1, m.Hello().encode()))
+
+
 def test_control_payloads_are_reserved_against_the_budget():
     p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                           "127.0.0.1:0", "--memory-budget", "16M", "--log-level", "warning"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         host, port = p.stdout.readline().split()[-1].rsplit(":", 1)
-        time.sleep(0.3)
+        received = Received(f"{host}:{port}")
         before = _rss(p.pid)
         size = (16 << 20) - 1  # one TENSOR_PUT payload just under --max-message-size
         body = bytes(size)
@@ -110,7 +140,8 @@ def test_control_payloads_are_reserved_against_the_budget():
         for t in threads:
             t.start()
         sent.wait(120)
-        time.sleep(0.5)  # whatever the server buffers, it holds now
+        received.wait(32 * (HELLO + 12 + size - 1))  # whatever the server buffers, it holds now
+        received.close()
         grown = _rss(p.pid) - before
         sent.wait()
         for t in threads:
@@ -188,7 +219,8 @@ def test_aliases_count_against_the_budget_and_the_file_is_compacted(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         address = p.stdout.readline().split()[-1]
-        time.sleep(0.3)
+        with KVClient(address) as c:
+            c.ping()  # serving: the baseline is a running server's
         before = _rss(p.pid)
         refused = linked = 0
         with KVClient(address) as c:
@@ -311,7 +343,7 @@ def test_claimed_sizes_do_not_grow_a_server_process():
     try:
         address = p.stdout.readline().split()[-1]
         host, port = address.rsplit(":", 1)
-        time.sleep(0.3)
+        received = Received(address)
         before = _rss(p.pid)
         socks = []
         for i in range(64):  # 13 bytes each, claiming 16 MiB: before the fix ~1 GiB
@@ -322,7 +354,9 @@ def test_claimed_sizes_do_not_grow_a_server_process():
             else:
                 s.sendall(struct.pack("<III", T.CLIENT_HELLO, 1, 16 << 20) + b"\x01")
             socks.append(s)
-        time.sleep(1.0)
+        # every claim read (a refused handshake's byte after its header may stay unread)
+        received.wait(32 * (HELLO + 13) + 32 * 12)
+        received.close()
         grown = _rss(p.pid) - before
         assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB"
         for s in socks:

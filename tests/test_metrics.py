@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -101,6 +100,14 @@ def test_a_bad_request_is_counted_by_its_code(tmp_path):
         assert one(samples, "evictions_total", tier="disk") == 0
 
 
+def on_loop(loop, fn) -> None:
+    """Run ``fn`` on the server's event loop and wait until it has run (and so has every
+    callback queued before it)."""
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (fn(), done.set()))
+    assert done.wait(10)
+
+
 def test_healthz_is_200_while_the_loop_answers_and_503_when_it_does_not(monkeypatch):
     with KVServer(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0").run_in_thread() as st:
         status, body = get(st.metrics_address, "/healthz")
@@ -115,11 +122,10 @@ def test_healthz_is_200_while_the_loop_answers_and_503_when_it_does_not(monkeypa
             assert status == 200
         finally:
             stuck.set()
-        time.sleep(0.05)
+        on_loop(st.loop, lambda: None)  # the blocked call has returned
         assert get(st.metrics_address, "/healthz")[0] == 200
         assert get(st.metrics_address, "/")[0] == 404
-        st.loop.call_soon_threadsafe(st.server._server.close)  # no longer listening
-        time.sleep(0.1)
+        on_loop(st.loop, st.server._server.close)  # no longer listening
         status, body = get(st.metrics_address, "/healthz")
         assert status == 503 and json.loads(body)["status"] == "down"
 

@@ -169,20 +169,33 @@ def test_disconnect_at_every_phase_leaves_nothing(server, phase):
     blob = b"".join(frames)
     raw = Raw(server.address, hello=phase != "mid-hello")
     if phase == "mid-hello":
-        raw.sock.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode())[:15])
+        sent = m.message(T.CLIENT_HELLO, 1, m.Hello().encode())[:15]
     elif phase == "mid-put-descriptor":
-        raw.sock.sendall(blob[: len(frames[0]) + len(frames[1]) + len(frames[2]) // 2])
+        sent = blob[: len(frames[0]) + len(frames[1]) + len(frames[2]) // 2]
     elif phase == "mid-data":
-        raw.sock.sendall(blob[: len(frames[0]) + len(frames[1]) + len(frames[2])
-                              + len(frames[3]) + len(frames[4]) + 40])
+        sent = blob[: len(frames[0]) + len(frames[1]) + len(frames[2]) + len(frames[3])
+                    + len(frames[4]) + 40]
     elif phase == "before-end":
-        raw.sock.sendall(b"".join(frames[:-1]))
+        sent = b"".join(frames[:-1])
     else:
-        raw.sock.sendall(b"".join(frames[:-3]))
-    time.sleep(0.2)
+        sent = b"".join(frames[:-3])
+    counts = server.server.counts
+    before = counts.bytes_received  # the hello, when sent, was answered: counted
+    raw.sock.sendall(sent)
+    # the server has read all of it (it is mid-message), then it sees the disconnect
+    wait_for(lambda: counts.bytes_received == before + len(sent))
     raw.close()
-    time.sleep(0.2)
+    wait_for(lambda: server.server.connections == 0)
+    assert server.server.store.reserved_bytes == 0
     _healthy(server.address, "torn")
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    """Poll ``condition`` (what the server's loop has done) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def _hello_then(server, frames: list[bytes]) -> Raw:

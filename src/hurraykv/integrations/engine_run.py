@@ -10,7 +10,8 @@ token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
 "name", "module"}``), ``block_size``, ``rounds`` (generate the prompts this many
 times, one request at a time, timing each), ``env``, ``tensor_parallel_size`` and
 ``distributed_executor_backend``, ``time_connector`` (also time the
-connector's own calls in each request: ``connector_times``)."""
+connector's own calls in each request: ``connector_times``), ``logprobs`` (each output's
+``logprobs``: per generated token, the top N log-probabilities and the chosen token's)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,14 @@ def _patch_dispatcher() -> None:
     dispatcher.vars = safe_vars  # type: ignore[attr-defined]
 
 
+def _logprobs(output: Any) -> list[dict[str, float]] | None:
+    """Per generated token, the log-probabilities vLLM returned (spec ``logprobs``: the
+    top N and the chosen token), by token id."""
+    steps = output.outputs[0].logprobs
+    return [{str(k): float(v.logprob) for k, v in step.items()} for step in steps] \
+        if steps else None
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -215,7 +224,7 @@ def main() -> int:
         else None
     connector_times = []
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8),
-                            detokenize=False, ignore_eos=True)
+                            detokenize=False, ignore_eos=True, logprobs=spec.get("logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     outputs, times, round_stats = [], [], []
     if spec.get("rounds"):
@@ -232,7 +241,8 @@ def main() -> int:
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"outputs": [{"tokens": list(o.outputs[0].token_ids),
-                           "num_cached_tokens": o.num_cached_tokens} for o in outputs],
+                           "num_cached_tokens": o.num_cached_tokens,
+                           "logprobs": _logprobs(o)} for o in outputs],
               "times": times, "startup": startup, "stats": connector_stats(),
               "connector_times": connector_times, "round_stats": round_stats}
     print("RESULT " + json.dumps(result), flush=True)
