@@ -34,10 +34,9 @@ from tests.test_vllm_scheduler import request, step
 from tests.test_vllm_worker import (
     BLOCK,
     CHUNK,
-    HEAD,
-    HEADS,
     IDENTITY,
     LAYER_NAMES,
+    Side,
     fill,
     run_step,
     save,
@@ -63,15 +62,12 @@ def proxy():
         yield p
 
 
-class Parts:
+class Parts(Side):
     """Scheduler and worker parts over one URL, each with its own context (as the
-    scheduler and worker processes have), closed after the test."""
+    scheduler and worker processes have), their guards built from the config as the
+    connector builds them, closed after the test."""
 
-    def __init__(self) -> None:
-        self.guards: list[Guarded] = []
-        self.workers: list[WorkerSide] = []
-
-    def context(self, url: str, **extra) -> Context:
+    def context(self, url: str, open_one=None, **extra) -> Context:
         conf = ConnectorConfig.from_extra({"url": url, **extra})
 
         def open_one():
@@ -89,25 +85,9 @@ class Parts:
         return Context(conf, BLOCK, CHUNK, IDENTITY, identity_digest(IDENTITY), can_load=True,
                        can_save=True, lookups=lookups, loads=loads, saves=saves)
 
-    def worker(self, url: str, **extra) -> WorkerSide:
-        w = WorkerSide(self.context(url, **extra), spec=None, context={},
-                       model_dtype=torch.float32, kv_cache_dtype="auto",
-                       segment_dtype="float32")
-        w.caches = {name: torch.zeros(64, HEADS, BLOCK, 2 * HEAD) for name in LAYER_NAMES}
-        w.register(w.caches)
-        assert not w.ctx.disabled, w.ctx.disabled
-        self.workers.append(w)
-        return w
-
     def scheduler(self, url: str, **extra) -> SchedulerSide:
         return SchedulerSide(self.context(url, **extra),
                              HurrayKVEvents(BLOCK, CHUNK, enabled=False))
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.shutdown()
-        for g in self.guards:
-            g.close()
 
 
 @pytest.fixture
