@@ -152,8 +152,10 @@ def redis_pid(url: str) -> int:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-                if argv and argv[0].endswith(b"redis-server") and port.encode() in argv:
+                # redis-server sets its title to "redis-server HOST:PORT", one string
+                title = f.read().replace(b"\0", b" ")
+                if b"redis-server" in title and (f":{port} ".encode() in title + b" "
+                                                 or f" {port} ".encode() in title + b" "):
                     return int(entry)
     raise SystemExit(f"bench_vllm: no redis-server process for {url}")
 
