@@ -293,3 +293,19 @@ def test_a_file_store_alias_append_cut_short_is_an_error_and_never_glues(tmp_pat
         assert None not in reader.locate(keys(0)) + reader.locate(keys(2))
         assert reader.get_verified(reader.locate(keys(2))[0]).equal(seg(2))
         assert reader.locate(keys(1)) == [None, None]
+
+
+def test_a_log_opened_with_dead_lines_is_compacted_before_the_table_is_used(tmp_path):
+    """At start the compaction runs before the constructor returns: one left running
+    behind the new owner would rename its copy over that owner's first appends."""
+    table = AliasTable(tmp_path / "aliases.jsonl")
+    table.link(_pairs(3000))
+    table.path = None  # this one writes no more: its lines stay dead in the file
+    table.remove([a for a, _ in _pairs(3000)[:2900]])
+    with open(tmp_path / "aliases.jsonl", "ab") as f:
+        f.write(b"".join(f'["{a}",null]\n'.encode() for a, _ in _pairs(3000)[:2900]))
+    again = AliasTable(tmp_path / "aliases.jsonl")
+    assert (tmp_path / "aliases.jsonl").stat().st_size < 150_000  # 100 live, nothing dead
+    again.link([("first", "t")])
+    again.wait_compacted(20)
+    assert AliasTable(tmp_path / "aliases.jsonl").items() == again.items()

@@ -284,9 +284,10 @@ class AliasTable:
         if skipped:  # rewritten without them: a cut line never meets the next append
             log.warning("%s: skipped %d of %d lines that are not whole alias records",
                         self.path, skipped, lines)
+        # at start, before anyone appends: done here, not left running behind an owner
+        # that may append at once (a rename afterwards would drop that append)
+        if skipped or self._file_bytes > 2 * self._live_bytes + COMPACT_SLACK:
             self.compact()
-        else:
-            self._maybe_compact()
         log.info("aliases: %d in %s", len(self._target), self.path)
 
 
