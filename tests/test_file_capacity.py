@@ -40,9 +40,25 @@ def put(store: FileChunks, seed: int) -> str:
     return name
 
 
-def test_the_least_recently_used_segments_leave_first(tmp_path):
+def segment_bytes(tmp_path) -> int:
+    """The size of one stored segment file (stored in a probe directory of its own)."""
     probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    return (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+
+
+def capped(tmp_path, segments: int, stored: int) -> tuple[FileChunks, object, int, int]:
+    """A store capped at ``segments`` segments holding ``stored`` of them (seeds 0..):
+    (store, its directory, one segment's bytes, the cap)."""
+    size = segment_bytes(tmp_path)
+    cap, directory = segments * size, tmp_path / "kv"
+    store = FileChunks(directory, max_bytes=cap)
+    for seed in range(stored):
+        put(store, seed)
+    return store, directory, size, cap
+
+
+def test_the_least_recently_used_segments_leave_first(tmp_path):
+    size = segment_bytes(tmp_path)
     store = FileChunks(tmp_path / "kv", max_bytes=5 * size)
     names = [put(store, seed) for seed in range(5)]
     later(tmp_path / "kv")
@@ -88,8 +104,7 @@ def test_eviction_takes_the_least_recently_used_in_exact_order(tmp_path):
     goes), so the order in which they went is seen write by write.  Loads by another
     engine on the directory count (the mtime is the record), and so does a store opened
     later."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     directory = tmp_path / "kv"
     writer = FileChunks(directory, max_bytes=6 * size - 1)
     reader = FileChunks(directory)  # another engine: loads only
@@ -125,8 +140,7 @@ def test_eviction_takes_the_least_recently_used_in_exact_order(tmp_path):
 def test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark(tmp_path):
     """A write past ``max_bytes`` evicts the oldest down to 90% of it, so the writes after
     it fit without a scan and an eviction each."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     directory = tmp_path / "kv"
     store = FileChunks(directory, max_bytes=5 * size)
     for seed in range(5):
@@ -147,8 +161,7 @@ def test_quarantine_keeps_the_newest_damaged_segments_uncounted(tmp_path):
     """``DIR/quarantine/`` keeps the newest ``QUARANTINED`` (16) damaged segments, for
     inspection, not as a second cache: older ones go, and none counts against
     ``max_bytes``."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     directory = tmp_path / "kv"
     store = FileChunks(directory, max_bytes=3 * size)
     names = {}
@@ -220,8 +233,7 @@ def test_a_crash_in_the_middle_is_repaired_at_the_next_start(tmp_path):
 def test_the_alias_log_is_compacted_to_what_is_stored(tmp_path, monkeypatch):
     monkeypatch.setattr(FileChunks, "COMPACT_SLACK", 4)
     monkeypatch.setattr(Capacity, "RESCAN_SECONDS", 0.0)
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     reader = FileChunks(tmp_path / "kv")  # opened before: must follow the rewritten log
     store = FileChunks(tmp_path / "kv", max_bytes=3 * size)
     for seed in range(40):
@@ -255,8 +267,7 @@ def _engine(directory: str, max_bytes: int, first: int, count: int) -> None:
 
 
 def test_two_engines_evicting_in_one_directory(tmp_path):
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     budget = 6 * size
     ctx = multiprocessing.get_context("spawn")
     engines = [ctx.Process(target=_engine, args=(str(tmp_path / "kv"), budget, first, 25))
@@ -278,8 +289,7 @@ def test_two_engines_evicting_in_one_directory(tmp_path):
 def test_writers_sharing_a_directory_keep_one_budget(tmp_path):
     """Two stores on one directory (two engines, or two tensor-parallel ranks) writing in
     turn: the shared record counts both, so the directory never passes the cap."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     cap = 10 * size
     stores = [FileChunks(tmp_path / "kv", max_bytes=cap) for _ in range(2)]
     for seed in range(40):
@@ -341,12 +351,7 @@ def _reservations(directory) -> list[str]:
 def _four_and_a_paused_writer(tmp_path):
     """A store of 4 segments under a cap of 6, and another engine's process whose second
     segment is admitted and paused before it is written (``go`` lets it write)."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
-    cap, directory = 6 * size, tmp_path / "kv"
-    store = FileChunks(directory, max_bytes=cap)
-    for seed in range(4):
-        put(store, seed)
+    store, directory, size, cap = capped(tmp_path, 6, 4)
     ctx = multiprocessing.get_context("spawn")
     admitted, go = ctx.Event(), ctx.Event()
     writer = ctx.Process(target=_paused_writer, args=(str(directory), cap, 100, admitted, go))
@@ -387,8 +392,7 @@ def test_the_reservation_of_a_killed_writer_is_reclaimed(tmp_path):
 
 def test_room_held_by_writes_in_progress_is_waited_for_then_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(Capacity, "LOCK_SECONDS", 0.2)
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     directory = tmp_path / "kv"
     store = FileChunks(directory, max_bytes=2 * size)
     other = Capacity(directory, 2 * size)  # another engine with two writes in progress
@@ -411,12 +415,7 @@ def test_room_held_by_writes_in_progress_is_waited_for_then_refused(tmp_path, mo
 def test_a_usage_record_with_a_scan_time_not_in_the_past_is_rescanned(tmp_path, record):
     """Issue 29 item 6: a future scan time put off every scan, and the directory reached
     twice its cap (a negative total, also damaged, did the same)."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
-    cap, directory = 5 * size, tmp_path / "kv"
-    store = FileChunks(directory, max_bytes=cap)
-    for seed in range(5):
-        put(store, seed)
+    store, directory, size, cap = capped(tmp_path, 5, 5)
     (directory / ".usage").write_text(
         record.format(soon=time.time() + 30, now=time.time(), cap=cap) + "\n")
     for seed in range(5, 10):
@@ -429,8 +428,7 @@ def test_the_first_segment_of_a_structure_never_passes_the_cap_either(tmp_path, 
     """The first of its structure (its size known once written) was written in place and
     counted after: a new engine on a full directory passed the cap by one segment (the
     1.17x of issue 29 item 2 once four writers started at different times)."""
-    probe = FileChunks(tmp_path / "probe")
-    size = (tmp_path / "probe" / f"{put(probe, 0)}.hrry").stat().st_size
+    size = segment_bytes(tmp_path)
     cap, directory = 6 * size, tmp_path / "kv"
     full = FileChunks(directory, max_bytes=cap)
     for seed in range(6):
