@@ -22,7 +22,7 @@ from .. import alloc
 from ..errors import HurrayError
 from ..info import PREFIX, info_member, is_info, text_offset
 from ..io import checksums
-from ..io.atomic import create_temp, write_pieces
+from ..io.atomic import append_lines, create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
 from ..io.hrry_format import kv_text_spans
 from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
@@ -332,20 +332,10 @@ class FileChunks(ChunkStore):
         self._aliases.update((key, name) for key in keys)
 
     def _append_log(self, lines: bytes) -> None:
-        """One append of whole lines (concurrent writers never interleave it).  A line an
-        earlier append left cut (a full disk) is ended first, so it never glues onto
-        these; a short write is an error, never a success with a cut record."""
         fd = os.open(self.dir / self.LOG,
                      os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                lines = b"\n" + lines
-            written = os.write(fd, lines)
-            if written != len(lines):
-                raise HurrayError(f"the alias log took {written} of {len(lines)} bytes",
-                                  field="aliases", value=written,
-                                  rule="an append is written whole")
+            append_lines(fd, lines, "aliases")  # whole, after ending a cut line
         finally:
             os.close(fd)
 

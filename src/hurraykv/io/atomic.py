@@ -177,6 +177,24 @@ def write_all(fd: int, pieces: Sequence[Any], what: str) -> None:
                 views[first], n = views[first][n:], 0
 
 
+def append_lines(fd: int, lines: bytes, what: str) -> tuple[int, int]:
+    """Append whole ``lines`` to ``fd`` (opened ``O_APPEND``) in one write, so appends of
+    other writers never interleave with it.  A line an earlier append left cut (a crash, a
+    full disk) is ended first, so it never swallows the first of these.  A short write
+    (a full disk) raises rather than leave a cut record behind a success.  Returns the
+    file's size before and the bytes written (the caller may cut a failed append back)."""
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        lines = b"\n" + lines
+    written = os.write(fd, lines)
+    if written != len(lines):
+        # not retried: a second write could interleave with another writer's append
+        raise ContainerError(f"{what}: the file took {written} of {len(lines)} bytes of an "
+                             "append (no space left on its file system, or a size limit)",
+                             field=what, value=written, rule="an append is written whole")
+    return size, written
+
+
 def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
     """Replace ``path`` with ``data`` atomically (temporary file, fsync, rename)."""
     return write_pieces(path, [data], len(data), fsync=fsync)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from ..errors import ContainerError, HurrayError
-from ..io.atomic import replacement, write_all
+from ..io.atomic import append_lines, replacement, write_all
 
 log = logging.getLogger("hurraykv.server")
 
@@ -166,16 +166,14 @@ class AliasTable:
                 raise AliasLogError(self.path, e) from None
             try:
                 size = os.fstat(fd).st_size
-                # a line cut by a crash must not glue onto this one
-                cut = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
                 try:
-                    write_all(fd, [cut, data], str(self.path))
+                    _, written = append_lines(fd, data, "aliases")
                     os.fsync(fd)
                 except (OSError, HurrayError) as e:
                     with contextlib.suppress(OSError):
                         os.ftruncate(fd, size)
                     raise AliasLogError(self.path, e) from None
-                self._file_bytes = size + len(cut) + len(data)
+                self._file_bytes = size + written
                 if self._tail is not None:
                     self._tail.append(data)
             finally:
