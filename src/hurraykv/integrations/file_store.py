@@ -493,6 +493,9 @@ class FileChunks(ChunkStore):
         self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
         return snap
 
+    def close(self) -> None:
+        self.capacity.close()  # the files it evicted removed from the disk
+
     def discard(self, name: str) -> None:
         """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""
         check_name(name)
