@@ -77,12 +77,44 @@ def test_down_after_failures_skipped_during_backoff_then_probed(guarded):
 
 
 def test_a_hung_call_never_holds_the_caller_past_its_deadline(guarded):
-    g, _, _, caplog = guarded
+    g, clock, _, caplog = guarded
     release = threading.Event()
     started = time.monotonic()
     assert g.call("locate", lambda s: release.wait(5), "late") == "late"
-    for _ in range(4):  # still running: no queueing behind it, each counted
+    for _ in range(4):  # still running: no queueing behind it, and no failure of theirs
         assert g.call("locate", lambda s: "never", "late") == "late"
     assert time.monotonic() - started < 1.0
+    assert g.stats["failures"] == 1 and g.stats["skipped"] == 4 and not g.down
+    # the hung call is charged once more per deadline it runs past: down at 3
+    clock.now += 0.11
+    assert g.call("locate", lambda s: "never", "late") == "late"
+    assert g.stats["failures"] == 2 and not g.down
+    clock.now += 0.05
+    assert g.call("locate", lambda s: "never", "late") == "late"
     assert g.down and g.stats["timeouts"] == 1 and lines(caplog, "is failing") == 1
+    assert "has not returned for" in caplog.records[-1].getMessage()
     release.set()
+
+
+def test_calls_from_several_threads_queue_and_none_fails_for_another(guarded):
+    """Issue 30: a call that found another in flight was a failure of its own ("an
+    earlier call has not returned"), so a healthy but busy store was declared down."""
+    g, _, _, _ = guarded
+    g.timeout = 2.0
+    results: list = []
+
+    def slow(store):
+        time.sleep(0.03)  # each call takes most of the old 50 ms deadline
+        return store.locate(["ab" * 16])
+
+    def caller():
+        for _ in range(5):
+            results.append(g.call("locate", slow, "miss"))
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[None]] * 20
+    assert g.stats["failures"] == 0 and g.stats["skipped"] == 0 and not g.down

@@ -1,10 +1,11 @@
 """A chunk store behind a deadline and a circuit breaker: the engine never waits on, nor
 dies of, its cache.
 
-vLLM calls the connector synchronously: the scheduler's ``get_num_new_matched_tokens``
-for every waiting request, the worker's ``start_load_kv`` before every forward pass.  A
-store that hangs there stalls every request, and one that raises kills the engine core.
-``Guarded`` runs each store call on its own thread and waits at most ``timeout`` for it:
+The connector's lookups, loads and saves run on threads of their own (a lookup thread,
+a loader, a writer; a synchronous load on the engine's), and a store that hangs must
+hold none of them for long, nor one that raises kill anything.  ``Guarded`` runs each
+store call on its own thread, one at a time in the order asked, and waits at most
+``timeout`` for it (waiting behind an earlier call included):
 
 * an answer in time is the answer;
 * a call that raises anything (a ``HurrayError``, redis-py's ``ConnectionError`` or
@@ -19,7 +20,10 @@ store that hangs there stalls every request, and one that raises kills the engin
   first call, which waits up to ``connect_timeout`` for the connection ``warm()`` opens
   at start;
 * a call still running past its deadline (a hung store) makes the next calls give the
-  default at once, each counted as a failure, rather than queue behind it; its
+  default at once rather than queue behind it; they are not failures of their own (a
+  call in flight is no sign of a sick store: counting them declared a healthy store
+  down under load, issue 30), but the hung call is charged one more failure for each
+  further deadline it runs past, so a store that stays hung is declared down; its
   connection is closed and reopened when it returns.
 
 State changes are logged once each (down, with the error; back, with how long it was
@@ -58,6 +62,9 @@ class Guarded:
         self._warming: Future | None = None
         self._lock = threading.Lock()
         self._stale = False  # the running call outlived its deadline: reconnect after it
+        # calls past their deadline, maybe still running: future -> [started, failures
+        # charged to it]
+        self._late: dict[Future, list[float]] = {}
         self._in_a_row = 0
         self._backoff = backoff
         self._down_since: float | None = None
@@ -93,26 +100,34 @@ class Guarded:
             with contextlib.suppress(Exception):
                 warming.result(timeout=self.connect_timeout)
         now = self._clock()
+        deadline = self.timeout if timeout is None else timeout
         with self._lock:
-            busy = self._running is not None and not self._running.done()
-            skip = busy or (self.down and now < self._retry_at)
+            for done in [f for f in self._late if f.done()]:
+                del self._late[done]
+            hung = next(iter(self._late.values()), None)  # the oldest
+            skip = hung is not None or (self.down and now < self._retry_at)
             if skip:
                 self._skipped += 1
                 self.stats["skipped"] += 1
-        if busy and not self.down:  # an earlier call is still past its deadline: no answer
-            self._failed(op, "an earlier call has not returned")
+            overdue = (hung is not None and not self.down
+                       and now - hung[0] >= deadline * (hung[1] + 1))
+            if overdue:
+                hung[1] += 1
+        if overdue:  # the hung call passed one more deadline: one more failure
+            self._failed(op, f"a call has not returned for {now - hung[0]:.1f} s")
         if skip:
             return default
         with self._lock:
             self.stats["calls"] += 1
             future = self._thread.submit(self._run, fn)
             self._running = future
-            deadline = self.timeout if timeout is None else timeout
         try:
             result = future.result(timeout=deadline)
         except FutureTimeout:
-            with self._lock:
-                self._stale = True
+            if not future.cancel():  # it runs (not merely queued): reconnect after it
+                with self._lock:
+                    self._stale = True
+                    self._late[future] = [now, 1]
             self.stats["timeouts"] += 1
             self._failed(op, f"no answer within {deadline * 1000:.0f} ms")
             return default
@@ -145,6 +160,10 @@ class Guarded:
                 store.close()
 
     def _failed(self, op: str, why: str) -> None:
+        with self._lock:  # callers on several threads (a loader's and the engine's)
+            self._count_failure(op, why)
+
+    def _count_failure(self, op: str, why: str) -> None:
         self.stats["failures"] += 1
         self._in_a_row += 1
         now = self._clock()
@@ -164,6 +183,10 @@ class Guarded:
                               self._max_backoff)
 
     def _succeeded(self) -> None:
+        with self._lock:
+            self._count_success()
+
+    def _count_success(self) -> None:
         if self.down:
             self._log.warning("chunk store %s is back after %.1f s; %d %s calls were skipped "
                               "meanwhile", self.url, self._clock() - self._down_since,
