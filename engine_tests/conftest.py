@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ class Engine:
                     finished[out.request_id] = list(out.outputs[0].token_ids)
         return finished
 
+    def step_until_computed(self, req_id: str, tokens: int, limit: int = 500) -> None:
+        """Step until the request holds ``tokens`` computed tokens (a lookup is answered
+        at a later step, an async load in ``WAITING_FOR_REMOTE_KVS`` a step or more
+        after that)."""
+        for _ in range(limit):
+            if self.core.scheduler.requests[req_id].num_computed_tokens >= tokens:
+                return
+            self.step()
+            time.sleep(0.001)  # as vLLM's engine loop does on a step with no forward pass
+        raise AssertionError(f"{req_id} did not reach {tokens} tokens in {limit} steps")
+
     def run_to_end(self) -> dict:
         done = {}
         while self.llm.llm_engine.has_unfinished_requests():
@@ -83,6 +95,17 @@ class Engine:
     def close(self) -> None:
         del self.core, self.runner, self.llm
         gc.collect()
+
+
+def ask(connector, request, num_computed_tokens: int = 0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM's scheduler drives it: asked again, a step
+    (here 1 ms) later, while the connector answers ``None`` (its lookup is in flight)."""
+    for _ in range(10_000):
+        tokens, load_async = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        if tokens is not None:
+            return tokens, load_async
+        time.sleep(0.001)
+    raise AssertionError(f"no answer for {request.request_id} in 10 s")
 
 
 def skip_unless_cpu_takes(dtype: str, kv_cache_dtype: str, *, block_size: int = 32,

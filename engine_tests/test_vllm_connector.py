@@ -55,25 +55,33 @@ def reference(tiny_llama, tmp_path_factory):
 
 
 def store_then_reuse(model: Path, url: str, tmp_path: Path, *, store_role: str = "kv_both",
-                     load_role: str = "kv_both", extra: dict | None = None, **kw) -> dict:
+                     load_role: str = "kv_both", extra: dict | None = None,
+                     load_extra: dict | None = None, **kw) -> dict:
     first, second = prompts()
     out = run_engine(spec(model, conn(url, store_role, **(extra or {})), [first],
                           max_tokens=1 if store_role == "kv_producer" else 8, **kw),
                      tmp_path, "store")
     assert out["stats"]["chunks_saved"] == len(first) // BLOCK
-    return run_engine(spec(model, conn(url, load_role), [first, second], **kw), tmp_path,
-                      "reuse")
+    return run_engine(spec(model, conn(url, load_role, **(load_extra or {})), [first, second],
+                           **kw), tmp_path, "reuse")
 
 
-def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path, reference):
+@pytest.mark.parametrize("load_mode", ["auto", "async"])
+def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path, reference,
+                                                           load_mode):
     store = tmp_path / "kv"
-    out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path)
+    out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path,
+                           load_extra={"load_mode": load_mode})
     first, second = out["outputs"]
     assert [first["tokens"], second["tokens"]] == reference()
     assert first["num_cached_tokens"] == (200 - 1) // BLOCK * BLOCK  # 192: the stored blocks
     assert second["num_cached_tokens"] == 64  # the shared prefix, in whole blocks
-    assert out["stats"]["chunks_loaded"] == 8 and out["stats"]["layers_written"] == 2 * 1
-    assert out["stats"]["segments_loaded"] == 1  # both prompts start with the same run
+    stats = out["stats"]
+    # auto: small file hits load before the forward pass; async: across steps
+    kind = "loads_async" if load_mode == "async" else "loads_sync"
+    assert stats["chunks_loaded"] == 8 and stats[kind] == 2
+    # each load wrote both layers (a step's loads share a layer's call), from one segment
+    assert stats["layers_written"] in (2, 2 * 2) and stats["segments_loaded"] == 2
     segments = _segments(store)
     aliases = (store / "aliases.log").read_text().split()[1::2]
     assert len(segments) == 2 and sorted(set(aliases)) == [p.stem for p in segments]
@@ -133,7 +141,7 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
 
     connector = get_kv_transfer_group()
     (rid,) = eng.add([first], max_tokens=4)
-    eng.step(1)
+    eng.step_until_computed(rid, 192)
     blocks = eng.state([rid])[0]
     loaded = hv.from_vllm(eng.kv_caches, [blocks[0][:6]], [192], backend="CPU_ATTN")
     keys = ChunkKeys(identity_digest(connector.identity), BLOCK).upto(first, 6)
@@ -245,7 +253,8 @@ def test_a_consumer_with_an_unreachable_server_computes_instead(tiny_llama, tmp_
     out = run_engine(dict(spec(tiny_llama, conn(f"hurray://127.0.0.1:{port}"),
                                [first, second]), rounds=1), tmp_path, "unreachable")
     assert [o["tokens"] for o in out["outputs"]] == reference()
-    # one line for the outage, not one per request and chunk
-    assert out["log"].count("is failing") == 1
+    # at most one line for the outage, not one per request and chunk (two requests'
+    # lookups may be one call, and failing at once, stay under failures_before_down)
+    assert out["log"].count("is failing") <= 1
     # both requests, computing included (some 50 ms here)
     assert sum(out["times"]) < CONNECT_S + FAILURES * LOOKUP_S + MARGIN, out["times"]

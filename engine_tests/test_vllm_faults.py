@@ -23,7 +23,7 @@ from tests.holding_proxy import HoldingProxy
 from tests.redis_servers import free_port, redis_server_binary, start_redis
 from tests.test_vllm_stalls import LOAD_S, LOOKUP_S, MARGIN
 
-from engine_tests.conftest import Engine, run_engine, skip_unless_cpu_takes
+from engine_tests.conftest import Engine, ask, run_engine, skip_unless_cpu_takes
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
 from hurraykv import errors as hk_errors
 from hurraykv.integrations import engine_run
@@ -97,33 +97,39 @@ def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path,
     port = free_port()
     redis = start_redis(redis_server_binary(), tmp_path, port)
     url = f"redis://127.0.0.1:{port}"
-    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(
-        url, async_save="false", max_backoff_s=1.0))
+    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(url, max_backoff_s=1.0))
     lines = lines()
     both = list(prompts())
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
     try:
         tokens, cached, healthy = generate(eng, both)
         assert tokens == want and cached == [0, 0]
+        worker.drain()  # stored by the writer thread before they are looked up again
         tokens, cached, _ = generate(eng, both)
         assert tokens == want and cached == [192, 160]  # stored, then found
         redis.send_signal(signal.SIGSTOP)  # hung: accepts nothing, answers nothing
         for _ in range(3):
             tokens, cached, seconds = generate(eng, both)
             assert tokens == want and cached == [0, 0]
-            # a lookup waits its 50 ms deadline once; the rest are skipped at once
-            assert seconds < healthy + 2.0
+            # a lookup waits its deadline once; the rest are skipped at once
+            assert seconds < healthy + LOOKUP_S + MARGIN
         redis.kill()  # stopped for good, mid-run (SIGKILL reaches a stopped process)
         redis.wait(10)
         for _ in range(3):
             tokens, _, _ = generate(eng, both)
             assert tokens == want
-        assert lines.count("is failing") == 1  # one line per outage, not per request
+        # one line per outage and connection (lookups, loads, saves), not per request
+        assert 1 <= lines.count("is failing") <= 3, lines.messages
+        failing = lines.count("is failing")
         redis = start_redis(redis_server_binary(), tmp_path, port)  # back, empty
         time.sleep(1.2)  # past the backoff: the next lookup probes it
         tokens, _, _ = generate(eng, both)
+        worker.drain()
         tokens2, cached, _ = generate(eng, both)
         assert tokens == want and tokens2 == want and cached == [192, 160]
-        assert lines.count("is back") == 1
+        assert lines.count("is back") >= 1 and lines.count("is failing") == failing
         assert eng.core.scheduler.connector.lookups.stats["outages"] == 1
     finally:
         with contextlib.suppress(Exception):
@@ -133,16 +139,21 @@ def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path,
 
 
 def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, lines):
-    """A server that answers lookups and hangs on a fetch (a proxy holds the fetch's
-    request): the step waits ``load_timeout_ms`` and recomputes; a server that hangs
-    altogether (SIGSTOP): a lookup waits ``lookup_timeout_ms``, later ones none.  The
+    """Loads across steps (``load_mode`` auto: async for ``hurray://``).  A server that
+    answers lookups and hangs on a fetch (a proxy holds the fetch's request): the hit's
+    request waits ``load_timeout_ms`` in ``WAITING_FOR_REMOTE_KVS`` and recomputes (vLLM
+    then counts none of its tokens cached), while a request that needs nothing from the
+    store runs as if the store were healthy.  A server that hangs altogether (SIGSTOP):
+    vLLM's scheduler thread never waits on it (each ``get_num_new_matched_tokens``
+    returns at once), a request waits at most its lookup's deadline, then computes.  The
     waits are measured in the engine, against the values docs/vllm.md gives."""
+    from tests.test_vllm_stalls import QUICK
+
     server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                                "127.0.0.1:0", "--log-level", "warning"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proxy = HoldingProxy(server.stdout.readline().split()[-1])
-    eng = Engine(tiny_llama, block_size=BLOCK,
-                 connector=conn(f"hurray://{proxy.address}", async_save=False))
+    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(f"hurray://{proxy.address}"))
     lines = lines()
     both = list(prompts())
     scheduler = eng.core.scheduler.connector
@@ -160,43 +171,180 @@ def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, li
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        stats = get_kv_transfer_group().stats
+        worker = get_kv_transfer_group()
+        stats = worker.stats
         _, _, computed = generate(eng, both)
+        worker.drain()  # stored by the writer thread before they are looked up again
         tokens, cached, healthy = generate(eng, both)
         assert tokens == want and cached == [192, 160]
+        assert stats["loads_async"] == 2 and stats["loads_sync"] == 0
 
         proxy.hold(T.TENSOR_REQUEST)
-        fetched, failed = stats["fetch_seconds"], stats["chunks_failed"]
-        tokens, cached, seconds = generate(eng, both)
-        fetched = stats["fetch_seconds"] - fetched
-        assert tokens == want
-        assert cached == [192, 160]  # the lookups were answered: vLLM took the chunks
+        failed = stats["chunks_failed"]
+        other = [7, *both[1][1:]]  # stored nowhere: a miss, computed at once
+        finish = finish_times(eng, [*both, other])
+        tokens = [t for t, _, _ in finish[:2]]
+        assert tokens == want  # recomputed, every token
+        assert [c for _, c, _ in finish[:2]] == [0, 0]  # vLLM counts what was loaded
         # the first fetch hung; the second, while it had not returned, was not tried
         assert proxy.held[T.TENSOR_REQUEST] == 1
         assert stats["chunks_failed"] - failed == 6 + 5  # all recomputed
-        assert LOAD_S <= fetched < LOAD_S + MARGIN, fetched
-        assert seconds < computed + LOAD_S + MARGIN
+        assert LOAD_S <= max(s for _, _, s in finish[:2]) < computed + LOAD_S + MARGIN
+        # the request that needed nothing from the store did not wait for the hung load
+        assert finish[2][2] < computed + MARGIN < LOAD_S, finish
         proxy.release()
 
         server.send_signal(signal.SIGSTOP)
         waits.clear()
-        started = time.monotonic()
-        for _ in range(4):
+        for _ in range(3):
             tokens, cached, seconds = generate(eng, both)
-            assert tokens == want and cached == [0, 0] and seconds < healthy + 2.0
-        assert time.monotonic() - started < 4 * (healthy + 2.0)
-        # the first lookup waits its deadline; while it has not returned, and once the
-        # store is down, lookups miss at once (a probe after the 1 s backoff may wait one
-        # more deadline)
-        assert LOOKUP_S <= max(waits) < LOOKUP_S + MARGIN, waits
-        assert sum(waits) < 2 * LOOKUP_S + MARGIN, waits
-        assert lines.count("is failing") == 1, lines.messages
+            assert tokens == want and cached == [0, 0]
+            assert seconds < healthy + LOOKUP_S + MARGIN
+        # never the scheduler thread: every call returned at once
+        assert max(waits) < QUICK, sorted(waits)[-5:]
     finally:
         server.send_signal(signal.SIGCONT)
         proxy.close()
         server.terminate()
         server.wait(10)
         eng.close()
+
+
+def hung_fetch_engine(tiny_llama, tmp_path, stack, **extra):
+    """An engine over a ``hurraykv serve`` behind a proxy, both prompts stored: the proxy
+    can hold the fetches of the next loads."""
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stack.callback(lambda: (server.terminate(), server.wait(10)))
+    proxy = HoldingProxy(server.stdout.readline().split()[-1])
+    stack.callback(proxy.close)
+    stack.callback(proxy.release)
+    eng = Engine(tiny_llama, block_size=BLOCK, num_blocks=24, max_model_len=512,
+                 connector=conn(f"hurray://{proxy.address}", **extra))
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    generate(eng, list(prompts()))
+    worker.drain()
+    return eng, proxy, worker
+
+
+def add_one(eng: Engine, prompt: list[int]) -> str:
+    """Add one greedy request of 8 tokens; its id as the scheduler knows it (vLLM
+    suffixes the id it is given)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = set(eng.core.scheduler.requests)
+    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
+    eng.llm.llm_engine.add_request(f"r{time.monotonic_ns()}",
+                                   TokensPrompt(prompt_token_ids=prompt), params)
+    eng.step()
+    (rid,) = set(eng.core.scheduler.requests) - before
+    return rid
+
+
+def wait_for_status(eng: Engine, rid: str, status: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        req = eng.core.scheduler.requests.get(rid)
+        if req is not None and req.status.name == status:
+            return
+        eng.step()
+        time.sleep(0.001)
+    req = eng.core.scheduler.requests.get(rid)
+    raise AssertionError(f"{rid} never reached {status}: "
+                         f"{None if req is None else (req.status, req.num_computed_tokens)}")
+
+
+def test_a_request_aborted_while_its_load_hangs_frees_its_blocks_and_is_never_written(
+        tiny_llama, tmp_path, want):
+    """The fetch of a hit hangs: vLLM holds the request in ``WAITING_FOR_REMOTE_KVS``.
+    It is aborted: the connector reports it at the next step, vLLM frees its blocks and
+    gives them to other requests (24 blocks: the next ones reuse them), and when the store
+    answers at last nothing is written into them - the requests running there give an
+    engine's tokens without a connector, and no byte of the late fetch is written."""
+    first, second = prompts()
+    with contextlib.ExitStack() as stack:
+        eng, proxy, worker = hung_fetch_engine(tiny_llama, tmp_path, stack,
+                                               load_timeout_ms=60_000)
+        stack.callback(eng.close)
+        manager = eng.core.scheduler.kv_cache_manager
+        free = manager.block_pool.get_num_free_blocks()
+        proxy.hold(T.TENSOR_REQUEST)
+        held = add_one(eng, first)
+        wait_for_status(eng, held, "WAITING_FOR_REMOTE_KVS")
+        assert proxy.wait_held(T.TENSOR_REQUEST)
+        held_blocks = set(manager.get_block_ids(held)[0])
+        assert manager.block_pool.get_num_free_blocks() < free
+        written = worker.stats["layers_written"]
+        eng.llm.llm_engine.abort_request([held], internal=True)
+        started = time.monotonic()
+        while held in eng.core.scheduler.requests:
+            eng.step()
+            assert time.monotonic() - started < 1.0, "the aborted request's blocks stay held"
+        assert manager.block_pool.get_num_free_blocks() == free
+        assert worker.stats["loads_cancelled"] == 1
+        # the next requests run in those blocks (the second's hit waits behind the held
+        # fetch; the other prompt is stored nowhere), and the late answer comes meanwhile:
+        # a stray write of the first prompt's chunks would change their tokens
+        other = [7, *second[1:]]
+        nexts = [add_one(eng, p) for p in (second, other)]
+        for _ in range(1000):
+            if all(manager.get_block_ids(rid)[0] for rid in nexts):
+                break
+            eng.step()
+            time.sleep(0.001)
+        reused = {b for rid in nexts for b in manager.get_block_ids(rid)[0]}
+        assert reused & held_blocks, "the freed blocks went elsewhere: the test proves nothing"
+        proxy.release()
+        assert worker.worker.loader.wait_idle(10)
+        done = eng.run_to_end()  # by the ids given (vLLM's without its suffix)
+        tokens = [done[rid.rsplit("-", 1)[0]] for rid in nexts]
+        assert tokens[0] == want[1]
+        reference = run_engine(spec(tiny_llama, None, [other]), tmp_path, "reference")
+        assert tokens[1] == reference["outputs"][0]["tokens"]
+        # the second's load wrote its 2 layers (or failed); the aborted one's never did
+        assert worker.stats["layers_written"] - written in (0, 2)
+
+
+def test_shutdown_with_a_load_in_flight_is_bounded(tiny_llama, tmp_path):
+    """The engine stops while a load waits on a hung store: the connector's shutdown
+    cancels it and waits at most ``load_timeout_ms`` for the loader."""
+    with contextlib.ExitStack() as stack:
+        eng, proxy, worker = hung_fetch_engine(tiny_llama, tmp_path, stack,
+                                               load_timeout_ms=1_000)
+        proxy.hold(T.TENSOR_REQUEST)
+        late = add_one(eng, prompts()[0])
+        wait_for_status(eng, late, "WAITING_FOR_REMOTE_KVS")
+        assert proxy.wait_held(T.TENSOR_REQUEST)
+        started = time.monotonic()
+        worker.shutdown()
+        assert time.monotonic() - started < 1.0 + 1.0 + MARGIN
+        assert worker.worker.loader.in_flight <= 1
+        eng.close()
+
+
+def finish_times(eng: Engine, prompts_: list[list[int]]) -> list[tuple[list[int], int, float]]:
+    """(tokens, num_cached_tokens, seconds until it finished) per request, all added at
+    once, stepped as vLLM's engine loop steps them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
+    ids = [f"f{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
+    started = time.monotonic()
+    for rid, p in zip(ids, prompts_, strict=True):
+        eng.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    done: dict[str, tuple[list[int], int, float]] = {}
+    while eng.llm.llm_engine.has_unfinished_requests():
+        for out in eng.llm.llm_engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.outputs[0].token_ids),
+                                        out.num_cached_tokens, time.monotonic() - started)
+        time.sleep(0.001)  # vLLM's loop, on a step with no forward pass
+    return [done[r] for r in ids]
 
 
 def test_segments_cut_underneath_loads_are_recomputed_never_a_signal(tiny_llama, tmp_path,
@@ -373,16 +521,19 @@ def tp2(model: Path, connector: dict | None, work: Path, name: str, rounds: int 
     return run_engine(s, work, name)
 
 
-@pytest.mark.parametrize("kind", ["file", "hurray", "redis"])
-def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_plain,
-                                               redis_url):
+@pytest.mark.parametrize(("kind", "load_mode"), [("file", "auto"), ("file", "async"),
+                                                  ("hurray", "auto"), ("redis", "auto")])
+def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, load_mode,
+                                               tp2_plain, redis_url):
     """TP=2 on CPU (gloo), each rank its own objects (``KEY.tpR``), outputs equal to a TP=2
     engine's without a connector.  ``file://``: stored by one engine, reused by a fresh one
     (a restart reads the alias log, where ``.tpR`` keys were dropped); the network stores:
-    stored, then reused by the same engine, one request at a time."""
+    stored, then reused by the same engine, one request at a time.  Loads are async for
+    the network stores (``auto``) and where asked: vLLM's output aggregator reports a
+    request loaded once both ranks have (``KVOutputAggregator``)."""
     with contextlib.ExitStack() as stack:
         url = store_url(kind, tmp_path, redis_url, stack)
-        connector = conn(url, model_id=f"tp2-{kind}")  # the session's Redis is shared
+        connector = conn(url, model_id=f"tp2-{kind}-{load_mode}", load_mode=load_mode)
         stored = tp2(tiny_llama, connector, tmp_path, "store",
                      rounds=1 if kind == "file" else 2)
         reused = tp2(tiny_llama, connector, tmp_path, "reuse") if kind == "file" else None
@@ -504,7 +655,7 @@ def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_pat
             request = Request(f"probe-{next(counter)}", tokens, SamplingParams(max_tokens=1),
                               None, **kw)
             try:
-                return sched.get_num_new_matched_tokens(request, 0)[0]
+                return ask(sched, request)[0]
             finally:
                 sched.request_finished(request, [])
 
@@ -517,7 +668,7 @@ def test_lora_adapters_and_prompt_embeddings_are_keyed_apart(tiny_llama, tmp_pat
         # prompt embeddings: token ids do not say what was computed; never keyed
         embeds = Request("embeds", None, SamplingParams(max_tokens=1), None,
                          prompt_embeds=torch.zeros(len(first), 128))
-        assert sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
+        assert ask(sched, embeds) == (0, False)
     finally:
         eng.close()
 
@@ -593,8 +744,11 @@ def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path
         tokens, _, _ = generate(eng, [first, second])
         assert tokens == reference  # not one token from the damaged bytes
         worker = get_kv_transfer_group()
-        assert worker.stats["chunks_corrupt"] == corrupt > 1
+        # the second request met the damaged segment in the same step as the first (its
+        # chunks corrupt too), or later, once it was taken out (a miss)
+        seen = worker.stats["chunks_corrupt"]
+        assert seen in (corrupt - 2, corrupt) and corrupt > 3
         assert log.count("does not match its checksum") == 1
         tokens, cached, _ = generate(eng, [first, second])  # stored again, whole
         assert tokens == reference and cached == [192, 160]
-        assert worker.stats["chunks_corrupt"] == corrupt
+        assert worker.stats["chunks_corrupt"] == seen

@@ -1,4 +1,4 @@
-"""The cache identity every chunk key is seeded with (``connector._identity``): engines
+"""The cache identity every chunk key is seeded with (``context.identity_of``): engines
 that compute other KV under one model name never share keys.  Built from the fields
 ``vllm/config/model.py``'s ``ModelConfig`` carries (``model``, ``dtype``, ``revision``,
 ``quantization``, ``hf_overrides``), no engine started."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hurraykv.integrations.vllm.config import ConnectorConfig
-from hurraykv.integrations.vllm.connector import _identity
+from hurraykv.integrations.vllm.context import identity_of
 from hurraykv.integrations.vllm.store_format import StoreFormat
 
 
@@ -20,7 +20,7 @@ def identity(**model) -> str:
     config = SimpleNamespace(model_config=SimpleNamespace(**fields),
                              cache_config=SimpleNamespace(cache_dtype="auto"),
                              parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    return _identity(config, None, ConnectorConfig.from_extra({"url": "file:///tmp/x"}), 32,
+    return identity_of(config, None, ConnectorConfig.from_extra({"url": "file:///tmp/x"}), 32,
                      StoreFormat())
 
 

@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
+from engine_tests.conftest import ask
 from hurraykv.integrations.vllm import HurrayConnector
 from hurraykv.integrations.vllm import events as vllm_events
 from hurraykv.integrations.vllm import metrics as vllm_metrics
@@ -196,7 +197,7 @@ def test_the_shipped_connectors_counts_reach_vllms_log_and_prometheus(tiny_llama
         def lookup(req_id: str) -> int:
             request = Request(req_id, prompt, SamplingParams(max_tokens=1), None)
             try:
-                return connector.get_num_new_matched_tokens(request, 0)[0]
+                return ask(connector, request)[0]
             finally:
                 connector.request_finished(request, [])
 

@@ -7,6 +7,7 @@ into those blocks, since vLLM counts it computed."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine_tests.conftest import run_engine
 
@@ -18,8 +19,9 @@ def _spec(model, connector, prompts, **kw) -> dict:
             "connector": connector, "block_size": BLOCK} | kw
 
 
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_preempted_requests_reload_their_stored_prefix_and_keep_the_tokens(tiny_llama,
-                                                                          tmp_path):
+                                                                          tmp_path, load_mode):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 1000, 200).tolist() for _ in range(8)]
     url = (tmp_path / "kv").as_uri()
@@ -30,7 +32,8 @@ def test_preempted_requests_reload_their_stored_prefix_and_keep_the_tokens(tiny_
     # two requests admitted at 7 blocks each grow to 15 (450 tokens): 20 blocks of 32
     # make vLLM preempt one, which later resumes into other blocks
     tight = {"num_blocks": 20, "max_model_len": 512}
-    consumer = {"url": url, "role": "kv_consumer", "extra": {"url": url}}
+    consumer = {"url": url, "role": "kv_consumer",
+                "extra": {"url": url, "load_mode": load_mode}}
     out = run_engine(_spec(tiny_llama, consumer, prompts, **tight), tmp_path, "preempted")
     stats = out["stats"]
     # each request loads its 6 chunks when first scheduled; more: resumed requests reloaded

@@ -145,14 +145,29 @@ MUTANTS = [
            ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
            f"{WRONG}: a lookup waits at most lookup_timeout_ms, then is a miss"),
     Mutant("config-lookup-deadline-30x", "hurraykv/integrations/vllm/config.py",
-           "lookup_timeout_ms: float = 50.0", "lookup_timeout_ms: float = 1500.0",
+           "lookup_timeout_ms: float = 2000.0", "lookup_timeout_ms: float = 60000.0",
            ("tests/test_vllm_config.py::test_the_docs_table_defaults_are_the_configs",),
-           f"{WRONG}: lookup_timeout_ms (50 ms)"),
+           f"{WRONG}: lookup_timeout_ms (2000 ms)"),
     Mutant("guard-queues-behind-a-hung-call", GUARD,
-           "skip = busy or (self.down and now < self._retry_at)",
+           "skip = hung is not None or (self.down and now < self._retry_at)",
            "skip = self.down and now < self._retry_at",
            ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
-           f"{WRONG}: while that call has not returned, later lookups are misses at once"),
+           f"{WRONG}: while a call has not returned, the next calls give up at once"),
+    Mutant("guard-a-call-in-flight-is-a-failure", GUARD,
+           "            if skip:\n                self._skipped += 1",
+           "            if skip or self._running is not None and not self._running.done():\n"
+           "                self._failed_in_flight = True\n"
+           "                self._count_failure(\"call\", \"an earlier call has not returned\")\n"
+           "            if skip:\n                self._skipped += 1",
+           ("tests/test_guard.py::test_calls_from_several_threads_queue_and_none_fails_for_"
+            "another",),
+           f"{WRONG}: the next calls are not failures of their own (issue 30: a healthy "
+           "store declared down under load)"),
+    Mutant("guard-hung-call-never-charged-again", GUARD,
+           "            if overdue:\n                hung[1] += 1",
+           "            overdue = False",
+           ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
+           f"{WRONG}: the hung call counts once more per deadline it runs past"),
     Mutant("guard-down-one-failure-late", GUARD,
            "if self._in_a_row >= self._failures:", "if self._in_a_row > self._failures:",
            ("tests/test_guard.py::test_down_after_failures_skipped_during_backoff_then_probed",),
@@ -215,8 +230,8 @@ MUTANTS = [
             "test_an_object_larger_than_the_whole_budget_is_refused",),
            "net/persisted.py: PersistFull before anything is written or evicted"),
     # --- the connector's counters ------------------------------------------------------
-    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/worker.py",
-           'stats["chunks_corrupt"] += load.corrupt', 'stats["chunks_corrupt"] += 0',
+    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/loads.py",
+           "chunks_corrupt=self.corrupt,", "chunks_corrupt=0,",
            ("tests/test_vllm_worker.py::test_failed_and_corrupt_chunks_are_counted_per_chunk"
             "_and_loaded_ones_only_if_loaded",),
            "docs/vllm.md, Limits and Metrics: chunks_corrupt + the chunks loads wanted from "
@@ -229,6 +244,36 @@ MUTANTS = [
             "what_vllm_takes_as_computed",),
            "docs/vllm.md: a hit's tokens are loaded into the blocks vLLM allocated, "
            "preempted requests included"),
+    # --- loads across steps (issue 30) --------------------------------------------------
+    Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/loads.py",
+           "            if self.cancelled or not self.ok:\n                return 0",
+           "            if not self.ok:\n                return 0",
+           ("tests/test_vllm_stalls.py::test_a_request_aborted_while_its_load_hangs_is_"
+            "released_at_once_and_never_written", "tests/test_vllm_async.py::"
+            "test_job_states_follow_the_load"),
+           f"{WRONG}: an aborted request's job writes nothing into its blocks after it is "
+           "reported"),
+    Mutant("async-load-failed-blocks-not-reported", "hurraykv/integrations/vllm/loads.py",
+           "                failed.update(job.failed_blocks())\n        return out, failed",
+           "        return out, failed",
+           ("tests/test_vllm_async.py::test_an_async_load_with_a_damaged_segment_fails_from_"
+            "its_first_chunk",),
+           "docs/vllm.md, How a request flows: an async load's failed blocks are returned "
+           "in the step that reports it finished"),
+    Mutant("lookup-on-the-scheduler-thread", "hurraykv/integrations/vllm/lookups.py",
+           "            return PENDING\n",
+           "            self._cv.wait_for(lambda: req_id in self._answers)\n"
+           "            return self._answers[req_id]\n",
+           ("tests/test_vllm_stalls.py::test_a_lookup_that_hangs_delays_only_its_request_"
+            "then_misses",),
+           "docs/vllm.md, How a request flows: get_num_new_matched_tokens never waits on "
+           "the store"),
+    Mutant("lookups-not-batched", "hurraykv/integrations/vllm/lookups.py",
+           "batch, self._queued = self._queued, {}",
+           "batch = dict([next(iter(self._queued.items()))])\n"
+           "                del self._queued[next(iter(batch))]",
+           ("tests/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
+           "docs/vllm.md, How a request flows: one round trip per batch of requests"),
     # --- writes that finish (issue 29) -------------------------------------------------
     Mutant("empty-pieces-kept", "hurraykv/io/atomic.py",
            "views = [v for v in (memoryview(p).cast(\"B\") for p in pieces) if v.nbytes]",

@@ -243,7 +243,7 @@ def test_the_first_file_of_a_structure_is_hashed_while_it_is_read(
 
 
 def test_later_layers_are_left_to_a_pending_check_that_finds_their_damage(tmp_path):
-    from hurraykv.integrations.vllm.layer_checks import LayerChecks, later_members
+    from hurraykv.integrations.vllm.loads import later_members, layer_members
 
     names, snaps = stored_segments(tmp_path, 2, 40)
     path = tmp_path / "kv" / f"{names[1]}.hrry"
@@ -255,24 +255,20 @@ def test_later_layers_are_left_to_a_pending_check_that_finds_their_damage(tmp_pa
     for name in names:  # the read checks layer 0 and the small buffers only
         _, pending = reader.get_checked(name, later)
         assert pending is not None and pending.members == later
-    good, _ = reader.get_checked(names[0], later)
-    checks = LayerChecks()
-    try:
-        checks.start({names[0]: reader.get_checked(names[0], later)[1],
-                      names[1]: reader.get_checked(names[1], later)[1]}, 2)
-        bad, waited = checks.wait(1)
-        assert [n for n, _ in bad] == [names[1]] and waited >= 0
-        assert "page 5 of buffer 0 of member layers.1.value" in str(bad[0][1])
-        assert checks.wait(1) == ([], 0.0)  # consumed
-    finally:
-        checks.close()
+    good, pending = reader.get_checked(names[0], later)
+    pending.check(layer_members(1))  # a load job's check, just before it writes layer 1
+    _, pending = reader.get_checked(names[1], later)
+    pending.check(layer_members(0))  # layer 0 was checked by the read: nothing left
+    with pytest.raises(checksums.ChecksumError,
+                       match=r"page 5 of buffer 0 of member layers\.1\.value"):
+        pending.check(layer_members(1))
     assert good.equal(snaps[0])
     with pytest.raises(checksums.ChecksumError):  # a full check finds it at once
         reader.get_verified(names[1])
 
 
 def test_a_damaged_layer_0_is_found_by_the_read_even_with_later_layers_left(tmp_path):
-    from hurraykv.integrations.vllm.layer_checks import later_members
+    from hurraykv.integrations.vllm.loads import later_members
 
     names, snaps = stored_segments(tmp_path, 2, 40)
     reader = open_store((tmp_path / "kv").as_uri())

@@ -31,6 +31,7 @@ from hurraykv.integrations.vllm.store_format import (
     reconstruction_error,
 )
 from hurraykv.io import checksums
+from tests.test_vllm_scheduler import alloc, match
 
 FORMATS = [StoreFormat("int8", "per_block_affine"), StoreFormat("int4", "per_block_affine"),
            StoreFormat("int8", "per_channel"), StoreFormat("int4", "per_channel"),
@@ -326,18 +327,18 @@ def test_chunks_of_another_format_are_found_only_when_accepted(tmp_path):
 
     plain, store = sched_with(tmp_path, {})
     put_chunks(store, BASE + ";store=int4:per_block_affine", 3)
-    assert plain.matched(req(0), 0) == (0, False)  # auto: int4 chunks are not its own
+    assert match(plain, req(0), 0) == (0, False)  # auto: int4 chunks are not its own
     accepting, _ = sched_with(tmp_path, {"accept_store_dtypes": ["int4"]})
-    assert accepting.matched(req(1), 0) == (96, False)
+    assert match(accepting, req(1), 0) == (96, False)
     assert accepting.requests["r1"].foreign
     # its own format wins a tie, and a longer run of its own wins outright
     put_chunks(store, BASE, 2)
-    assert accepting.matched(req(2), 0) == (96, False) and accepting.requests["r2"].foreign
+    assert match(accepting, req(2), 0) == (96, False) and accepting.requests["r2"].foreign
     put_chunks(store, BASE, 3)
-    assert accepting.matched(req(3), 0) == (96, False)
+    assert match(accepting, req(3), 0) == (96, False)
     assert not accepting.requests["r3"].foreign
     # what was loaded in another format is never stored as this engine's own
-    accepting.after_alloc(accepting.requests["r1"].request, 96)
+    alloc(accepting, accepting.requests["r1"].request, 96)
     plan = accepting.plan(SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=(list(range(7)),),
                                             num_computed_tokens=0)],

@@ -48,6 +48,23 @@ def request(req_id: str, tokens: list[int], **extra) -> SimpleNamespace:
                            mm_features=extra.get("mm"))
 
 
+def match(sched: SchedulerSide, req: SimpleNamespace, computed: int = 0
+          ) -> tuple[int, bool]:
+    """``matched`` as vLLM drives it: asked again at each step (``None``) until the
+    lookup thread has the store's answer."""
+    for _ in range(100):
+        got = sched.matched(req, computed)
+        if got[0] is not None:
+            return got
+        sched.lookups.wait(req.request_id, 5.0)
+    raise AssertionError(f"no answer for {req.request_id}")
+
+
+def alloc(sched: SchedulerSide, req: SimpleNamespace, tokens: int, blocks=()) -> None:
+    """``update_state_after_alloc`` with the request's blocks (``KVCacheBlocks``)."""
+    sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(blocks),)), tokens)
+
+
 def step(new=(), cached=(), scheduled=None, finished=(), resumed=()) -> SimpleNamespace:
     """A SchedulerOutput: ``new`` as (req_id, blocks, computed), ``cached`` as
     (req_id, new blocks, computed); ``resumed``: those of ``cached`` back from preemption
@@ -78,8 +95,8 @@ def test_a_stored_prefix_is_matched_and_planned_into_the_allocated_blocks(side):
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 2)  # the first 64 tokens
     req = request("a", PROMPT)
-    assert sched.matched(req, 16) == (48, False)  # 64 stored, 16 cached by vLLM itself
-    sched.after_alloc(req, 48)
+    assert match(sched, req, 16) == (48, False)  # 64 stored, 16 cached by vLLM itself
+    alloc(sched, req, 48)
     blocks = list(range(10, 17))
     plan = sched.plan(step(new=[("a", blocks, 16)], scheduled={"a": 84}))
     load, = plan.loads
@@ -98,8 +115,8 @@ def test_a_stored_prefix_is_matched_and_planned_into_the_allocated_blocks(side):
 def test_nothing_stored_is_a_miss_and_every_computed_chunk_is_saved(side):
     sched, _ = side
     req = request("b", PROMPT)
-    assert sched.matched(req, 0) == (0, False)
-    sched.after_alloc(req, 0)
+    assert match(sched, req, 0) == (0, False)
+    alloc(sched, req, 0)
     plan = sched.plan(step(new=[("b", range(7), 0)], scheduled={"b": 100}))
     assert plan.loads == []
     assert [(s.first_chunk, len(s.keys)) for s in plan.saves] == [(0, 3)]  # one segment
@@ -112,20 +129,20 @@ def test_salted_tenants_and_adapters_never_match_each_other(side):
     sched, store = side
     store_chunks(store, request_seed(sched.ctx.seed, request("s", PROMPT, salt="tenant-a")),
                  PROMPT, 3)
-    assert sched.matched(request("s2", PROMPT, salt="tenant-a"), 0)[0] == 96
-    assert sched.matched(request("s3", PROMPT, salt="tenant-b"), 0)[0] == 0
-    assert sched.matched(request("plain", PROMPT), 0)[0] == 0
+    assert match(sched, request("s2", PROMPT, salt="tenant-a"), 0)[0] == 96
+    assert match(sched, request("s3", PROMPT, salt="tenant-b"), 0)[0] == 0
+    assert match(sched, request("plain", PROMPT), 0)[0] == 0
     lora = SimpleNamespace(lora_name="adapter", lora_int_id=1, lora_path="/nonexistent")
-    assert sched.matched(request("l", PROMPT, salt="tenant-a", lora=lora), 0)[0] == 0
-    assert sched.matched(request("mm", PROMPT, mm=["image"]), 0)[0] == 0  # passed through
+    assert match(sched, request("l", PROMPT, salt="tenant-a", lora=lora), 0)[0] == 0
+    assert match(sched, request("mm", PROMPT, mm=["image"]), 0)[0] == 0  # passed through
 
 
 def test_a_failed_load_makes_its_chunks_stored_again(side):
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 3)
     req = request("c", PROMPT)
-    assert sched.matched(req, 0)[0] == 96
-    sched.after_alloc(req, 96)
+    assert match(sched, req, 0)[0] == 96
+    alloc(sched, req, 96)
     sched.plan(step(new=[("c", range(20, 27), 0)], scheduled={"c": 4}))
     sched.output(SimpleNamespace(invalid_block_ids={22}, kv_cache_events=None))
     plan = sched.plan(step(cached=[("c", [], 100)], scheduled={"c": 1}))
@@ -136,8 +153,8 @@ def test_a_plan_that_cannot_be_made_reports_the_expected_loads_failed(side):
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 2)
     req = request("d", PROMPT)
-    sched.matched(req, 16)
-    sched.after_alloc(req, 48)
+    match(sched, req, 16)
+    alloc(sched, req, 48)
     plan = sched.failed_plan(step(new=[("d", range(30, 37), 16)]))
     assert plan.failed == [31, 32, 33, 34, 35, 36] and plan.loads == plan.saves == []
     assert (sched.ctx.stats["tokens_hit"], sched.ctx.stats["tokens_failed"]) == (0, 48)
@@ -145,7 +162,7 @@ def test_a_plan_that_cannot_be_made_reports_the_expected_loads_failed(side):
 
 def test_finished_requests_are_forgotten(side):
     sched, _ = side
-    sched.matched(request("e", PROMPT), 0)
+    match(sched, request("e", PROMPT), 0)
     sched.plan(step(finished=["e"]))
     assert "e" not in sched.requests
 
@@ -157,8 +174,8 @@ def test_a_load_is_counted_when_its_step_is_reported_even_after_the_request_fini
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 3)
     req = request("f", PROMPT)
-    assert sched.matched(req, 0)[0] == 96
-    sched.after_alloc(req, 96)
+    assert match(sched, req, 0)[0] == 96
+    alloc(sched, req, 96)
     sched.plan(step(new=[("f", range(40, 47), 0)], scheduled={"f": 100}))
     sched.finished(req)
     sched.output(SimpleNamespace(invalid_block_ids={42, 43, 44, 45}, kv_cache_events=(
@@ -180,13 +197,13 @@ def test_a_request_resumed_after_preemption_loads_what_vllm_takes_as_computed(si
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 3)
     req = request("p", PROMPT)
-    assert sched.matched(req, 0)[0] == 96
-    sched.after_alloc(req, 96)
+    assert match(sched, req, 0)[0] == 96
+    alloc(sched, req, 96)
     first = sched.plan(step(new=[("p", range(40, 47), 0)], scheduled={"p": 100}))
     assert [b for load in first.loads for b in load.blocks] == [[40, 41], [42, 43], [44, 45]]
     # preempted, then scheduled again into other blocks
-    assert sched.matched(req, 0)[0] == 96
-    sched.after_alloc(req, 96)
+    assert match(sched, req, 0)[0] == 96
+    alloc(sched, req, 96)
     again = sched.plan(step(cached=[("p", range(60, 67), 0)], resumed=["p"],
                             scheduled={"p": 100}))
     load, = again.loads
@@ -200,8 +217,8 @@ def test_a_resumed_request_whose_plan_fails_has_its_expected_loads_reported_fail
     sched, store = side
     store_chunks(store, sched.ctx.seed, PROMPT, 2)
     req = request("q", PROMPT)
-    sched.matched(req, 0)
-    sched.after_alloc(req, 64)
+    match(sched, req, 0)
+    alloc(sched, req, 64)
     plan = sched.failed_plan(step(cached=[("q", range(70, 77), 0)], resumed=["q"]))
     assert plan.failed == [70, 71, 72, 73, 74, 75, 76]
     assert sched.ctx.stats["tokens_failed"] == 64

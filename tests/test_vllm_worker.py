@@ -26,7 +26,7 @@ from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from hurraykv.integrations.vllm.worker import WorkerSide
-from tests.test_vllm_scheduler import request, step
+from tests.test_vllm_scheduler import alloc, match, request, step
 
 BLOCK, CHUNK, LAYERS, HEADS, HEAD = 16, 32, 2, 2, 32
 PER = CHUNK // BLOCK
@@ -224,8 +224,8 @@ def test_hit_tokens_count_only_tokens_actually_loaded(side, tmp_path):
     flip(kv / f"{name}.hrry", 20.0)
 
     req = request("a", prompt)
-    assert sched.matched(req, 0) == (96, False)
-    sched.after_alloc(req, 96)
+    assert match(sched, req, 0) == (96, False)
+    alloc(sched, req, 96)
     plan = sched.plan(step(new=[("a", range(10, 17), 0)], scheduled={"a": 100}))
     assert len(plan.loads) == 1 and plan.saves == []
     failed = run_step(w, plan)
@@ -233,7 +233,7 @@ def test_hit_tokens_count_only_tokens_actually_loaded(side, tmp_path):
     sched.output(SimpleNamespace(invalid_block_ids=failed, kv_cache_events=w.saved.take()))
     stats = sched.ctx.stats
     assert stats["tokens_hit"] == 64  # was 96, counted at the lookup
-    assert stats.get("tokens_failed") == 32
+    assert stats["tokens_failed"] == 32
     assert (w.ctx.stats["chunks_loaded"], w.ctx.stats["chunks_failed"],
             w.ctx.stats["chunks_corrupt"]) == (2, 1, 1)
     # a later step's output without the load's record changes nothing
@@ -306,7 +306,7 @@ def test_backlog_lines_for_a_single_episode_and_for_flapping(caplog):
     """The state machine alone, on a clock of its own: a single fall and recovery are
     told as before (the recovery once the interval has passed since the fall's line);
     flapping is counted and told once per interval."""
-    from hurraykv.integrations.vllm.worker import WriterBacklog
+    from hurraykv.integrations.vllm.saves import WriterBacklog
 
     now = [100.0]
     b = WriterBacklog("file:///kv", interval=10.0, clock=lambda: now[0])

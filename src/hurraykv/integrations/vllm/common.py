@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...errors import HurrayError
@@ -38,23 +38,83 @@ class Transfer:
     blocks: list[list[int]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    rewrite: bool = False  # a save stored even if the store has it (its load failed)
+    failed: str = ""  # a load that cannot be tried (why): all its blocks reported failed
 
 
 @dataclass
 class Plan:
-    """One step's work for the workers: what to load, what to store, and the blocks to
-    report failed without trying (the scheduler could not plan their load)."""
+    """One step's work for the workers: what to load before the forward pass (``loads``)
+    or across steps (``async_loads``, reported finished by ``get_finished``), what to
+    store, and the blocks to report failed without trying (the scheduler could not plan
+    their load)."""
 
     loads: list[Transfer] = field(default_factory=list)
+    async_loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
 
 
-STATS = ("chunks_loaded", "chunks_saved", "chunks_failed", "lookups_missed", "saves_dropped",
-         "hook_errors", "chunks_corrupt", "verify_seconds", "evictions", "segments_loaded",
-         "segments_saved", "layers_written", "bytes_loaded", "bytes_saved", "save_seconds",
-         "load_seconds", "fetch_seconds", "write_seconds", "lookups", "lookup_hits",
-         "lookup_misses", "tokens_hit", "tokens_failed", "tokens_loaded")
+@dataclass(slots=True)
+class Counters:
+    """What the connector counts (cumulative; ``metrics.py`` names each for Prometheus).
+    A field, not a string key: a misspelt counter is an ``AttributeError`` where it is
+    written, not a ``KeyError`` caught at a hook's boundary as a recompute."""
+
+    # scheduler side
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    lookups_missed: int = 0  # not answered: counted as misses
+    lookup_seconds: float = 0.0  # from asking the store to its answer, summed
+    tokens_hit: int = 0
+    tokens_failed: int = 0
+    hook_errors: int = 0
+    # worker side: loads
+    loads_sync: int = 0  # requests loaded before their forward pass
+    loads_async: int = 0  # requests loaded across steps
+    loads_cancelled: int = 0  # async loads of requests finished (aborted) before them
+    chunks_loaded: int = 0
+    chunks_failed: int = 0
+    chunks_corrupt: int = 0
+    tokens_loaded: int = 0
+    segments_loaded: int = 0
+    layers_written: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    # worker side: saves
+    chunks_saved: int = 0
+    segments_saved: int = 0
+    saves_present: int = 0  # segments not written: the store had every chunk already
+    bytes_saved: int = 0
+    saves_dropped: int = 0
+    evictions: int = 0
+    save_seconds: float = 0.0
+    write_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: float) -> None:
+        """Add ``deltas`` at once (threads share the counters)."""
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def __getitem__(self, name: str) -> float:
+        if name not in STATS:
+            raise KeyError(f"{name!r} is not a connector counter; they are {', '.join(STATS)}")
+        return getattr(self, name)
+
+    def keys(self) -> tuple[str, ...]:  # dict(counters): a plain snapshot by name
+        return STATS
+
+    def items(self) -> list[tuple[str, float]]:
+        with self._lock:
+            return [(name, getattr(self, name)) for name in STATS]
+
+
+STATS = tuple(f.name for f in fields(Counters) if not f.name.startswith("_"))
 
 
 @dataclass
@@ -76,8 +136,7 @@ class Context:
     # identity -> store format (store_format.StoreFormat) of every identity this engine
     # loads: its own first, then those of accept_store_dtypes
     formats: dict[str, Any] = field(default_factory=dict)
-    stats: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
-    stats_lock: threading.Lock = field(default_factory=threading.Lock)
+    stats: Counters = field(default_factory=Counters)
 
     @property
     def url(self) -> str:
@@ -103,4 +162,4 @@ def holds(name: Any, chunk: int) -> bool:
         return False
 
 
-__all__ = ["FP8_NAMES", "STATS", "Context", "Plan", "Transfer", "holds", "log"]
+__all__ = ["FP8_NAMES", "STATS", "Context", "Counters", "Plan", "Transfer", "holds", "log"]

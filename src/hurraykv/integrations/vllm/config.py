@@ -44,10 +44,19 @@ class ConnectorConfig:
     """The CA that signed the server's certificate."""
     server_hostname: str | None = None
     """The name the server's certificate must carry."""
-    lookup_timeout_ms: float = 50.0
-    """Deadline of a scheduler-side lookup (vLLM waits for it): a slower one is a miss."""
+    lookup_timeout_ms: float = 2000.0
+    """Deadline of a lookup (off vLLM's scheduler thread: only the request looked up waits
+    for it): a slower one is a miss, and counts towards the store being down."""
     load_timeout_ms: float = 2000.0
-    """Deadline of fetching one segment before a forward pass: a slower one is recomputed."""
+    """Deadline of fetching one segment: a slower one is recomputed."""
+    load_mode: str = "auto"
+    """``"async"``: a hit waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while its segments
+    are fetched, verified and written beside the forward passes of running requests;
+    ``"sync"``: loaded before the forward pass of the step that schedules it (every
+    running request waits for it); ``"auto"``: sync for a hit of at most
+    ``sync_load_max_tokens`` from a ``file://`` store, async otherwise."""
+    sync_load_max_tokens: int = 512
+    """With ``load_mode`` auto: the largest ``file://`` hit loaded synchronously."""
     save_timeout_ms: float = 10000.0
     """Deadline of storing one segment (off the forward pass): a slower one is dropped."""
     failures_before_down: int = 3
@@ -55,8 +64,13 @@ class ConnectorConfig:
     until a backoff passes)."""
     max_backoff_s: float = 30.0
     """Longest wait between probes of a store that is down (from 1 s, doubling)."""
-    max_pending_saves: int = 16
-    """Segments waiting for the writer; more are dropped (counted) instead of queued."""
+    max_pending_saves: int | None = None
+    """Segments waiting for the writer; more are dropped (counted) instead of queued
+    (default: bounded by ``max_pending_save_bytes`` only)."""
+    max_pending_save_bytes: Size = 1 << 30
+    """Bytes of segments waiting for the writer (``"1G"``): a segment that would pass
+    it is dropped (counted) instead of queued, so a burst is absorbed by memory, not by
+    a count of segments of any size."""
     max_bytes: Size | None = None
     """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
     least recently used segments are evicted.  Default: unbounded (a warning at start)."""
@@ -89,6 +103,11 @@ class ConnectorConfig:
                               "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
                               field="url", rule="kv_connector_extra_config.url")
         config = cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
+        if config.load_mode not in LOAD_MODES:
+            raise HurrayError(f"kv_connector_extra_config['load_mode'] is "
+                              f"{config.load_mode!r}; it is one of {', '.join(LOAD_MODES)}",
+                              field="load_mode", value=config.load_mode,
+                              rule=f"one of {', '.join(LOAD_MODES)}")
         config._check_url()
         config.accepted_formats()  # every store format now, not at the first request
         return config
@@ -187,6 +206,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
+LOAD_MODES = ("auto", "sync", "async")
 LIMIT = 1e9  # finite, and no deadline or count this large is meant
 MAX_SIZE = (1 << 63) - 1  # what a byte count on disk or the wire holds
 

@@ -15,10 +15,12 @@ breaker (``guard.py``), and every exception is caught at this class's boundary: 
 that is down, hung or full is a miss or a recompute, never an engine that dies or waits.
 
 This class is a facade, as vLLM's ``OffloadingConnector`` is: it reads vLLM's
-configuration once (``Context``: the typed config, the cache identity, the guarded store
-connections, the counters) and delegates, by role, to ``scheduler.SchedulerSide``
-(matching, what to load and store; no vLLM or torch import) or ``worker.WorkerSide``
-(layers, loads, copies out, the writer thread).  Metrics reach vLLM's ``/metrics``
+configuration once (``context.build_context``: the typed config, the cache identity, the
+guarded store connections, the counters) and delegates, by role, to
+``scheduler.SchedulerSide`` (lookups off the scheduler thread, what to load and store;
+no vLLM or torch import) or ``worker.WorkerSide`` (layers; ``loads.py``: one load job per
+request, across steps or before the forward pass; ``saves.py``: copies out and the
+writer thread).  Metrics reach vLLM's ``/metrics``
 through ``metrics.py``, KV events for routers through ``events.py``.  Multimodal requests
 and hybrid (several KV cache groups) models are passed through without storing or
 loading.
@@ -26,24 +28,20 @@ loading.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
-from ...errors import HurrayError
-from ..chunks import identity_digest, open_store
-from ..guard import Guarded
 from . import events as kv_events
 from . import metrics
-from .common import FP8_NAMES, Context, Plan, log
-from .config import ConnectorConfig
+from .common import FP8_NAMES, Plan, log
+from .context import build_context, spec_of
 from .scheduler import SchedulerSide
-from .store_format import StoreFormat, check_cache_dtype
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -64,50 +62,13 @@ class HurrayConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        cfg = self._kv_transfer_config
-        self.config = conf = ConnectorConfig.from_extra(cfg.kv_connector_extra_config)
-        block_size = vllm_config.cache_config.block_size
-        chunk_size = conf.chunk_size or block_size
-        if chunk_size % block_size:
-            raise HurrayError(f"chunk_size {chunk_size} is not a positive multiple of "
-                              f"the block size {block_size}", field="chunk_size",
-                              value=chunk_size)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        # Each tensor-parallel rank holds its own heads: it stores and loads its own
-        # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
-        tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
-                                             "server_hostname") if getattr(conf, k)}
-
-        def open_one() -> Any:
-            return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
-                              timeout=conf.load_timeout_ms / 1000 + 5,
-                              max_bytes=conf.max_bytes, **tls)
-
-        # Stores open lazily, each behind its own deadline and breaker (guard.py): an
-        # unreachable store at start is a miss, not an engine that fails to start.
-        guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
-                 "max_backoff": conf.max_backoff_s}
-        # The store format is part of the identity: an engine finds the chunks of its own
-        # format and of those accept_store_dtypes lists, nothing else (store_format.py).
-        formats = conf.accepted_formats()
-        for i, fmt in enumerate(formats):
-            check_cache_dtype(fmt, vllm_config.cache_config.cache_dtype,
-                              "store_dtype" if i == 0 else "accept_store_dtypes")
-        identities = {_identity(vllm_config, kv_cache_config, conf, chunk_size, fmt): fmt
-                      for fmt in formats}
-        identity = next(iter(identities))
-        self.ctx = ctx = Context(
-            conf, block_size, chunk_size, identity, identity_digest(identity),
-            can_load=cfg.is_kv_consumer, can_save=cfg.is_kv_producer,
-            lookups=Guarded(open_one, what="lookup", timeout=conf.lookup_timeout_ms / 1000,
-                            **guard),
-            loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
-            saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-            disabled=_why_disabled(vllm_config, kv_cache_config), formats=identities)
+        self.ctx = ctx = build_context(vllm_config, kv_cache_config, rank=rank)
+        conf, cfg, chunk_size = ctx.config, self._kv_transfer_config, ctx.chunk_size
+        tp = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's /metrics: what changed since the last report (metrics.py)
         self._deltas = metrics.CounterDeltas(
-            ctx.stats, chunk_size=chunk_size, rank=rank, lock=ctx.stats_lock,
+            ctx.stats, chunk_size=chunk_size, rank=rank,
             extra=lambda: {"store_outages": sum(g.stats["outages"] for g in (
                 ctx.lookups, ctx.loads, ctx.saves))})
         self.scheduler: SchedulerSide | None = None
@@ -117,7 +78,7 @@ class HurrayConnector(KVConnectorBase_V1):
             # KV events for routers (events.py): announced once every worker wrote a segment
             wanted = getattr(vllm_config, "kv_events_config", None)
             self.scheduler = SchedulerSide(ctx, kv_events.HurrayKVEvents(
-                block_size, chunk_size,
+                ctx.block_size, chunk_size,
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
                 ranks=tp, locality=kv_events.locality_of(conf.url),
                 enabled=bool(wanted and wanted.enable_kv_cache_events)),
@@ -129,15 +90,15 @@ class HurrayConnector(KVConnectorBase_V1):
             kv_cache_dtype = vllm_config.cache_config.cache_dtype
             model_dtype = vllm_config.model_config.dtype
             self.worker = WorkerSide(
-                ctx, spec=_spec(kv_cache_config),
+                ctx, spec=spec_of(kv_cache_config),
                 context=vllm_config.compilation_config.static_forward_context,
                 model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
                 segment_dtype=FP8_NAMES.get(kv_cache_dtype) or str(model_dtype).removeprefix(
                     "torch."))
         log.info("HurrayConnector (%s side, %s) with chunks of %d tokens in %s; identity %s; "
                  "stored as %s (loads %s); deadlines: lookup %g ms, load %g ms, save %g ms",
-                 role.name.lower(), cfg.kv_role, chunk_size, conf.url, identity,
-                 formats[0].name, ", ".join(f.name for f in formats),
+                 role.name.lower(), cfg.kv_role, chunk_size, conf.url, ctx.identity,
+                 conf.store_format().name, ", ".join(f.name for f in ctx.formats.values()),
                  conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
         if ctx.disabled:
             log.warning("HurrayConnector passes requests through: %s", ctx.disabled)
@@ -170,7 +131,7 @@ class HurrayConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self._safely("update_state_after_alloc", None, self.scheduler.after_alloc, request,
-                     num_external_tokens)
+                     blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = self._safely("build_connector_meta", None, self.scheduler.plan,
@@ -194,10 +155,10 @@ class HurrayConnector(KVConnectorBase_V1):
             return fn(*args)
         except Exception as e:
             stats = self.ctx.stats
-            stats["hook_errors"] += 1
-            if stats["hook_errors"] == 1 or stats["hook_errors"] % 1000 == 0:
+            stats.add(hook_errors=1)
+            if stats.hook_errors == 1 or stats.hook_errors % 1000 == 0:
                 log.warning("%s failed (%s: %s; %d so far): computing instead", hook,
-                            type(e).__name__, e, stats["hook_errors"])
+                            type(e).__name__, e, stats.hook_errors)
             return default
 
     # ------------------------------------------------------------------ worker side
@@ -224,6 +185,18 @@ class HurrayConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._plan())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        """Requests whose asynchronous load is over (loaded, failed or cancelled); their
+        failed blocks come from ``get_block_ids_with_load_errors`` in the same step."""
+        return None, self.worker.finished(finished_req_ids) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``, plus the loads that failed as a whole (``failed_recving``:
+        vLLM recomputes those requests from their first token)."""
+        done, failed = self.worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
 
@@ -238,8 +211,13 @@ class HurrayConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
-        for guard in (self.ctx.lookups, self.ctx.loads, self.ctx.saves):
-            guard.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        # a lookup or fetch still running no longer matters: not waited for; a write is
+        # (the writer was drained up to save_timeout_ms)
+        self.ctx.lookups.close(wait=0)
+        self.ctx.loads.close(wait=0)
+        self.ctx.saves.close()
 
     # -------------------------------------------------- metrics (both sides)
     def get_kv_connector_stats(self) -> Any:
@@ -254,49 +232,6 @@ class HurrayConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: Any) -> Any:
         return metrics.build_prom_metrics(vllm_config, metric_types, labelnames,
                                           per_engine_labelvalues)
-
-
-def _identity(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
-              chunk_size: int, fmt: StoreFormat) -> str:
-    """What makes two engines' KV interchangeable, in every chunk key's seed: the cache
-    and, unless ``auto``, the store format."""
-    spec = _spec(kv_cache_config)
-    kv_cache_dtype = vllm_config.cache_config.cache_dtype
-    cache_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else str(
-        vllm_config.model_config.dtype).removeprefix("torch.")
-    model = vllm_config.model_config
-    parts = {"model": conf.model_id or model.model,
-             "cache_dtype": cache_dtype, "chunk_size": chunk_size,
-             "tp_size": vllm_config.parallel_config.tensor_parallel_size}
-    # other weights under one name compute other KV: a revision, quantized weights,
-    # overridden config values (absent from the identity when unset, so keys of plain
-    # engines do not change)
-    for key, value in (("revision", getattr(model, "revision", None)),
-                       ("weights", getattr(model, "quantization", None)),
-                       ("hf_overrides", getattr(model, "hf_overrides", None))):
-        if value and not callable(value):
-            parts[key] = json.dumps(value, sort_keys=True, default=str) \
-                if isinstance(value, dict) else value
-    if spec is not None:
-        parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
-                  "kv_heads": getattr(spec, "num_kv_heads", None),
-                  "head_size": getattr(spec, "head_size", None),
-                  "head_size_v": getattr(spec, "head_size_v", None)}
-    return ";".join(f"{k}={v}" for k, v in parts.items()) + fmt.identity_suffix()
-
-
-def _spec(kv_cache_config: Any) -> Any:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return groups[0].kv_cache_spec if len(groups) == 1 else None
-
-
-def _why_disabled(vllm_config: Any, kv_cache_config: Any) -> str:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) != 1:
-        return f"{len(groups)} KV cache groups (hybrid model): not supported"
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        return "pipeline parallelism (each stage holds other layers): not supported"
-    return ""
 
 
 def _tp_rank() -> int:

@@ -56,6 +56,9 @@ METRICS: dict[str, tuple[str, str]] = {
                     "Lookups that found stored tokens beyond vLLM's own prefix cache."),
     "lookup_misses": ("vllm:hurraykv_lookup_misses",
                       "Lookups that found nothing to load."),
+    "lookup_seconds": ("vllm:hurraykv_lookup_seconds",
+                       "Seconds from asking the store about waiting prompts to its answer "
+                       "(on the lookup thread: the requests looked up wait, no other)."),
     "lookups_missed": ("vllm:hurraykv_lookup_errors",
                        "Lookups not answered (store down, late or failing): counted as misses."),
     "tokens_hit": ("vllm:hurraykv_hit_tokens",
@@ -69,6 +72,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "hook_errors": ("vllm:hurraykv_hook_errors",
                     "Connector hooks that raised and were answered with the safe default."),
     # worker side: loads
+    "loads_async": ("vllm:hurraykv_loads_async",
+                    "Requests whose hit was loaded across steps (WAITING_FOR_REMOTE_KVS)."),
+    "loads_sync": ("vllm:hurraykv_loads_sync",
+                   "Requests whose hit was loaded before the forward pass of their step."),
+    "loads_cancelled": ("vllm:hurraykv_loads_cancelled",
+                        "Asynchronous loads of requests that finished (were aborted) "
+                        "before their load: nothing written into their blocks after."),
     "chunks_loaded": ("vllm:hurraykv_loaded_chunks",
                       "Chunks loaded from the store into the engine's cache (not failed)."),
     "tokens_loaded": ("vllm:hurraykv_loaded_tokens",
@@ -95,6 +105,9 @@ METRICS: dict[str, tuple[str, str]] = {
                      "Seconds the forward pass spent copying KV out for the store."),
     "write_seconds": ("vllm:hurraykv_write_seconds",
                       "Seconds the writer thread spent writing segments to the store."),
+    "saves_present": ("vllm:hurraykv_present_saves",
+                      "Segments not written because the store already held their chunks "
+                      "(another request or engine stored them)."),
     "saves_dropped": ("vllm:hurraykv_dropped_saves",
                       "Segments not stored (writer full, store down or failing)."),
     "evictions": ("vllm:hurraykv_evictions",
@@ -104,7 +117,8 @@ METRICS: dict[str, tuple[str, str]] = {
 # keys counted once per chunk (not per byte or second): with tensor parallelism every
 # rank handles the same chunks, so only rank 0 reports them (see ``CounterDeltas``)
 PER_CHUNK = frozenset({"chunks_loaded", "tokens_loaded", "segments_loaded", "chunks_saved",
-                       "tokens_saved", "segments_saved"})
+                       "tokens_saved", "segments_saved", "loads_async", "loads_sync",
+                       "loads_cancelled", "saves_present"})
 
 
 @dataclass

@@ -2,11 +2,17 @@
 workers load and store (no vLLM or torch import: tested without an engine,
 ``tests/test_vllm_scheduler.py``).
 
-``matched`` finds the longest run of stored chunks at the start of a prompt (one lookup);
-``plan`` turns a step's ``SchedulerOutput`` into a ``Plan``: the chunks to load into the
-blocks vLLM allocated, and the newly computed chunks the store lacks, one segment per run
-of consecutive chunks.  A failed load (reported back by the workers) makes the chunks
-from it on stored again once recomputed.
+``matched`` finds the longest run of stored chunks at the start of a prompt: it starts a
+lookup on the lookup thread (``lookups.py``) and answers ``None`` ("ask again") until the
+store has answered, so vLLM's scheduler thread never waits on the store.  A hit is
+loaded asynchronously (vLLM holds the request in ``WAITING_FOR_REMOTE_KVS`` while the
+workers' loader fetches it, ``loads.py``) or, for a small ``file://`` hit under
+``load_mode`` auto (or always under sync), before the forward pass of the step that
+schedules it.  ``plan`` turns a step's ``SchedulerOutput`` into a ``Plan``: the chunks to
+load into the blocks vLLM allocated, and the newly computed chunks not known to be
+stored, one segment per run of consecutive chunks (the writer skips a segment the store
+already holds).  A failed load (reported back by the workers) makes the chunks from it
+on stored again once recomputed, and the request is never offered a load again.
 
 ``tokens_hit`` counts the tokens a load actually put into the engine's cache, when the
 workers report the step that ran it (``output``): vLLM counts a load in its
@@ -21,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import HurrayError
 from ..chunks import ChunkKeys, segment_first
 from .common import Context, Plan, Transfer, holds
 from .events import HurrayKVEvents, split_records
+from .lookups import PENDING, Lookups
 from .request_keys import passed_through, request_seed
 
 
@@ -42,10 +50,17 @@ class RequestState:
     # keys of the accepted store formats other than this engine's own (accept_store_dtypes)
     others: list[ChunkKeys] = field(default_factory=list)
     foreign: bool = False  # matched in another format: nothing of it is stored as ours
+    asked: list[str] | None = None  # the keys of its lookup (hashed once)
+    counted: bool = False  # its lookup's outcome is counted
+    async_load: bool = False  # the tokens matched are loaded across steps
+    load_failed: bool = False  # a load of it failed: it is not offered one again
 
 
 class SchedulerSide:
     MAX_LOADING = 100_000  # loads whose step was never reported (aborted) are forgotten
+    # chunk keys planned for storing lately: a save dropped by the writer is planned again
+    # by a request that computes the chunk once its key has left this window
+    MAX_PLANNED = 4096
 
     def __init__(self, ctx: Context, events: HurrayKVEvents,
                  new_plan: Callable[[], Plan] = Plan) -> None:
@@ -55,6 +70,10 @@ class SchedulerSide:
         # apart from ``requests`` because vLLM finishes a request (max_tokens=1) before it
         # hands the connector the output of the step that loaded it
         self.loading: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self.lookups = Lookups(ctx.lookups, ctx.stats)
+        self.async_loads: list[Transfer] = []  # allocated, for the next plan
+        self.async_pending: set[str] = set()  # async loads not reported finished yet
+        self.planned: OrderedDict[str, None] = OrderedDict()  # chunk keys, oldest first
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -66,20 +85,23 @@ class SchedulerSide:
             self.requests[request.request_id] = st
         return st
 
-    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         ctx, stats = self.ctx, self.ctx.stats
         st = self.state(request)
         st.local = num_computed_tokens
-        if not ctx.can_load or ctx.disabled or passed_through(request):
+        if not ctx.can_load or ctx.disabled or passed_through(request) or st.load_failed:
             return 0, False
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // ctx.chunk_size  # the last token is always computed
-        # this engine's keys, then each accepted other format's: one round trip
-        keys = [k for chain in (st.keys, *st.others) for k in chain.upto(prompt, chunks)]
-        stats["lookups"] += 1
-        located = ctx.lookups.call("locate", lambda store: store.locate(keys), None)
-        if located is None or len(located) != len(keys):  # store down, late or failing:
-            stats["lookups_missed"] += 1  # a miss (guard.py logs it)
+        if st.asked is None:  # this engine's keys, then each accepted other format's
+            st.asked = [k for chain in (st.keys, *st.others) for k in chain.upto(prompt, chunks)]
+        located = self.lookups.ask(request.request_id, st.asked)
+        if located is PENDING:
+            return None, False  # vLLM asks again at a later step
+        if located is None:  # store down, late or failing: a miss (guard.py logs it)
+            if not st.counted:
+                st.counted = True
+                stats.add(lookups=1, lookups_missed=1)
             return 0, False
         # a chunk counts only behind a well-formed name whose first chunk is not after it;
         # the longest run from the start wins, this engine's own format on a tie
@@ -96,14 +118,44 @@ class SchedulerSide:
         st.matched = found * ctx.chunk_size
         st.stored = max(st.stored, found)
         new = max(0, st.matched - num_computed_tokens)
-        stats["lookup_hits" if new else "lookup_misses"] += 1
-        return new, False
+        if not st.counted:  # once per lookup, however often vLLM asks
+            st.counted = True
+            stats.add(lookups=1, lookup_hits=int(new > 0), lookup_misses=int(new == 0))
+        st.async_load = new > 0 and self._async(new)
+        return new, st.async_load
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self.state(request).load = num_external_tokens
+    def _async(self, tokens: int) -> bool:
+        """Whether a hit of ``tokens`` loads across steps (``load_mode``)."""
+        config = self.ctx.config
+        if config.load_mode != "auto":
+            return config.load_mode == "async"
+        return not (self.ctx.url.startswith("file:") and tokens <= config.sync_load_max_tokens)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self.state(request)
+        self.lookups.forget(request.request_id)  # used: a later ask looks up again
+        st.asked, st.counted = None, False
+        if num_external_tokens <= 0 or not st.async_load:
+            st.load = num_external_tokens
+            return
+        # async: the request is not scheduled this step; its blocks are known only here.
+        # vLLM now waits for the workers to report it: whatever goes wrong, it is
+        # reported (its blocks failed), or it would wait forever.
+        st.load, st.async_load = num_external_tokens, False
+        try:
+            st.blocks = list(blocks.get_block_ids()[0])
+            transfer = self._transfer(st, st.local, st.local + st.load)
+        except Exception as e:
+            # reported as a failed receive: vLLM recomputes the whole request
+            transfer = Transfer(request.request_id, failed=f"{type(e).__name__}: {e}")
+            self.ctx.stats.add(hook_errors=1)
+        self._loading(st)
+        self.async_loads.append(transfer)
+        self.async_pending.add(request.request_id)
 
     def plan(self, scheduler_output: Any) -> Plan:
         plan = self.new_plan()
+        plan.async_loads, self.async_loads = self.async_loads, []
         scheduled: list[RequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -143,6 +195,10 @@ class SchedulerSide:
         if st.load <= 0:
             return
         plan.loads.append(self._transfer(st, st.local, st.local + st.load))
+        self._loading(st)
+
+    def _loading(self, st: RequestState) -> None:
+        """``st``'s load is planned: counted when the workers report it."""
         block, req_id = self.ctx.block_size, st.request.request_id
         self.loading[req_id] = (st.load, st.blocks[st.local // block:
                                                    (st.local + st.load) // block])
@@ -155,6 +211,8 @@ class SchedulerSide:
         """When planning failed: nothing stored this step, and what vLLM expects loaded
         is reported failed by the workers, so it is recomputed."""
         plan = self.new_plan()
+        # async loads already have their blocks: the workers report them as usual
+        plan.async_loads, self.async_loads = self.async_loads, []
         allocated = [(new.req_id, new.block_ids) for new in
                      getattr(scheduler_output, "scheduled_new_reqs", None) or []]
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
@@ -165,7 +223,7 @@ class SchedulerSide:
             st = self.requests.get(req_id)
             if st is not None and st.load > 0 and block_ids:
                 plan.failed += list(block_ids[0])[st.local // self.ctx.block_size:]
-                self.ctx.stats["tokens_failed"] += st.load
+                self.ctx.stats.add(tokens_failed=st.load)
                 st.load = 0
         return plan
 
@@ -174,6 +232,10 @@ class SchedulerSide:
         out = Transfer(st.request.request_id)
         per, block = self.ctx.per, self.ctx.block_size
         first_block, last_block = start // block, end // block
+        if last_block > len(st.blocks):
+            raise HurrayError(f"request {out.req_id} has {len(st.blocks)} blocks, its load of "
+                              f"tokens [{start}, {end}) needs {last_block}", field="blocks",
+                              value=len(st.blocks), rule="a block for every loaded token")
         for c in range(first_block // per, -(-last_block // per)):
             lo, hi = max(c * per, first_block), min((c + 1) * per, last_block)
             name = st.located[c]
@@ -196,21 +258,22 @@ class SchedulerSide:
         if chunks <= st.stored:
             return []
         keys = st.keys.upto(request.all_token_ids, chunks)
-        todo = list(range(st.stored, chunks))
-        present = [False] * len(todo) if st.rewrite else ctx.lookups.call(
-            "has", lambda store: store.has([keys[c] for c in todo]), None)
-        if present is None:  # the store cannot say: not storing now (guard.py logs it)
-            return []
-        st.stored, st.rewrite = chunks, False
+        rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
         per = ctx.per
         out: list[Transfer] = []
-        for c, here in zip(todo, present, strict=True):
-            if here:
+        for c in range(first, chunks):
+            # another request of this engine is storing it (a burst sharing a new prefix):
+            # not copied out again; the writer skips what the store holds already
+            if not rewrite and keys[c] in self.planned:
+                self.planned.move_to_end(keys[c])
                 continue
+            self.planned[keys[c]] = None
             if not out or out[-1].first_chunk + len(out[-1].keys) != c:
-                out.append(Transfer(request.request_id, first_chunk=c))
+                out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite))
             out[-1].keys.append(keys[c])
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
+        while len(self.planned) > self.MAX_PLANNED:
+            self.planned.popitem(last=False)
         for t in out:  # announced to routers once the workers say it is stored
             self.events.expect(f"{t.req_id}/{t.keys[0]}", request, t.first_chunk,
                                len(t.keys))
@@ -235,7 +298,7 @@ class SchedulerSide:
                 # what could not be loaded is gone from the store, as far as a router knows
                 self.events.removed(st.request, first, max(0, len(st.located) - first))
                 st.stored = min(st.stored, first)
-                st.rewrite = True
+                st.rewrite = st.load_failed = True
 
     def _loads_done(self, req_ids: set[str], invalid: set[int]) -> None:
         """The loads of ``req_ids`` ran in the step whose failed blocks are ``invalid``:
@@ -243,17 +306,25 @@ class SchedulerSide:
         are hits and the rest failed."""
         stats, block = self.ctx.stats, self.ctx.block_size
         for req_id in req_ids:
+            self.async_pending.discard(req_id)
             done = self.loading.pop(req_id, None)
             if done is None:
                 continue
             tokens, blocks = done
             bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
             hit = tokens if bad is None else min(tokens, bad * block)
-            stats["tokens_hit"] += hit
-            stats["tokens_failed"] += tokens - hit
+            stats.add(tokens_hit=hit, tokens_failed=tokens - hit)
 
     def finished(self, request: Any) -> None:
-        self.requests.pop(getattr(request, "request_id", None), None)
+        req_id = getattr(request, "request_id", None)
+        self.requests.pop(req_id, None)
+        self.lookups.forget(req_id)
+        if req_id in self.async_pending:  # aborted while loading: neither hit nor failure
+            self.async_pending.discard(req_id)
+            self.loading.pop(req_id, None)
+
+    def close(self) -> None:
+        self.lookups.close()
 
 
 __all__ = ["RequestState", "SchedulerSide"]

@@ -1,0 +1,111 @@
+"""vLLM's configuration turned into the connector's ``Context``, once per connector.
+
+No vLLM import: the configuration objects are read by their attributes (``vllm_config
+.cache_config.block_size``, ``.parallel_config``, ``.model_config``, ``kv_cache_config
+.kv_cache_groups``), so this is tested with plain objects of the same shape; the facade
+(``connector.py``) hands it vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ...errors import HurrayError
+from ..chunks import identity_digest, open_store
+from ..guard import Guarded
+from .common import Context, log
+from .config import ConnectorConfig
+from .store_format import StoreFormat, check_cache_dtype
+
+
+def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> Context:
+    """The typed config, the cache identity, the three guarded store connections (opened
+    lazily) and the counters of a connector of this engine; ``rank``: its
+    tensor-parallel rank (0 on the scheduler side)."""
+    cfg = vllm_config.kv_transfer_config
+    conf = ConnectorConfig.from_extra(cfg.kv_connector_extra_config)
+    block_size = vllm_config.cache_config.block_size
+    chunk_size = conf.chunk_size or block_size
+    if chunk_size % block_size:
+        raise HurrayError(f"chunk_size {chunk_size} is not a positive multiple of "
+                          f"the block size {block_size}", field="chunk_size",
+                          value=chunk_size)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    # Each tensor-parallel rank holds its own heads: it stores and loads its own
+    # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
+    tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
+                                         "server_hostname") if getattr(conf, k)}
+
+    def open_one() -> Any:
+        return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
+                          timeout=conf.load_timeout_ms / 1000 + 5,
+                          max_bytes=conf.max_bytes, **tls)
+
+    # Stores open lazily, each behind its own deadline and breaker (guard.py): an
+    # unreachable store at start is a miss, not an engine that fails to start.
+    guard = {"url": conf.url, "log": log, "failures": conf.failures_before_down,
+             "max_backoff": conf.max_backoff_s}
+    # The store format is part of the identity: an engine finds the chunks of its own
+    # format and of those accept_store_dtypes lists, nothing else (store_format.py).
+    formats = conf.accepted_formats()
+    for i, fmt in enumerate(formats):
+        check_cache_dtype(fmt, vllm_config.cache_config.cache_dtype,
+                          "store_dtype" if i == 0 else "accept_store_dtypes")
+    identities = {identity_of(vllm_config, kv_cache_config, conf, chunk_size, fmt): fmt
+                  for fmt in formats}
+    identity = next(iter(identities))
+    return Context(
+        conf, block_size, chunk_size, identity, identity_digest(identity),
+        can_load=cfg.is_kv_consumer, can_save=cfg.is_kv_producer,
+        lookups=Guarded(open_one, what="lookup", timeout=conf.lookup_timeout_ms / 1000,
+                        **guard),
+        loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
+        saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
+        disabled=why_disabled(vllm_config, kv_cache_config), formats=identities)
+
+
+def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
+              chunk_size: int, fmt: StoreFormat) -> str:
+    """What makes two engines' KV interchangeable, in every chunk key's seed: the cache
+    and, unless ``auto``, the store format."""
+    spec = spec_of(kv_cache_config)
+    kv_cache_dtype = vllm_config.cache_config.cache_dtype
+    cache_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else str(
+        vllm_config.model_config.dtype).removeprefix("torch.")
+    model = vllm_config.model_config
+    parts = {"model": conf.model_id or model.model,
+             "cache_dtype": cache_dtype, "chunk_size": chunk_size,
+             "tp_size": vllm_config.parallel_config.tensor_parallel_size}
+    # other weights under one name compute other KV: a revision, quantized weights,
+    # overridden config values (absent from the identity when unset, so keys of plain
+    # engines do not change)
+    for key, value in (("revision", getattr(model, "revision", None)),
+                       ("weights", getattr(model, "quantization", None)),
+                       ("hf_overrides", getattr(model, "hf_overrides", None))):
+        if value and not callable(value):
+            parts[key] = json.dumps(value, sort_keys=True, default=str) \
+                if isinstance(value, dict) else value
+    if spec is not None:
+        parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
+                  "kv_heads": getattr(spec, "num_kv_heads", None),
+                  "head_size": getattr(spec, "head_size", None),
+                  "head_size_v": getattr(spec, "head_size_v", None)}
+    return ";".join(f"{k}={v}" for k, v in parts.items()) + fmt.identity_suffix()
+
+
+def spec_of(kv_cache_config: Any) -> Any:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return groups[0].kv_cache_spec if len(groups) == 1 else None
+
+
+def why_disabled(vllm_config: Any, kv_cache_config: Any) -> str:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        return f"{len(groups)} KV cache groups (hybrid model): not supported"
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism (each stage holds other layers): not supported"
+    return ""
+
+
+__all__ = ["build_context", "identity_of", "spec_of", "why_disabled"]

@@ -1,0 +1,263 @@
+"""Saves of newly computed KV: copies out of the engine's blocks as the forward pass
+goes, stored by one writer thread.
+
+``save_kv_layer`` copies each layer's newly computed blocks out (quantized at once when
+``store_dtype`` says so, while the copy is in cache); ``wait_for_save`` builds the
+segments (so the engine's blocks are free when it returns) and hands them to the writer,
+whose queue is bounded in **bytes** (``max_pending_save_bytes``; and in segments when
+``max_pending_saves`` is set): a segment that would pass the bound is dropped (counted,
+``WriterBacklog`` logs it), so a slow store never grows memory without bound and never
+makes the forward pass wait.  The writer asks the store first whether it holds the
+segment's chunks already (another request, or another engine, stored them meanwhile;
+the scheduler no longer asks on its own thread): such a segment is counted
+``saves_present`` and announced as stored, not written again.  A segment whose load
+failed is stored again whatever the store says (``Transfer.rewrite``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ...adapters.vllm import LayerView, pages_to_numpy
+from ...io import checksums
+from ...snapshot import KVCacheSnapshot
+from .common import Context, Plan, Transfer, log
+from .events import WorkerSegments
+from .store_format import StoreFormat
+
+
+class WriterBacklog:
+    """What the log says about the writer falling behind (its queue full: new segments
+    dropped) and catching up.  A store at its limit (Redis at ``maxmemory``) makes the
+    writer flap between the two many times a second, and a line per transition flooded
+    the log (100 lines in 10 s, issue 29): a transition is told at once only when no line
+    was written for ``interval`` seconds; otherwise it is counted, and the counts go out
+    as one line at the first drop, store or step after the interval."""
+
+    INTERVAL = 10.0
+
+    def __init__(self, url: str, *, interval: float = INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.interval, self.clock = url, interval, clock
+        self.behind = False
+        self._lock = threading.Lock()  # the engine's thread drops, the writer's stores
+        self._last: float | None = None  # when the last line was written
+        self._falls = self._catches = self._dropped = 0  # since that line
+        self._episode = 0  # segments dropped since the writer last fell behind
+
+    def dropped(self, waiting: int, req_id: str, *, quiet: bool = False) -> None:
+        """A segment dropped because ``waiting`` segments wait; ``quiet``: the store is
+        down, which ``guard.py`` logs, so the fall is not told on its own."""
+        with self._lock:
+            fell = not self.behind
+            self.behind = True
+            self._falls += fell
+            self._dropped += 1
+            self._episode = 1 if fell else self._episode + 1
+            line = None if quiet else self._line(f"it is behind: {waiting} segments waiting",
+                                                 (waiting, req_id) if fell else None)
+        if line is not None:
+            log.warning(*line)
+
+    def stored(self) -> None:
+        """A segment stored: the writer has caught up, if it was behind."""
+        with self._lock:
+            self._catches += self.behind
+            self.behind = False
+            line = self._line("it has caught up")
+        if line is not None:
+            log.warning(*line)
+
+    def tick(self) -> None:
+        """Counts older than the interval go out now (a step, with nothing else to say)."""
+        with self._lock:
+            line = self._line("it is still behind" if self.behind else "it has caught up")
+        if line is not None:
+            log.warning(*line)
+
+    def _line(self, now: str, fall: tuple[int, str] | None = None) -> tuple[Any, ...] | None:
+        """The line to write now, if any (its counts start again).  Drops while the
+        writer stays behind are no news: the caught-up line counts them."""
+        if not (self._falls or self._catches) or not self._due():
+            return None
+        if fall is not None and (self._falls, self._catches, self._dropped) == (1, 0, 1):
+            line: tuple[Any, ...] = (
+                "the writer to %s has %d segments waiting: new chunks are not stored until "
+                "it catches up (request %s first)", self.url, *fall)
+        elif not self.behind and self._falls <= 1 and self._catches == 1:
+            line = ("the writer to %s caught up; %d segments were not stored meanwhile",
+                    self.url, self._episode)
+        else:
+            since = "" if self._last is None else f" in the last {self.clock() - self._last:.0f} s"
+            line = ("the writer to %s fell behind %d times and caught up %d times%s; %d "
+                    "segments were not stored (%s)", self.url, self._falls, self._catches,
+                    since, self._dropped, now)
+        self._last = self.clock()
+        self._falls = self._catches = self._dropped = 0
+        return line
+
+    def _due(self) -> bool:
+        return self._last is None or self.clock() - self._last >= self.interval
+
+
+class Saver:
+    def __init__(self, ctx: Context, fmt: StoreFormat, saved: WorkerSegments) -> None:
+        self.ctx, self.format, self.saved = ctx, fmt, saved
+        self.layers: list[tuple[str, LayerView]] = []
+        self.index: dict[str, int] = {}
+        self.scales: list[tuple[float, float]] | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[Future, int]] = []  # (the write, its bytes)
+        self.backlog = WriterBacklog(ctx.url)
+        self._staged: dict[int, list[list[Any]]] = {}
+        self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(n for f, n in self._pending if not f.done())
+
+    def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
+        if plan is None or not plan.saves or layer_name not in self.index:
+            return
+        started = time.perf_counter()
+        layer = self.index[layer_name]
+        view = self.layers[layer][1]
+        try:
+            for i, save in enumerate(plan.saves):
+                blocks = [b for chunk in save.blocks for b in chunk]
+                staged = self._staged.setdefault(i, [[] for _ in self.layers])
+                parts = pages_to_numpy(view.read(blocks))
+                if not self.format.auto:  # quantized now, while the copy is in cache
+                    roles = ("fused",) if len(parts) == 1 else ("key", "value")
+                    parts = [self.format.encode(p, role, layer)
+                             for p, role in zip(parts, roles, strict=True)]
+                staged[layer] = parts
+        except Exception as e:  # nothing stored this step; the engine goes on
+            self._staged.clear()
+            self.ctx.stats.add(saves_dropped=len(plan.saves))
+            log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
+                        "stored", layer_name, type(e).__name__, e)
+        self.ctx.stats.add(save_seconds=time.perf_counter() - started)
+
+    def wait_for_save(self, plan: Plan | None) -> None:
+        self.backlog.tick()
+        if plan is None:
+            return
+        config, stats = self.ctx.config, self.ctx.stats
+        started = time.perf_counter()
+        for i, save in enumerate(plan.saves):
+            staged = self._staged.pop(i, None)
+            if staged is None or any(not parts for parts in staged):
+                continue
+            nbytes = sum(_nbytes(p) for parts in staged for p in parts)
+            try:
+                segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            except Exception as e:
+                stats.add(saves_dropped=1)
+                log.warning("request %s: building a segment failed (%s: %s); not stored",
+                            save.req_id, type(e).__name__, e)
+                continue
+            if not self.ctx.config.async_save:
+                self._put(save, segment, nbytes)
+                continue
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
+            self._pending = [(f, n) for f, n in self._pending if not f.done()]
+            waiting = sum(n for _, n in self._pending)
+            if (waiting + nbytes > config.max_pending_save_bytes and self._pending) or (
+                    config.max_pending_saves is not None
+                    and len(self._pending) >= config.max_pending_saves):
+                self._drop_save(save)  # a slow store never grows the queue without bound
+                continue
+            self._pending.append((self._writer.submit(self._put, save, segment, nbytes),
+                                  nbytes))
+        self._staged.clear()
+        stats.add(save_seconds=time.perf_counter() - started)
+
+    def _drop_save(self, save: Transfer) -> None:
+        self.ctx.stats.add(saves_dropped=1)
+        # guard.py logs a store that is down: the backlog is its consequence
+        self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
+
+    def _put(self, save: Transfer, segment: KVCacheSnapshot, nbytes: int) -> None:
+        """Store one segment unless the store holds its chunks already (``nbytes``: its
+        pages' bytes, counted once it is stored)."""
+        ctx = self.ctx
+        started = time.perf_counter()
+        evicted = [0]
+
+        def put(store: Any) -> str:
+            if not save.rewrite and all(store.has(save.keys)):
+                return "present"
+            before = store.evictions
+            try:  # checksummed here, on the writer's thread: off the forward pass
+                store.put(save.keys, save.first_chunk, checksums.with_checksums(segment),
+                          {"vllm.identity": ctx.identity})
+            finally:
+                evicted[0] = store.evictions - before
+            return "stored"
+
+        done = ctx.saves.call("put", put, None)
+        if done is None:
+            ctx.stats.add(evictions=evicted[0], saves_dropped=1)
+            return
+        if done == "present":
+            ctx.stats.add(saves_present=1)
+        else:
+            ctx.stats.add(evictions=evicted[0], chunks_saved=len(save.keys), segments_saved=1,
+                          bytes_saved=nbytes, write_seconds=time.perf_counter() - started)
+        self.saved.saved(f"{save.req_id}/{save.keys[0]}")
+        self.backlog.stored()
+
+    def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
+        """A segment snapshot of these pages: built and validated once per length, then
+        the same structure over each new segment's pools (``with_pools``)."""
+        if not self.format.auto:  # encoded tensors: from_tensors takes their fp8 scales too
+            return self.format.segment(pools, self.ctx.identity)
+        pages = pools[0][0].shape[0]
+        template = self._templates.get(pages)
+        if template is None:
+            fused = len(pools[0]) == 1
+            keys = [p[0] for p in pools]
+            values = None if fused else [p[1] for p in pools]
+            scales = None if self.scales is None else np.array(self.scales, np.float32)
+            first = KVCacheSnapshot.from_arrays(keys, values, np.arange(pages), [0, pages],
+                                                [pages * self.ctx.block_size],
+                                                kv_scales=scales, model=self.ctx.identity)
+            if len(self._templates) >= 64:
+                self._templates.clear()
+            self._templates[pages] = first.skeleton()
+            return first
+        roles = template.roles
+        return template.with_pools({(layer, role): parts[r] for layer, parts in
+                                    enumerate(pools) for r, role in enumerate(roles)})
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every segment handed to the writer is stored or dropped."""
+        pending, self._pending = self._pending, []
+        for f, _ in pending:
+            with contextlib.suppress(Exception):
+                f.result(timeout=timeout)
+
+    def shutdown(self) -> None:
+        self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
+        if self._writer is not None:
+            self._writer.shutdown(wait=False, cancel_futures=True)
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes of a staged part: pages, or an encoded tensor's pool and parameters."""
+    if isinstance(part, np.ndarray):
+        return part.nbytes
+    return sum(memoryview(b).nbytes for b in part.buffers()[:1]) + sum(
+        p.nbytes for p in part.quant_params)
+
+
+__all__ = ["Saver", "WriterBacklog"]
