@@ -127,3 +127,37 @@ def test_a_store_class_naming_schemes_must_say_how_it_opens():
     with pytest.raises(TypeError, match=r"defines no classmethod open"):
         type("NoOpen", (ChunkStore,), {"SCHEMES": ("noopen",), "FORM": "noopen://X"})
     assert store_class("noopen") is None
+
+
+def test_a_read_buffer_is_never_reused_while_a_snapshot_over_it_lives(tmp_path):
+    """Issue 30: a segment of 4 MiB or more is read into a mapped buffer, and NumPy bases
+    every view of it on the mapping, not on the buffer: the pool took the buffer for free
+    while the loads of one step still read the segment in it, and the next read
+    overwrote it (the loads' checksums caught it, as damage of valid segments)."""
+    import numpy as np
+
+    import hurraykv as hk
+    from hurraykv.io import checksums
+    from tests.store_contract import CHUNK, keys
+
+    def big(seed: int) -> hk.KVCacheSnapshot:  # 8 MiB: 2 layers x K, V x 2 MiB each
+        rng = np.random.default_rng(seed)
+        pools = [rng.standard_normal((256, CHUNK, 8, 128)).astype(np.float16)
+                 for _ in range(2)]
+        return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+            pools, [-p for p in pools], np.arange(256), [0, 256], [256 * CHUNK]))
+
+    store = open_store((tmp_path / "kv").as_uri())
+    names = []
+    for seed in (1, 2, 3):
+        ks = keys(256)
+        store.put(ks, 0, big(seed), {})
+        names.append(store.locate(ks)[0])
+    reader = open_store((tmp_path / "kv").as_uri())
+    held = [reader.get_verified(name) for name in names]  # all alive at once
+    for snap, seed in zip(held, (1, 2, 3), strict=True):
+        assert snap.equal(big(seed)), f"segment {seed} was overwritten by a later read"
+    del held, snap
+    reader.get_verified(names[0])
+    reader.get_verified(names[1])
+    assert len(reader._buffers._free) == 3  # freed buffers are reused, not added

@@ -522,17 +522,22 @@ def _regular(path: Path) -> bool:
 class _Buffers:
     """Read buffers recycled between loads: a buffer is reused once nothing but this pool
     refers to it (the snapshots over it are gone), so a steady stream of loads reads
-    into memory already faulted in instead of faulting fresh pages every time."""
+    into memory already faulted in instead of faulting fresh pages every time.
+
+    "Refers to it" is counted on the object that owns the memory: NumPy gives a view of
+    an array that does not own its data (a large buffer is an anonymous mapping,
+    ``alloc.empty``) that owner as its base, not the array it was sliced from, so the
+    array's own count stays the same while snapshots over it live (issue 30: buffers
+    still read by the loads of one step were handed to the next read)."""
 
     KEEP = 8
 
     def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
+        self._free: list[list[Any]] = []  # [buffer, the owner of its memory, idle count]
 
     def take(self, size: int) -> np.ndarray:
-        for buf in self._free:
-            # 3: the list, the loop variable and getrefcount's argument
-            if len(buf) >= size and sys.getrefcount(buf) <= 3:
+        for buf, owner, idle in self._free:
+            if len(buf) >= size and sys.getrefcount(owner) <= idle:
                 return buf[:size]
         buf = alloc.empty((size,), np.uint8)
         # Faulted in now: a huge page faulted by the read itself is zeroed in the middle
@@ -540,7 +545,13 @@ class _Buffers:
         buf[::4096] = 0
         if len(self._free) >= self.KEEP:
             self._free.pop(0)
-        self._free.append(buf)
+        owner = buf if buf.base is None else buf.base
+        entry = [buf, owner, 0]
+        self._free.append(entry)
+        # what refers to the owner when no view does, counted as the loop above counts:
+        # this entry, the names buf and owner (the loop's), getrefcount's argument, and
+        # buf's reference to its base
+        entry[2] = sys.getrefcount(owner)
         return buf[:size]
 
 
