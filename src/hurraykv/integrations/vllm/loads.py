@@ -33,6 +33,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -210,7 +211,7 @@ class LoadJob:
                 if isinstance(got, DAMAGED):  # every chunk of the load it holds
                     self.corrupt += t.names[i:].count(name)
                 why = ("the store did not answer in time" if got is None
-                       else "damaged" if told else str(got))
+                       else "damaged" if told and isinstance(got, DAMAGED) else str(got))
                 self.fail(i, f"segment {name} could not be loaded ({why})")
                 return
             snap, pending = got
@@ -229,23 +230,35 @@ class LoadJob:
             self._state = "fetched"
 
     # ------------------------------------------------------------------ writing
-    def write_layer(self, target: Target, layer: int, buffers: DecodeBuffers) -> int:
-        """Verify, decode and write layer ``layer`` of every run still loadable; returns
-        the bytes written (as stored).  Nothing is written once cancelled."""
+    def verify_layer(self, layer: int) -> dict[str, HurrayError]:
+        """The segments whose layer ``layer`` does not match its checksums (any thread:
+        nothing changes here; ``write_layer`` acts on the answer)."""
+        bad = {}
+        for name, pending in list(self.pending.items()):
+            try:
+                pending.check(layer_members(layer))
+            except HurrayError as e:
+                bad[name] = e
+        return bad
+
+    def write_layer(self, target: Target, layer: int, buffers: DecodeBuffers,
+                    checked: dict[str, HurrayError] | None = None) -> int:
+        """Verify (unless ``checked`` is ``verify_layer``'s answer, computed on another
+        thread while the previous layer was written), decode and write layer ``layer`` of
+        every run still loadable; returns the bytes written (as stored).  Nothing is
+        written once cancelled."""
         with self.lock:
             if self.cancelled or not self.ok:
                 return 0
             self._state = "writing"
-            for name, pending in list(self.pending.items()):
+            bad = self.verify_layer(layer) if checked is None else checked
+            for name in list(self.pending):
                 known = self.segments.get(name)
                 if isinstance(known, HurrayError):  # another job of the step found it
                     self._damaged_at_layer(target, name, layer, known, told=True)
-                    continue
-                try:
-                    pending.check(layer_members(layer))
-                except HurrayError as e:
-                    self.segments[name] = e
-                    self._damaged_at_layer(target, name, layer, e)
+                elif name in bad:
+                    self.segments[name] = bad[name]
+                    self._damaged_at_layer(target, name, layer, bad[name])
             view = target.layers[layer][1]
             nbytes = 0
             for run in self.runs:
@@ -330,17 +343,28 @@ class LoadJob:
 
 
 def run_job(job: LoadJob, target: Target, buffers: DecodeBuffers,
-            segments: dict[str, Fetched] | None = None) -> None:
-    """A whole job, fetch to last layer (the async driver's work, and a test's)."""
+            segments: dict[str, Fetched] | None = None,
+            verifier: ThreadPoolExecutor | None = None) -> None:
+    """A whole job, fetch to last layer (the async driver's work, and a test's); with a
+    ``verifier``, layer L+1 is verified on its thread while layer L is written (hashing
+    and writing are each a pass over the bytes, and neither holds the GIL)."""
     stats = target.ctx.stats
     started = time.perf_counter()
+    layers = len(target.layers)
     try:
         job.fetch(target, {} if segments is None else segments)
         stats.add(fetch_seconds=time.perf_counter() - started)
-        for layer in range(len(target.layers)):
+        ahead = verifier.submit(job.verify_layer, 0) if verifier and job.ok else None
+        for layer in range(layers):
             if job.cancelled or not job.ok:
                 break
-            stats.add(bytes_loaded=job.write_layer(target, layer, buffers), layers_written=1)
+            waited = time.perf_counter()
+            checked = ahead.result() if ahead is not None else None
+            stats.add(verify_seconds=time.perf_counter() - waited)  # what it added
+            ahead = (verifier.submit(job.verify_layer, layer + 1)
+                     if verifier is not None and layer + 1 < layers else None)
+            stats.add(bytes_loaded=job.write_layer(target, layer, buffers, checked),
+                      layers_written=1)
     except Exception as e:  # a bug of ours, a file changed underneath: a recompute
         job.fail(0, f"{type(e).__name__}: {e}")
     job.finish()
@@ -356,6 +380,10 @@ class StepLoads:
         self._buffers = DecodeBuffers(dtype)
         self.jobs: list[LoadJob] = []
         self.failed: set[int] = set()  # blocks to report (plan.failed and failed chunks)
+        self._verifier: ThreadPoolExecutor | None = None
+        # layer -> its checks of every job of the step, started after the fetch: they run
+        # on another core while the forward pass writes and computes the layers before
+        self._checks: dict[int, Future] = {}
 
     def start(self, transfers: Iterable[Transfer], disabled: str) -> list[LoadJob]:
         target = self._target_of()
@@ -375,6 +403,13 @@ class StepLoads:
             elapsed = time.perf_counter() - started
             target.ctx.stats.add(fetch_seconds=elapsed, load_seconds=elapsed)
         self.jobs += jobs
+        if target is not None and any(j.pending for j in self.jobs):
+            if self._verifier is None:
+                self._verifier = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-verify")
+            step = list(self.jobs)
+            for layer in range(1, len(target.layers)):
+                self._checks[layer] = self._verifier.submit(
+                    lambda L=layer: {id(j): j.verify_layer(L) for j in step})
         return jobs
 
     def write_layer(self, layer: int) -> None:
@@ -384,9 +419,13 @@ class StepLoads:
         started = time.perf_counter()
         nbytes = 0
         try:
+            ahead = self._checks.pop(layer, None)
+            checked = ahead.result() if ahead is not None else {}
+            target.ctx.stats.add(verify_seconds=time.perf_counter() - started)
             for job in self.jobs:
                 if job.ok:
-                    nbytes += job.write_layer(target, layer, self._buffers)
+                    nbytes += job.write_layer(target, layer, self._buffers,
+                                              checked.get(id(job)))
         except Exception as e:  # e.g. a file changed underneath: every loaded block again
             for job in self.jobs:
                 job.fail(0, f"writing layer {layer} failed ({type(e).__name__}: {e})")
@@ -394,10 +433,17 @@ class StepLoads:
         target.ctx.stats.add(bytes_loaded=nbytes, layers_written=1,
                              load_seconds=time.perf_counter() - started)
 
+    def close(self) -> None:
+        if self._verifier is not None:
+            self._verifier.shutdown(wait=False, cancel_futures=True)
+
     def settle(self, ctx: Context) -> tuple[list[LoadJob], set[int]]:
         """The step's jobs, counted, and every block to report failed."""
         jobs, self.jobs = self.jobs, []
         failed, self.failed = self.failed, set()
+        for ahead in self._checks.values():  # layers never written (a step without them)
+            ahead.cancel()
+        self._checks.clear()
         for job in jobs:
             job.finish()
             job.count(ctx)
@@ -416,6 +462,7 @@ class Loader:
         self._cv = threading.Condition()
         self._queue: list[LoadJob] = []
         self._jobs: dict[str, LoadJob] = {}  # not yet reported finished
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-verify")
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -452,7 +499,7 @@ class Loader:
                 # as the jobs of one synchronous step share it; not its pages (memory)
                 damaged = job.segments
                 known: dict[str, Fetched] = dict(damaged)
-                run_job(job, target, self._buffers, known)
+                run_job(job, target, self._buffers, known, self._verifier)
                 damaged.update((n, e) for n, e in known.items() if isinstance(e, DAMAGED))
             with self._cv:
                 job.finish()
@@ -507,6 +554,7 @@ class Loader:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._verifier.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["DAMAGED", "STATES", "LoadJob", "Loader", "StepLoads", "Target", "later_members",

@@ -161,6 +161,8 @@ class WorkerSide:
         past ``load_timeout_ms``), saves drained up to ``save_timeout_ms``."""
         if self.loader is not None:
             self.loader.close(self.ctx.config.load_timeout_ms / 1000)
+        if self.step is not None:
+            self.step.close()
         self.saver.shutdown()
 
 
