@@ -532,6 +532,12 @@ class Loader:
     def in_flight(self) -> int:
         return len(self._jobs)
 
+    def wait_any(self, timeout: float) -> None:
+        """Wait until a job is done, at most ``timeout`` (a step with no forward pass)."""
+        with self._cv:
+            if self._jobs and not any(j.done for j in self._jobs.values()):
+                self._cv.wait(timeout)
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every job submitted is done (tests, shutdown)."""
         deadline = time.monotonic() + timeout

@@ -57,6 +57,14 @@ class Lookups:
             self._queued.pop(req_id, None)
             self._asking.discard(req_id)  # its answer, when it comes, is dropped
 
+    def wait_any(self, timeout: float) -> None:
+        """Wait until a lookup in flight is answered, at most ``timeout`` (a step with
+        nothing to run: vLLM's loop would step again at once, holding the GIL the lookup
+        thread needs)."""
+        with self._cv:
+            if self._queued or self._asking:
+                self._cv.wait(timeout)
+
     def wait(self, req_id: str, timeout: float) -> bool:
         """Wait until ``req_id`` has an answer (tests)."""
         with self._cv:

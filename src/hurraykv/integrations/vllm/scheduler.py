@@ -61,6 +61,7 @@ class SchedulerSide:
     # chunk keys planned for storing lately: a save dropped by the writer is planned again
     # by a request that computes the chunk once its key has left this window
     MAX_PLANNED = 4096
+    IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for lookups or loads
 
     def __init__(self, ctx: Context, events: HurrayKVEvents,
                  new_plan: Callable[[], Plan] = Plan) -> None:
@@ -156,6 +157,9 @@ class SchedulerSide:
     def plan(self, scheduler_output: Any) -> Plan:
         plan = self.new_plan()
         plan.async_loads, self.async_loads = self.async_loads, []
+        plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if plan.idle:  # nothing runs this step: give the lookup thread a moment
+            self.lookups.wait_any(self.IDLE_WAIT)
         scheduled: list[RequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)

@@ -31,6 +31,8 @@ from .store_format import warm as warm_formats
 
 
 class WorkerSide:
+    IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for the loader
+
     def __init__(self, ctx: Context, *, spec: Any, context: dict[str, Any], model_dtype: Any,
                  kv_cache_dtype: str, segment_dtype: str) -> None:
         self.ctx, self.spec, self.forward_context = ctx, spec, context
@@ -42,6 +44,7 @@ class WorkerSide:
         self.target: Target | None = None
         self.step: StepLoads | None = None
         self.loader: Loader | None = None
+        self._idle = False  # this step runs no forward pass (Plan.idle)
 
     @property
     def backlog(self) -> Any:
@@ -93,6 +96,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
+        self._idle = plan is not None and plan.idle
         if plan is None:
             return
         disabled = self.ctx.disabled
@@ -125,6 +129,8 @@ class WorkerSide:
         from the start: ``failed_recving``)."""
         if self.loader is None:
             return set(), set()
+        if self._idle:  # nothing else to do this step: let the loader's thread run
+            self.loader.wait_any(self.IDLE_WAIT)
         jobs, failed = self.loader.finished(finished_req_ids, self.ctx)
         self.step.failed.update(failed)
         self._report(j for j in jobs if not j.cancelled)
