@@ -274,6 +274,18 @@ MUTANTS = [
            "                del self._queued[next(iter(batch))]",
            ("tests/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
            "docs/vllm.md, How a request flows: one round trip per batch of requests"),
+    Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/scheduler.py",
+           "                self.planned.pop(key, None)", "                pass",
+           ("tests/test_vllm_async.py::test_a_chunk_is_planned_again_once_its_save_is_"
+            "reported_written_or_dropped",),
+           "docs/vllm.md, How a request flows: chunks another request is storing are not "
+           "copied out again only until that segment is reported written or dropped"),
+    Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/scheduler.py",
+           "boundary = rewrite and c < len(st.located)", "boundary = False and c < len(st.located)",
+           ("tests/test_vllm_async.py::test_chunks_that_failed_to_load_are_stored_again_under_"
+            "their_segments_names",),
+           "docs/vllm.md, How a request flows: a damaged segment is replaced, not left beside "
+           "a new one"),
     # --- writes that finish (issue 29) -------------------------------------------------
     Mutant("empty-pieces-kept", "hurraykv/io/atomic.py",
            "views = [v for v in (memoryview(p).cast(\"B\") for p in pieces) if v.nbytes]",

@@ -21,7 +21,7 @@ import torch
 
 from hurraykv.integrations.chunks import ChunkKeys, open_store
 from hurraykv.integrations.vllm.events import HurrayKVEvents
-from hurraykv.integrations.vllm.loads import LoadJob
+from hurraykv.integrations.vllm.loads import STATES, LoadJob
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from tests.test_vllm_scheduler import alloc, match, request, step
 from tests.test_vllm_worker import BLOCK, CHUNK, LAYER_NAMES, Side, fill, flip, save
@@ -187,6 +187,7 @@ def test_job_states_follow_the_load(side, tmp_path):
     job.cancel()
     job.write_layer(w.target, 1, w.loader._buffers)
     assert job.state == "cancelled" and job.written == 1 and job.done
+    assert {"queued", "fetched", "writing", "cancelled"} <= set(STATES)
     # layer 1 was never written
     assert not w.caches[LAYER_NAMES[1]][10:16].any()
 
@@ -205,3 +206,62 @@ def test_a_burst_sharing_a_new_prefix_copies_it_out_once(side, tmp_path):
                            scheduled={"a": 100, "b": 100}))
     assert [(t.req_id, t.first_chunk, len(t.keys)) for t in plan.saves] == [
         ("a", 0, 3), ("b", 2, 1)]  # b's own third chunk only
+
+
+def test_a_chunk_planned_by_another_request_is_planned_again_once_the_window_passes(
+        side, tmp_path):
+    """The store may lose what another request stored (a restart, an operator, a dropped
+    save): past ``PLANNED_SECONDS`` the next request computing the chunks stores them."""
+    sched = SchedulerSide(side.context((tmp_path / "kv").as_uri()),
+                          HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+
+    def saves_of(req_id: str, blocks) -> list[tuple[int, int]]:
+        req = request(req_id, PROMPT)
+        assert match(sched, req, 0) == (0, False)
+        alloc(sched, req, 0)
+        plan = sched.plan(step(new=[(req_id, blocks, 0)], scheduled={req_id: 100}))
+        return [(t.first_chunk, len(t.keys)) for t in plan.saves]
+
+    assert saves_of("a", range(1, 8)) == [(0, 3)]
+    assert saves_of("b", range(10, 17)) == []  # a stores them
+    sched.PLANNED_SECONDS = 0.0
+    assert saves_of("c", range(20, 27)) == [(0, 3)]
+
+
+def test_chunks_that_failed_to_load_are_stored_again_under_their_segments_names(
+        side, tmp_path):
+    """A load failed from chunk 0; the chunks came from two segments (chunks 0-1 and
+    chunk 2): stored again as the same two segments, so the damaged ones are replaced,
+    not left beside new ones."""
+    sched, w, keys = stored(side, (tmp_path / "kv").as_uri(), load_mode="sync")
+    req = request("a", PROMPT)
+    assert match(sched, req, 0) == (96, False)
+    alloc(sched, req, 96)
+    blocks = list(range(10, 17))
+    sched.plan(step(new=[("a", blocks, 0)], scheduled={"a": 4}))
+    sched.output(SimpleNamespace(invalid_block_ids=set(blocks), kv_cache_events=None))
+    plan = sched.plan(step(cached=[("a", [], 0)], scheduled={"a": 100}))
+    assert [(t.first_chunk, t.keys, t.rewrite) for t in plan.saves] == [
+        (0, keys[:2], True), (2, keys[2:], True)]
+
+
+def test_a_chunk_is_planned_again_once_its_save_is_reported_written_or_dropped(
+        side, tmp_path):
+    """The writer's report frees the keys at once (the store may lose the chunk right
+    after, or the writer drop it)."""
+    from hurraykv.integrations.vllm.events import SavedSegments
+
+    sched = SchedulerSide(side.context((tmp_path / "kv").as_uri()),
+                          HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+
+    def plan_of(req_id: str, blocks):
+        req = request(req_id, PROMPT)
+        assert match(sched, req, 0) == (0, False)
+        alloc(sched, req, 0)
+        return sched.plan(step(new=[(req_id, blocks, 0)], scheduled={req_id: 100})).saves
+
+    (first,) = plan_of("a", range(1, 8))
+    assert plan_of("b", range(10, 17)) == []  # a stores them
+    sched.output(SimpleNamespace(invalid_block_ids=set(), kv_cache_events=SavedSegments(
+        [("dropped", f"a/{first.keys[0]}")])))
+    assert [len(t.keys) for t in plan_of("c", range(20, 27))] == [3]

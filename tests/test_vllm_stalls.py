@@ -131,6 +131,18 @@ def matched_plan(sched: SchedulerSide, req_id: str, blocks: list[int]) -> Plan:
     return plan
 
 
+def hang_a_load(sched: SchedulerSide, w: WorkerSide, proxy, caplog) -> tuple[list[int], float]:
+    """Plan a load of ``PROMPT`` into blocks 20-25 with the store holding fetches, and
+    start it: the blocks and when it started."""
+    blocks = list(range(20, 26))
+    plan = matched_plan(sched, "hung", blocks)
+    caplog.set_level(logging.WARNING, logger="vllm.hurraykv")
+    proxy.hold(T.TENSOR_REQUEST)
+    started = time.monotonic()
+    w.start_load(plan)
+    return blocks, started
+
+
 def finished(w: WorkerSide, timeout: float, aborted=()) -> tuple[set[str], float]:
     """Steps (``get_finished``) until an asynchronous load is reported: the requests and
     the seconds it took."""
@@ -187,12 +199,7 @@ def test_a_fetch_that_hangs_after_its_lookup_waits_its_deadline_then_recomputes(
         assert torch.equal(w.caches[name][10:16], w.caches[name][1:7])
     assert w.ctx.stats["chunks_loaded"] == 3
 
-    blocks = list(range(20, 26))
-    plan = matched_plan(sched, "hung", blocks)
-    caplog.set_level(logging.WARNING, logger="vllm.hurraykv")
-    proxy.hold(T.TENSOR_REQUEST)
-    started = time.monotonic()
-    w.start_load(plan)
+    blocks, started = hang_a_load(sched, w, proxy, caplog)
     waited = time.monotonic() - started
     assert proxy.held[T.TENSOR_REQUEST] == 1  # the fetch reached the store and hung
     assert deadline <= waited < deadline + MARGIN, waited
@@ -221,12 +228,7 @@ def test_an_async_fetch_that_hangs_holds_no_step_then_is_reported_failed(
     for name in LAYER_NAMES:
         assert torch.equal(w.caches[name][10:16], w.caches[name][1:7])
 
-    blocks = list(range(20, 26))
-    plan = matched_plan(sched, "hung", blocks)
-    caplog.set_level(logging.WARNING, logger="vllm.hurraykv")
-    proxy.hold(T.TENSOR_REQUEST)
-    started = time.monotonic()
-    w.start_load(plan)
+    blocks, started = hang_a_load(sched, w, proxy, caplog)
     for name in LAYER_NAMES:  # the forward pass of the running requests goes on
         w.wait_for_layer_load(name)
     assert w.finished(set()) == set() and w.load_errors() == set()

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .. import errors
 from ..errors import HurrayError
 from ..paged import byte_view
 from ..snapshot import KVCacheSnapshot
@@ -53,6 +54,15 @@ NOT_HEX = re.compile(r"[^0-9a-fA-F]")
 
 class ChecksumError(HurrayError):
     """Stored values that do not match the checksums written with them."""
+
+
+# What reading a stored object that is damaged raises: a checksum that does not match, or
+# bytes that do not parse (cut short, a mangled structure).  Not damage: a missing object,
+# a store that fails, one of another identity or geometry (a plain HurrayError).
+DAMAGED: tuple[type[HurrayError], ...] = (
+    ChecksumError, errors.ContainerError, errors.DescriptorError, errors.ElementTypeError,
+    errors.HurrayBufferError, errors.LayoutError, errors.QuantizationError,
+    errors.SnapshotError, errors.StreamError)
 
 
 def _pieces(snapshot: KVCacheSnapshot) -> Iterator[tuple[str, int, int | None, memoryview]]:
@@ -413,5 +423,5 @@ class ReadPlan:
         return found
 
 
-__all__ = ["KEY", "ChecksumError", "Pending", "ReadPlan", "check_entry", "digests",
+__all__ = ["DAMAGED", "KEY", "ChecksumError", "Pending", "ReadPlan", "check_entry", "digests",
            "has_checksums", "mismatches", "verify", "with_checksums"]

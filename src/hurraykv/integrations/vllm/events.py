@@ -203,19 +203,23 @@ def _connector_kv_events_base() -> type:
 
 
 LOADED = "loaded"  # the tag of a load record: (LOADED, request id)
+DROPPED = "dropped"  # a worker's record of a segment not stored: (DROPPED, segment id)
 
 
-def split_records(records: Iterable[Any]) -> tuple[list[str], set[str]]:
-    """A step's worker records: the ids of the segments written, and the ids of the
-    requests whose load ran."""
+def split_records(records: Iterable[Any]) -> tuple[list[str], set[str], list[str]]:
+    """A step's worker records: the ids of the segments written, the ids of the requests
+    whose load ran, and the ids of the segments the writer dropped."""
     segments: list[str] = []
     loaded: set[str] = set()
+    dropped: list[str] = []
     for r in records:
         if isinstance(r, str):
             segments.append(r)
         elif isinstance(r, tuple) and len(r) == 2 and r[0] == LOADED:
             loaded.add(r[1])
-    return segments, loaded
+        elif isinstance(r, tuple) and len(r) == 2 and r[0] == DROPPED:
+            dropped.append(r[1])
+    return segments, loaded, dropped
 
 
 class SavedSegments:
@@ -286,11 +290,15 @@ class WorkerSegments:
         with self._lock:
             self._saved.append((LOADED, req_id))
 
+    def dropped(self, segment: str) -> None:
+        with self._lock:
+            self._saved.append((DROPPED, segment))
+
     def take(self) -> SavedSegments | None:
         with self._lock:
             saved, self._saved = self._saved, []
         return SavedSegments(saved) if saved else None
 
 
-__all__ = ["LOADED", "MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments",
+__all__ = ["DROPPED", "LOADED", "MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments",
            "WorkerSegments", "locality_of", "split_records"]

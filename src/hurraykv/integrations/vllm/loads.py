@@ -37,19 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...errors import (
-    ContainerError,
-    DescriptorError,
-    ElementTypeError,
-    HurrayBufferError,
-    HurrayError,
-    LayoutError,
-    QuantizationError,
-    SnapshotError,
-    StreamError,
-    TransportError,
-)
-from ...io.checksums import ChecksumError, Pending
+from ...errors import HurrayError, TransportError
+from ...io.checksums import DAMAGED, ChecksumError, Pending
 from ...snapshot import KVCacheSnapshot
 from ...snapshot_members import member_name
 from .common import Context, Transfer, log
@@ -58,11 +47,6 @@ from .store_format import DecodeBuffers, StoreFormat
 if TYPE_CHECKING:  # no torch import here: loads are tested without an engine
     from ...adapters.vllm import LayerView
 
-# What a segment that was read but does not parse raises (cut short, mangled structure):
-# damaged, as a checksum failure is.  Not damage: a missing segment, a store error, one
-# of another identity or geometry (plain HurrayError), a format this build cannot read.
-DAMAGED = (ChecksumError, ContainerError, DescriptorError, ElementTypeError,
-           HurrayBufferError, LayoutError, QuantizationError, SnapshotError, StreamError)
 ROLES = ("key", "value", "fused")
 STATES = ("queued", "fetching", "fetched", "writing", "written", "failed", "cancelled")
 
@@ -563,5 +547,5 @@ class Loader:
         self._verifier.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["DAMAGED", "STATES", "LoadJob", "Loader", "StepLoads", "Target", "later_members",
+__all__ = ["STATES", "LoadJob", "Loader", "StepLoads", "Target", "later_members",
            "layer_members", "run_job"]

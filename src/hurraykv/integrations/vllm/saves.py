@@ -119,10 +119,6 @@ class Saver:
         self._staged: dict[int, list[list[Any]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
 
-    @property
-    def pending_bytes(self) -> int:
-        return sum(n for f, n in self._pending if not f.done())
-
     def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
         if plan is None or not plan.saves or layer_name not in self.index:
             return
@@ -142,6 +138,8 @@ class Saver:
         except Exception as e:  # nothing stored this step; the engine goes on
             self._staged.clear()
             self.ctx.stats.add(saves_dropped=len(plan.saves))
+            for save in plan.saves:
+                self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
             log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
                         "stored", layer_name, type(e).__name__, e)
         self.ctx.stats.add(save_seconds=time.perf_counter() - started)
@@ -161,6 +159,7 @@ class Saver:
                 segment = self._segment(staged)  # owns copies: the blocks may be reused now
             except Exception as e:
                 stats.add(saves_dropped=1)
+                self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
                 log.warning("request %s: building a segment failed (%s: %s); not stored",
                             save.req_id, type(e).__name__, e)
                 continue
@@ -183,6 +182,7 @@ class Saver:
 
     def _drop_save(self, save: Transfer) -> None:
         self.ctx.stats.add(saves_dropped=1)
+        self.saved.dropped(f"{save.req_id}/{save.keys[0]}")  # another request may store it
         # guard.py logs a store that is down: the backlog is its consequence
         self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
 
@@ -207,6 +207,7 @@ class Saver:
         done = ctx.saves.call("put", put, None)
         if done is None:
             ctx.stats.add(evictions=evicted[0], saves_dropped=1)
+            self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
             return
         if done == "present":
             ctx.stats.add(saves_present=1)

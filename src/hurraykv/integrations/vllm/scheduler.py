@@ -22,6 +22,7 @@ tokens of a failed load, which vLLM recomputes, are ``tokens_failed``.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,9 +59,10 @@ class RequestState:
 
 class SchedulerSide:
     MAX_LOADING = 100_000  # loads whose step was never reported (aborted) are forgotten
-    # chunk keys planned for storing lately: a save dropped by the writer is planned again
-    # by a request that computes the chunk once its key has left this window
+    # chunk keys planned for storing lately (their writes may not have landed yet); the
+    # writer itself skips a segment the store holds
     MAX_PLANNED = 4096
+    PLANNED_SECONDS = 2.0
     IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for lookups or loads
 
     def __init__(self, ctx: Context, events: HurrayKVEvents,
@@ -74,7 +76,10 @@ class SchedulerSide:
         self.lookups = Lookups(ctx.lookups, ctx.stats)
         self.async_loads: list[Transfer] = []  # allocated, for the next plan
         self.async_pending: set[str] = set()  # async loads not reported finished yet
-        self.planned: OrderedDict[str, None] = OrderedDict()  # chunk keys, oldest first
+        # chunk key -> (step, time) it was planned for storing, oldest first
+        self.planned: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self.steps = 0  # plans made
+        self.saving: dict[str, list[str]] = {}  # segment id -> chunk keys, until written
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -155,6 +160,7 @@ class SchedulerSide:
         self.async_pending.add(request.request_id)
 
     def plan(self, scheduler_output: Any) -> Plan:
+        self.steps += 1
         plan = self.new_plan()
         plan.async_loads, self.async_loads = self.async_loads, []
         plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
@@ -265,31 +271,53 @@ class SchedulerSide:
         rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
         per = ctx.per
         out: list[Transfer] = []
+        now = time.monotonic()
         for c in range(first, chunks):
-            # another request of this engine is storing it (a burst sharing a new prefix):
-            # not copied out again; the writer skips what the store holds already
-            if not rewrite and keys[c] in self.planned:
-                self.planned.move_to_end(keys[c])
+            if self._planned_elsewhere(keys[c], rewrite, now):
                 continue
-            self.planned[keys[c]] = None
-            if not out or out[-1].first_chunk + len(out[-1].keys) != c:
+            self.planned[keys[c]] = (self.steps, now)
+            self.planned.move_to_end(keys[c])
+            # a new segment where the run breaks, and (storing again what failed to load)
+            # where a segment it was found in began: a damaged segment is replaced under
+            # its own name, not left beside its replacement
+            boundary = rewrite and c < len(st.located) and segment_first(st.located[c]) == c
+            if not out or out[-1].first_chunk + len(out[-1].keys) != c or boundary:
                 out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite))
             out[-1].keys.append(keys[c])
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
         while len(self.planned) > self.MAX_PLANNED:
             self.planned.popitem(last=False)
+        while len(self.saving) > self.MAX_PLANNED:
+            self.saving.pop(next(iter(self.saving)))
         for t in out:  # announced to routers once the workers say it is stored
+            self.saving[f"{t.req_id}/{t.keys[0]}"] = list(t.keys)
             self.events.expect(f"{t.req_id}/{t.keys[0]}", request, t.first_chunk,
                                len(t.keys))
         return out
+
+    def _planned_elsewhere(self, key: str, rewrite: bool, now: float) -> bool:
+        """Another request of this engine is storing chunk ``key`` (a burst sharing a new
+        prefix): not copied out again.  Only until the workers report that segment
+        written or dropped, and at most ``PLANNED_SECONDS`` (a report lost with a
+        request): the store may lose a chunk (a restart, an operator, a dropped save),
+        and the next request computing it must store it; storing again what failed to
+        load, only another such request of the same step counts."""
+        seen = self.planned.get(key)
+        if seen is None:
+            return False
+        step, when = seen
+        return step == self.steps if rewrite else now - when < self.PLANNED_SECONDS
 
     def output(self, connector_output: Any) -> None:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
         saved = getattr(connector_output, "kv_cache_events", None)
-        segments, loaded = split_records(saved.get_all_events() if saved else ())
+        segments, loaded, dropped = split_records(saved.get_all_events() if saved else ())
         if segments:
             self.events.confirm(segments)
+        for done in (*segments, *dropped):  # their chunks may be planned again
+            for key in self.saving.pop(done, ()):
+                self.planned.pop(key, None)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         self._loads_done(loaded, invalid or set())
         if not invalid:
