@@ -233,7 +233,7 @@ def test_chunks_that_failed_to_load_are_stored_again_under_their_segments_names(
     """A load failed from chunk 0; the chunks came from two segments (chunks 0-1 and
     chunk 2): stored again as the same two segments, so the damaged ones are replaced,
     not left beside new ones."""
-    sched, w, keys = stored(side, (tmp_path / "kv").as_uri(), load_mode="sync")
+    sched, _, keys = stored(side, (tmp_path / "kv").as_uri(), load_mode="sync")
     req = request("a", PROMPT)
     assert match(sched, req, 0) == (96, False)
     alloc(sched, req, 96)
