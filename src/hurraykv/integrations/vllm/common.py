@@ -41,6 +41,14 @@ class Transfer:
     rewrite: bool = False  # a save stored even if the store has it (its load failed)
     failed: str = ""  # a load that cannot be tried (why): all its blocks reported failed
 
+    @property
+    def segment_id(self) -> str:
+        """A save's name in the workers' reports (written, dropped) and in the events."""
+        return f"{self.req_id}/{self.keys[0]}"
+
+
+IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for lookups or loads
+
 
 @dataclass
 class Plan:
@@ -166,4 +174,5 @@ def holds(name: Any, chunk: int) -> bool:
         return False
 
 
-__all__ = ["FP8_NAMES", "STATS", "Context", "Counters", "Plan", "Transfer", "holds", "log"]
+__all__ = ["FP8_NAMES", "IDLE_WAIT", "STATS", "Context", "Counters", "Plan", "Transfer", "holds",
+           "log"]

@@ -134,7 +134,6 @@ class Run:
     snap: KVCacheSnapshot
     first: int  # the segment's page of blocks[0]
     chunk: int
-    name: str
 
 
 # a fetched segment, or what was wrong with it (shared by the jobs of one step)
@@ -158,7 +157,6 @@ class LoadJob:
     # the segments of its step (sync) or the damage known to the loader (async): a
     # segment found damaged is told once, by the job that found it
     segments: dict[str, Fetched] = field(default_factory=dict, repr=False)
-    started: float = field(default_factory=time.perf_counter)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -209,7 +207,7 @@ class LoadJob:
             if last is not None and last.snap is snap and last.first + len(last.blocks) == first:
                 last.blocks.extend(t.blocks[i])  # one write per run of a segment's pages
             else:
-                self.runs.append(Run(list(t.blocks[i]), snap, first, i, name))
+                self.runs.append(Run(list(t.blocks[i]), snap, first, i))
         if self._state == "fetching":
             self._state = "fetched"
 

@@ -139,7 +139,7 @@ class Saver:
             self._staged.clear()
             self.ctx.stats.add(saves_dropped=len(plan.saves))
             for save in plan.saves:
-                self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
+                self.saved.dropped(save.segment_id)
             log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
                         "stored", layer_name, type(e).__name__, e)
         self.ctx.stats.add(save_seconds=time.perf_counter() - started)
@@ -159,7 +159,7 @@ class Saver:
                 segment = self._segment(staged)  # owns copies: the blocks may be reused now
             except Exception as e:
                 stats.add(saves_dropped=1)
-                self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
+                self.saved.dropped(save.segment_id)
                 log.warning("request %s: building a segment failed (%s: %s); not stored",
                             save.req_id, type(e).__name__, e)
                 continue
@@ -182,7 +182,7 @@ class Saver:
 
     def _drop_save(self, save: Transfer) -> None:
         self.ctx.stats.add(saves_dropped=1)
-        self.saved.dropped(f"{save.req_id}/{save.keys[0]}")  # another request may store it
+        self.saved.dropped(save.segment_id)  # another request may store it
         # guard.py logs a store that is down: the backlog is its consequence
         self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
 
@@ -207,14 +207,14 @@ class Saver:
         done = ctx.saves.call("put", put, None)
         if done is None:
             ctx.stats.add(evictions=evicted[0], saves_dropped=1)
-            self.saved.dropped(f"{save.req_id}/{save.keys[0]}")
+            self.saved.dropped(save.segment_id)
             return
         if done == "present":
             ctx.stats.add(saves_present=1)
         else:
             ctx.stats.add(evictions=evicted[0], chunks_saved=len(save.keys), segments_saved=1,
                           bytes_saved=nbytes, write_seconds=time.perf_counter() - started)
-        self.saved.saved(f"{save.req_id}/{save.keys[0]}")
+        self.saved.saved(save.segment_id)
         self.backlog.stored()
 
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ...errors import HurrayError
 from ..chunks import ChunkKeys, segment_first
-from .common import Context, Plan, Transfer, holds
+from .common import IDLE_WAIT, Context, Plan, Transfer, holds
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
 from .request_keys import passed_through, request_seed
@@ -63,7 +63,6 @@ class SchedulerSide:
     # writer itself skips a segment the store holds
     MAX_PLANNED = 4096
     PLANNED_SECONDS = 2.0
-    IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for lookups or loads
 
     def __init__(self, ctx: Context, events: HurrayKVEvents,
                  new_plan: Callable[[], Plan] = Plan) -> None:
@@ -165,7 +164,7 @@ class SchedulerSide:
         plan.async_loads, self.async_loads = self.async_loads, []
         plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         if plan.idle:  # nothing runs this step: give the lookup thread a moment
-            self.lookups.wait_any(self.IDLE_WAIT)
+            self.lookups.wait_any(IDLE_WAIT)
         scheduled: list[RequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -290,8 +289,8 @@ class SchedulerSide:
         while len(self.saving) > self.MAX_PLANNED:
             self.saving.pop(next(iter(self.saving)))
         for t in out:  # announced to routers once the workers say it is stored
-            self.saving[f"{t.req_id}/{t.keys[0]}"] = list(t.keys)
-            self.events.expect(f"{t.req_id}/{t.keys[0]}", request, t.first_chunk,
+            self.saving[t.segment_id] = list(t.keys)
+            self.events.expect(t.segment_id, request, t.first_chunk,
                                len(t.keys))
         return out
 

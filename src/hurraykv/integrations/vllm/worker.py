@@ -22,7 +22,7 @@ from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers
 from ...io import checksums
-from .common import Context, Plan, log
+from .common import IDLE_WAIT, Context, Plan, log
 from .events import WorkerSegments
 from .loads import Loader, LoadJob, StepLoads, Target
 from .saves import Saver
@@ -31,8 +31,6 @@ from .store_format import warm as warm_formats
 
 
 class WorkerSide:
-    IDLE_WAIT = 0.002  # seconds a step without a forward pass waits for the loader
-
     def __init__(self, ctx: Context, *, spec: Any, context: dict[str, Any], model_dtype: Any,
                  kv_cache_dtype: str, segment_dtype: str) -> None:
         self.ctx, self.spec, self.forward_context = ctx, spec, context
@@ -130,7 +128,7 @@ class WorkerSide:
         if self.loader is None:
             return set(), set()
         if self._idle:  # nothing else to do this step: let the loader's thread run
-            self.loader.wait_any(self.IDLE_WAIT)
+            self.loader.wait_any(IDLE_WAIT)
         jobs, failed = self.loader.finished(finished_req_ids, self.ctx)
         self.step.failed.update(failed)
         self._report(j for j in jobs if not j.cancelled)
