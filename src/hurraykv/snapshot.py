@@ -96,10 +96,13 @@ class KVCacheSnapshot:
     @classmethod
     def from_tensors(cls, tensors: Iterable[BlockPagedTensor], seq_lens: Any = None,
                      kv_scales: Any = None, *, model: str | None = None,
-                     metadata: dict[str, Any] | None = None) -> KVCacheSnapshot:
+                     metadata: dict[str, Any] | None = None,
+                     extras: Sequence[tuple[str | None, TensorDescriptor, Buffers]] = ()
+                     ) -> KVCacheSnapshot:
         """From in-memory block-paged tensors (each with its layer_index and kv_role).
 
-        ``seq_lens`` defaults to the tensors' own; ``kv_scales`` to their ``fp8_scale``."""
+        ``seq_lens`` defaults to the tensors' own; ``kv_scales`` to their ``fp8_scale``;
+        ``extras``: other members ``(name, descriptor, buffers)``, kept as they are."""
         tensors = list(tensors)
         if seq_lens is None and tensors:
             seq_lens = tensors[0].seq_lens
@@ -126,7 +129,8 @@ class KVCacheSnapshot:
                     kv_scales[layer, 1 if role == "value" else 0] = t.fp8_scale
                     if role == "fused":
                         kv_scales[layer, 1] = t.fp8_scale
-        snap = cls(members, seq_lens, kv_scales, model=model, metadata=metadata)
+        snap = cls(members, seq_lens, kv_scales, model=model, metadata=metadata,
+                   extras=extras)
         for key, t in cache.items():
             if t.seq_lens is None:
                 t = t.copy()

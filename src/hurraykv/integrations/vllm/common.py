@@ -40,6 +40,11 @@ class Transfer:
     pages: list[int] = field(default_factory=list)
     rewrite: bool = False  # a save stored even if the store has it (its load failed)
     failed: str = ""  # a load that cannot be tried (why): all its blocks reported failed
+    # a hybrid model's (groups.py): per KV cache group, the blocks of the transfer's
+    # pages in that group (the engine block of its page ``j`` is ``groups[g][j]``)
+    groups: list[list[int]] = field(default_factory=list)
+    first_block: int = 0  # the request's block index of the transfer's first page
+    state: bool = False  # a save of a model with Mamba layers: it holds their end states
 
     @property
     def segment_id(self) -> str:
@@ -148,6 +153,7 @@ class Context:
     # identity -> store format (store_format.StoreFormat) of every identity this engine
     # loads: its own first, then those of accept_store_dtypes
     formats: dict[str, Any] = field(default_factory=dict)
+    layout: Any = None  # groups.GroupLayout: the KV cache groups (None: one, unchecked)
     stats: Counters = field(default_factory=Counters)
 
     @property
@@ -158,6 +164,12 @@ class Context:
     def other_seeds(self) -> list[bytes]:
         """Seeds of the accepted identities other than this engine's own."""
         return [identity_digest(i) for i in self.formats if i != self.identity]
+
+    @property
+    def hybrid(self) -> bool:
+        """KV cache groups other than one of full attention (``groups.py``)."""
+        return self.layout is not None and bool(self.layout.groups) and (
+            self.layout.hybrid or self.layout.groups[0].kind != "full")
 
     @property
     def per(self) -> int:

@@ -21,8 +21,10 @@ guarded store connections, the counters) and delegates, by role, to
 no vLLM or torch import) or ``worker.WorkerSide`` (layers; ``loads.py``: one load job per
 request, across steps or before the forward pass; ``saves.py``: copies out and the
 writer thread).  Metrics reach vLLM's ``/metrics``
-through ``metrics.py``, KV events for routers through ``events.py``.  Multimodal requests
-and hybrid (several KV cache groups) models are passed through without storing or
+through ``metrics.py``, KV events for routers through ``events.py``.  It is a
+``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and a hybrid model's groups
+(sliding window, Mamba / Gated DeltaNet states) are stored as ``groups.py`` says;
+multimodal requests and layouts ``groups.py`` refuses pass through without storing or
 loading.
 """
 
@@ -35,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from . import events as kv_events
@@ -58,7 +61,7 @@ class HurrayConnectorMetadata(Plan, KVConnectorMetadata):
     """A step's ``Plan`` as the metadata vLLM hands from the scheduler to the workers."""
 
 
-class HurrayConnector(KVConnectorBase_V1):
+class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -144,6 +147,13 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call when its hybrid KV cache manager is on (every model then): nothing
+        is sent from the blocks after the request ends, so they are freed at once."""
         self.scheduler.finished(request)
         return False, None
 

@@ -9,6 +9,7 @@ No vLLM import: the configuration objects are read by their attributes (``vllm_c
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ...errors import HurrayError
@@ -16,6 +17,7 @@ from ..chunks import identity_digest, open_store
 from ..guard import Guarded
 from .common import Context, log
 from .config import ConnectorConfig
+from .groups import GroupLayout, layout_of
 from .store_format import StoreFormat, check_cache_dtype
 
 
@@ -62,7 +64,8 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
                         **guard),
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-        disabled=why_disabled(vllm_config, kv_cache_config), formats=identities)
+        disabled=why_disabled(vllm_config, kv_cache_config), formats=identities,
+        layout=layout_for(vllm_config, kv_cache_config))
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
@@ -86,26 +89,63 @@ def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
         if value and not callable(value):
             parts[key] = json.dumps(value, sort_keys=True, default=str) \
                 if isinstance(value, dict) else value
+    layout = layout_for(vllm_config, kv_cache_config)
+    if layout.hybrid:  # which layer is of which kind is part of what the KV means
+        parts["groups"] = layout.identity(sorted_layers(layout))
     if spec is not None:
-        parts |= {"layers": len(kv_cache_config.kv_cache_groups[0].layer_names),
+        parts |= {"layers": len(_group_of(kv_cache_config, spec).layer_names),
                   "kv_heads": getattr(spec, "num_kv_heads", None),
                   "head_size": getattr(spec, "head_size", None),
                   "head_size_v": getattr(spec, "head_size_v", None)}
     return ";".join(f"{k}={v}" for k, v in parts.items()) + fmt.identity_suffix()
 
 
+def layout_for(vllm_config: Any, kv_cache_config: Any) -> GroupLayout:
+    mode = getattr(getattr(vllm_config, "cache_config", None), "mamba_cache_mode", "none")
+    return layout_of(kv_cache_config, mamba_cache_mode=mode or "none")
+
+
+def sorted_layers(layout: GroupLayout) -> list[str]:
+    """Every layer of every group in model order (``ordered_layers``' rule: the layer
+    number in the name)."""
+    names = [n for g in layout.groups for n in g.layers]
+    numbers = [re.findall(r"\d+", n) for n in names]
+    if all(numbers) and len({int(n[0]) for n in numbers}) == len(names):
+        return sorted(names, key=lambda n: int(re.findall(r"\d+", n)[0]))
+    return names
+
+
 def spec_of(kv_cache_config: Any) -> Any:
+    """The attention spec the pages of a segment follow: the only group's, or a hybrid
+    model's first full-attention group's (its sliding-window groups have the same page
+    shape, or the connector passes requests through)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return groups[0].kv_cache_spec if len(groups) == 1 else None
+    if len(groups) == 1:
+        return groups[0].kv_cache_spec
+    layout = layout_of(kv_cache_config)
+    return groups[layout.ref].kv_cache_spec if any(g.kind == "full" for g in layout.groups) \
+        else None
+
+
+def _group_of(kv_cache_config: Any, spec: Any) -> Any:
+    groups = kv_cache_config.kv_cache_groups
+    return next(g for g in groups if g.kv_cache_spec is spec)
 
 
 def why_disabled(vllm_config: Any, kv_cache_config: Any) -> str:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) != 1:
-        return f"{len(groups)} KV cache groups (hybrid model): not supported"
+    layout = layout_for(vllm_config, kv_cache_config)
+    if layout.unsupported:
+        return f"{len(layout.groups)} KV cache groups: {layout.unsupported}"
+    pages = [g for g in layout.groups if g.kind != "mamba"]
+    specs = [kv_cache_config.kv_cache_groups[g.index].kv_cache_spec for g in pages]
+    if len({(getattr(s, "num_kv_heads", None), getattr(s, "head_size", None),
+             str(getattr(s, "dtype", None))) for s in specs}) > 1:
+        return "attention groups of different page shapes (heads, head size, dtype): " \
+            "not supported"
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism (each stage holds other layers): not supported"
     return ""
 
 
-__all__ = ["build_context", "identity_of", "spec_of", "why_disabled"]
+__all__ = ["build_context", "identity_of", "layout_for", "sorted_layers", "spec_of",
+           "why_disabled"]

@@ -41,7 +41,10 @@ from ...errors import HurrayError, TransportError
 from ...io.checksums import DAMAGED, ChecksumError, Pending
 from ...snapshot import KVCacheSnapshot
 from ...snapshot_members import member_name
+from ..chunks import segment_first
+from . import hybrid
 from .common import Context, Transfer, log
+from .groups import METADATA_KEY, SLIDING, KVGroup
 from .store_format import DecodeBuffers, StoreFormat
 
 if TYPE_CHECKING:  # no torch import here: loads are tested without an engine
@@ -70,6 +73,11 @@ class Target:
     layers: list[tuple[str, LayerView]]
     segment_dtype: str  # the cache's dtype in a segment of format auto
     format: StoreFormat  # this engine's own store format
+    # a hybrid model's (groups.py): each attention layer's group, the Mamba layers'
+    # states (adapters.vllm.StateView) with their group, the group map of its segments
+    groups: list[KVGroup] = field(default_factory=list)
+    states: list[tuple[Any, KVGroup]] = field(default_factory=list)
+    group_map: dict[str, Any] = field(default_factory=dict)
 
     @property
     def later(self) -> frozenset[str]:
@@ -102,6 +110,13 @@ class Target:
                               f"in whole chunks of {ctx.chunk_size}", field="segment",
                               value=list(have), rule="the cache identity")
         fmt.check(snap, self.segment_dtype)  # quantization and scales as the format says
+        if self.groups:
+            have = hybrid.groups_of(snap)
+            if have != self.group_map:
+                raise HurrayError(f"a stored segment's KV cache groups {have} are not this "
+                                  f"engine's {self.group_map}",
+                                  field=f"metadata.{METADATA_KEY}", value=have,
+                                  rule="the cache identity")
         snap.tensors()  # builds every member: index buffers and token counts checked
 
     def get_checked(self, store: Any, name: str) -> tuple[KVCacheSnapshot, Pending | None] \
@@ -134,6 +149,8 @@ class Run:
     snap: KVCacheSnapshot
     first: int  # the segment's page of blocks[0]
     chunk: int
+    at: int = 0  # the load's page of blocks[0] (a hybrid model's other groups)
+    name: str = ""  # the segment's
 
 
 # a fetched segment, or what was wrong with it (shared by the jobs of one step)
@@ -200,14 +217,19 @@ class LoadJob:
             if pending is not None:
                 self.pending[name] = pending
             first = t.pages[i]
-            if first + len(t.blocks[i]) > snap.tensor(0, snap.roles[0]).num_pages:
+            if first + len(t.blocks[i]) > snap.total_tokens // snap.page_size:
                 self.fail(i, f"segment {name} holds fewer pages than chunk {i} needs")
                 return
             last = self.runs[-1] if self.runs else None
             if last is not None and last.snap is snap and last.first + len(last.blocks) == first:
                 last.blocks.extend(t.blocks[i])  # one write per run of a segment's pages
             else:
-                self.runs.append(Run(list(t.blocks[i]), snap, first, i))
+                at = sum(len(b) for b in t.blocks[:i])
+                self.runs.append(Run(list(t.blocks[i]), snap, first, i, at, name))
+        if target.states and self.ok == len(t.names) and t.names and not hybrid.has_states(
+                self.runs[-1].snap):
+            self.fail(len(t.names) - 1, f"segment {t.names[-1]} holds no Mamba states at "
+                      "its end")
         if self._state == "fetching":
             self._state = "fetched"
 
@@ -244,20 +266,66 @@ class LoadJob:
             view = target.layers[layer][1]
             nbytes = 0
             for run in self.runs:
-                n = len(run.blocks)
+                n, blocks, first = len(run.blocks), run.blocks, run.first
                 tensors = run.snap.layer(layer)
+                if target.groups:  # this layer's group's blocks and the pages it needs
+                    blocks, first = self._group_pages(target, layer, run, tensors[0])
+                    n = len(blocks)
+                    if not n:
+                        continue
                 if target.format_of(run.snap).auto:
-                    pages = [t.page_pool[run.first:run.first + n] for t in tensors]
+                    pages = [t.page_pool[first:first + n] for t in tensors]
                     nbytes += sum(p.nbytes for p in pages)
                 else:  # decoded into the cache dtype; write() copies them
-                    pages = [buffers.pages(r, t, run.first, n) for r, t in enumerate(tensors)]
+                    pages = [buffers.pages(r, t, first, n) for r, t in enumerate(tensors)]
                     nbytes += sum(run.snap.descriptor(layer, role).buffers[0].byte_size * n //
                                   max(t.num_pages, 1) for t, role in zip(
                                       tensors, run.snap.roles, strict=True))
-                view.write(run.blocks, pages)
+                view.write(blocks, pages)
             self.written = layer + 1
             if self.written == len(target.layers) and self._state == "writing":
                 self._state = "written"
+            return nbytes
+
+    def _group_pages(self, target: Target, layer: int, run: Run, tensor: Any
+                     ) -> tuple[list[int], int]:
+        """A hybrid model's layer: the engine blocks of ``run`` in the layer's group that
+        the hit needs (a sliding window's last ``need`` blocks), and the page of the
+        segment's pool holding the first of them."""
+        t, group = self.transfer, target.groups[layer]
+        flat = t.groups[group.index]
+        skip = 0
+        if group.kind == SLIDING:
+            skip = min(len(run.blocks), max(0, len(flat) - group.need - run.at))
+        n = len(run.blocks) - skip
+        blocks = flat[run.at + skip:run.at + skip + n]
+        logical = run.first + skip
+        if not n:
+            return [], 0
+        per = target.ctx.per
+        pages = run.snap.total_tokens // run.snap.page_size
+        kept = group.kept(segment_first(run.name) * per, pages, per)
+        phys = hybrid.physical_run(tensor, logical, n)
+        if not kept[logical:logical + n].all() or phys is None:
+            raise HurrayError(f"segment {run.name} does not hold pages {logical}.."
+                              f"{logical + n - 1} of layer {layer} ({group.kind}) where a "
+                              "hit needs them",
+                              field="block_table", value=logical, rule="a hybrid segment")
+        return blocks, phys
+
+    def write_states(self, target: Target) -> int:
+        """A model with Mamba layers: the states at the hit's end, from the segment of its
+        last chunk, into the blocks vLLM gave them (``N / block_size - 1``)."""
+        with self.lock:
+            if self.cancelled or self.ok < len(self.transfer.names) or not target.states:
+                return 0
+            snap = self.runs[-1].snap
+            parts = len(target.states[0][0].shapes)
+            states = hybrid.states_of(snap, len(target.states), parts)
+            nbytes = 0
+            for (view, group), layer in zip(target.states, states, strict=True):
+                view.write(self.transfer.groups[group.index][-1], layer)
+                nbytes += view.nbytes
             return nbytes
 
     def _damaged_at_layer(self, target: Target, name: str, layer: int,
@@ -303,7 +371,16 @@ class LoadJob:
         self._state = "failed"
 
     def failed_blocks(self) -> list[int]:
+        if self.transfer.groups:  # a hybrid model's: reported by request (failed_recving)
+            return []
         return [b for bs in self.transfer.blocks[self.ok:] for b in bs]
+
+    @property
+    def failed_whole(self) -> bool:
+        """Reported to vLLM as a failed receive: planned without blocks, or a hybrid
+        model's load that failed anywhere (vLLM recomputes it from the start)."""
+        t = self.transfer
+        return not self.cancelled and bool(t.failed or (t.groups and self.ok < len(t.names)))
 
     def finish(self) -> None:
         """After the last layer (or none): a job that loaded nothing has failed."""
@@ -347,6 +424,8 @@ def run_job(job: LoadJob, target: Target, buffers: DecodeBuffers,
                      if verifier is not None and layer + 1 < layers else None)
             stats.add(bytes_loaded=job.write_layer(target, layer, buffers, checked),
                       layers_written=1)
+        if target.states and not job.cancelled:
+            stats.add(bytes_loaded=job.write_states(target))
     except Exception as e:  # a bug of ours, a file changed underneath: a recompute
         job.fail(0, f"{type(e).__name__}: {e}")
     job.finish()

@@ -26,10 +26,13 @@ from typing import Any
 import numpy as np
 
 from ...adapters.vllm import LayerView, pages_to_numpy
+from ...errors import HurrayError
 from ...io import checksums
 from ...snapshot import KVCacheSnapshot
+from . import hybrid
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
+from .groups import KVGroup
 from .store_format import StoreFormat
 
 
@@ -118,6 +121,11 @@ class Saver:
         self.backlog = WriterBacklog(ctx.url)
         self._staged: dict[int, list[list[Any]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
+        # a hybrid model's (groups.py): each attention layer's group, the Mamba layers'
+        # states with their group, the group map segments carry
+        self.groups: list[KVGroup] = []
+        self.states: list[tuple[Any, KVGroup]] = []
+        self.group_map: dict[str, Any] = {}
 
     def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
         if plan is None or not plan.saves or layer_name not in self.index:
@@ -129,6 +137,14 @@ class Saver:
             for i, save in enumerate(plan.saves):
                 blocks = [b for chunk in save.blocks for b in chunk]
                 staged = self._staged.setdefault(i, [[] for _ in self.layers])
+                if self.groups:  # a hybrid model: the pages its group keeps
+                    group = self.groups[layer]
+                    flat = save.groups[group.index]
+                    kept = group.kept(save.first_block, len(flat), self.ctx.per)
+                    parts = pages_to_numpy(view.read([b for b, k in zip(flat, kept,
+                                                                         strict=True) if k]))
+                    staged[layer] = hybrid.encode_layer(self.format, parts, kept, layer)
+                    continue
                 parts = pages_to_numpy(view.read(blocks))
                 if not self.format.auto:  # quantized now, while the copy is in cache
                     roles = ("fused",) if len(parts) == 1 else ("key", "value")
@@ -155,8 +171,8 @@ class Saver:
             if staged is None or any(not parts for parts in staged):
                 continue
             nbytes = sum(_nbytes(p) for parts in staged for p in parts)
-            try:
-                segment = self._segment(staged)  # owns copies: the blocks may be reused now
+            try:  # owns copies: the blocks may be reused now
+                segment = self._hybrid(save, staged) if self.groups else self._segment(staged)
             except Exception as e:
                 stats.add(saves_dropped=1)
                 self.saved.dropped(save.segment_id)
@@ -239,6 +255,26 @@ class Saver:
         roles = template.roles
         return template.with_pools({(layer, role): parts[r] for layer, parts in
                                     enumerate(pools) for r, role in enumerate(roles)})
+
+    def _hybrid(self, save: Transfer, staged: list[list[Any]]) -> KVCacheSnapshot:
+        """A hybrid model's segment (``hybrid.py``): the staged attention members, and the
+        Mamba layers' states at its end (read now: the forward pass has run)."""
+        states = None
+        if save.state:
+            blocks = [save.groups[group.index][-1] for _, group in self.states]
+            if not all(blocks):  # block 0 is vLLM's null block: no state was kept there
+                end = save.first_block + len(save.groups[self.states[0][1].index])
+                raise HurrayError(f"request {save.req_id}: no Mamba state in block {end - 1} "
+                                  f"of its state groups (vLLM's null block)", field="blocks",
+                                  value=blocks, rule="a state at the segment's end")
+            states = [view.read(b) for (view, _), b in zip(self.states, blocks, strict=True)]
+        tokens = len(save.groups[self.groups[0].index]) * self.ctx.block_size
+        scales = None if self.scales is None else np.array(self.scales, np.float32)
+        tensors = [t for parts in staged for t in parts]
+        if scales is not None and self.format.auto:
+            return hybrid.segment(tensors, states, self.group_map, self.ctx.identity,
+                                  tokens, kv_scales=scales)
+        return hybrid.segment(tensors, states, self.group_map, self.ctx.identity, tokens)
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every segment handed to the writer is stored or dropped."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import HurrayError
-from ..chunks import ChunkKeys, segment_first
+from ..chunks import ChunkKeys, segment_ends_at, segment_first
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
@@ -44,7 +44,8 @@ class RequestState:
     matched: int = 0  # tokens the store holds for this prompt
     load: int = 0  # tokens to load (0: none)
     located: list[str] = field(default_factory=list)  # segment of each matched chunk
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # of the (first) full-attention group
+    groups: list[list[int]] = field(default_factory=list)  # every group's (hybrid models)
     computed: int = 0
     stored: int = 0  # chunks known to be in the store
     rewrite: bool = False  # a load from the store failed: store again, present or not
@@ -116,6 +117,11 @@ class SchedulerSide:
             n = next((i for i, name in enumerate(run) if not holds(name, i)), len(run))
             if n > found:
                 found, best = n, at
+        if ctx.hybrid and ctx.layout.mamba:
+            # a Mamba state is stored at the end of a segment only (groups.py): the hit
+            # ends at the last matched chunk that ends its segment
+            found = next((n for n in range(found, 0, -1) if segment_ends_at(
+                str(located[best + n - 1]), st.asked[best + n - 1])), 0)
         st.located = [str(name) for name in located[best:best + found]]
         # chunks loaded from another format are never stored as this engine's, nor is
         # what it computes on top of them (that KV attended to the other precision)
@@ -132,6 +138,11 @@ class SchedulerSide:
     def _async(self, tokens: int) -> bool:
         """Whether a hit of ``tokens`` loads across steps (``load_mode``)."""
         config = self.ctx.config
+        if self.ctx.hybrid:
+            # vLLM takes no block-level load failure from a model with several KV cache
+            # groups (their block ids overlap: Scheduler._handle_invalid_blocks raises);
+            # an asynchronous load reports a failure by request (failed_recving)
+            return True
         if config.load_mode != "auto":
             return config.load_mode == "async"
         return not (self.ctx.url.startswith("file:") and tokens <= config.sync_load_max_tokens)
@@ -148,7 +159,7 @@ class SchedulerSide:
         # reported (its blocks failed), or it would wait forever.
         st.load, st.async_load = num_external_tokens, False
         try:
-            st.blocks = list(blocks.get_block_ids()[0])
+            self._set_blocks(st, blocks.get_block_ids())
             transfer = self._transfer(st, st.local, st.local + st.load)
         except Exception as e:
             # reported as a failed receive: vLLM recomputes the whole request
@@ -170,7 +181,7 @@ class SchedulerSide:
             st = self.requests.get(new.req_id)
             if st is None:
                 continue
-            st.blocks = list(new.block_ids[0]) if new.block_ids else []
+            self._set_blocks(st, new.block_ids)
             st.computed = new.num_computed_tokens
             self._plan_load(plan, st)
             scheduled.append(st)
@@ -185,10 +196,11 @@ class SchedulerSide:
                 # matched tokens again and counts them computed, so they load like a
                 # new request's (vllm/v1/core/sched/scheduler.py, schedule(): the
                 # connector is asked when num_computed_tokens == 0, preempted included)
-                st.blocks = list(new_blocks[0]) if new_blocks else []
+                self._set_blocks(st, new_blocks)
                 self._plan_load(plan, st)
             elif new_blocks:
-                st.blocks.extend(new_blocks[0])
+                for have, more in zip(st.groups, new_blocks, strict=False):
+                    have.extend(more or ())
             st.computed = cached.num_computed_tokens[i]
             scheduled.append(st)
         if self.ctx.can_save and not self.ctx.disabled:
@@ -198,6 +210,12 @@ class SchedulerSide:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         return plan
+
+    def _set_blocks(self, st: RequestState, block_ids: Any) -> None:
+        """The request's blocks as vLLM allocated them: one list per KV cache group."""
+        st.groups = [list(b or ()) for b in block_ids or ()] or [[]]
+        ref = self.ctx.layout.ref if self.ctx.hybrid else 0
+        st.blocks = st.groups[ref] if ref < len(st.groups) else []
 
     def _plan_load(self, plan: Plan, st: RequestState) -> None:
         """The load of the external tokens vLLM took for ``st`` at its allocation."""
@@ -231,7 +249,8 @@ class SchedulerSide:
         for req_id, block_ids in allocated:
             st = self.requests.get(req_id)
             if st is not None and st.load > 0 and block_ids:
-                plan.failed += list(block_ids[0])[st.local // self.ctx.block_size:]
+                ref = self.ctx.layout.ref if self.ctx.hybrid else 0
+                plan.failed += list(block_ids[ref])[st.local // self.ctx.block_size:]
                 self.ctx.stats.add(tokens_failed=st.load)
                 st.load = 0
         return plan
@@ -251,6 +270,9 @@ class SchedulerSide:
             out.names.append(name)
             out.blocks.append(st.blocks[lo:hi])
             out.pages.append((c - segment_first(name)) * per + lo - c * per)
+        if self.ctx.hybrid:
+            out.first_block = first_block
+            out.groups = [g[first_block:last_block] for g in st.groups]
         return out
 
     def _saves(self, st: RequestState, scheduled: int) -> list[Transfer]:
@@ -268,22 +290,34 @@ class SchedulerSide:
             return []
         keys = st.keys.upto(request.all_token_ids, chunks)
         rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
+        # Mamba layers: a state exists where this step ends, so a segment ends there,
+        # whole (a hit ends at a segment's end: matched); a step ending elsewhere stores
+        # nothing of them (vLLM ends prefill steps on block boundaries under align mode)
+        mamba = ctx.hybrid and ctx.layout.mamba
+        if mamba and chunks * ctx.chunk_size != upto:
+            return []
         per = ctx.per
         out: list[Transfer] = []
         now = time.monotonic()
         for c in range(first, chunks):
-            if self._planned_elsewhere(keys[c], rewrite, now):
+            if (not mamba or not out) and self._planned_elsewhere(keys[c], rewrite, now):
                 continue
             self.planned[keys[c]] = (self.steps, now)
             self.planned.move_to_end(keys[c])
             # a new segment where the run breaks, and (storing again what failed to load)
             # where a segment it was found in began: a damaged segment is replaced under
             # its own name, not left beside its replacement
-            boundary = rewrite and c < len(st.located) and segment_first(st.located[c]) == c
+            boundary = rewrite and c < len(st.located) and segment_first(
+                st.located[c]) == c and not mamba
             if not out or out[-1].first_chunk + len(out[-1].keys) != c or boundary:
                 out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite))
             out[-1].keys.append(keys[c])
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
+        if ctx.hybrid:
+            for t in out:
+                t.first_block, t.state = t.first_chunk * per, mamba
+                end = (t.first_chunk + len(t.keys)) * per
+                t.groups = [g[t.first_block:end] for g in st.groups]
         while len(self.planned) > self.MAX_PLANNED:
             self.planned.popitem(last=False)
         while len(self.saving) > self.MAX_PLANNED:
@@ -318,7 +352,14 @@ class SchedulerSide:
             for key in self.saving.pop(done, ()):
                 self.planned.pop(key, None)
         invalid = getattr(connector_output, "invalid_block_ids", None)
-        self._loads_done(loaded, invalid or set())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        self._loads_done(loaded, invalid or set(), failed)
+        for req_id in failed:  # a hybrid model's failed load: recomputed from the start
+            st = self.requests.get(req_id)
+            if st is not None:
+                self.events.removed(st.request, 0, len(st.located))
+                st.stored, st.rewrite = 0, True
+                st.load_failed = True
         if not invalid:
             return
         per = self.ctx.per
@@ -331,10 +372,12 @@ class SchedulerSide:
                 st.stored = min(st.stored, first)
                 st.rewrite = st.load_failed = True
 
-    def _loads_done(self, req_ids: set[str], invalid: set[int]) -> None:
+    def _loads_done(self, req_ids: set[str], invalid: set[int],
+                    failed: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """The loads of ``req_ids`` ran in the step whose failed blocks are ``invalid``:
         vLLM recomputes a request from its first failed block on, so the tokens before it
-        are hits and the rest failed."""
+        are hits and the rest failed; a request in ``failed`` (vLLM's
+        ``failed_recving``) is recomputed whole."""
         stats, block = self.ctx.stats, self.ctx.block_size
         for req_id in req_ids:
             self.async_pending.discard(req_id)
@@ -342,7 +385,8 @@ class SchedulerSide:
             if done is None:
                 continue
             tokens, blocks = done
-            bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            bad = 0 if req_id in failed else next(
+                (i for i, b in enumerate(blocks) if b in invalid), None)
             hit = tokens if bad is None else min(tokens, bad * block)
             stats.add(tokens_hit=hit, tokens_failed=tokens - hit)
 

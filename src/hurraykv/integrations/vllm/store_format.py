@@ -72,11 +72,14 @@ class StoreFormat:
         return {"auto": cache_segment_dtype, "fp8": "float8_e4m3"}.get(self.dtype, self.dtype)
 
     # ------------------------------------------------------------------ save
-    def encode(self, pages: np.ndarray, role: str, layer: int) -> BlockPagedTensor:
+    def encode(self, pages: np.ndarray, role: str, layer: int,
+               table: np.ndarray | None = None) -> BlockPagedTensor:
         """One layer's pages ``[n, page_size, heads, dim]`` (a float dtype) as the
-        stored tensor of this format: one sequence over pages ``0..n-1``."""
+        stored tensor of this format: one sequence over pages ``0..n-1``, or over the
+        pages ``table`` names (a sliding-window layer's, ``hybrid.py``)."""
         n, size = int(pages.shape[0]), int(pages.shape[1])
-        table, ptr, lens = np.arange(n), [0, n], [n * size]
+        table = np.arange(n) if table is None else table
+        ptr, lens = [0, len(table)], [len(table) * size]
         if self.dtype == "fp8":
             peak = _peak(pages)
             if not np.isfinite(peak):

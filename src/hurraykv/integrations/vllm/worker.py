@@ -20,7 +20,7 @@ from typing import Any
 
 from ... import threads
 from ...adapters._torch import numpy_dtype
-from ...adapters.vllm import LayerView, backend_kind, cpu_isa, ordered_layers
+from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
 from ...io import checksums
 from .common import IDLE_WAIT, Context, Plan, log
 from .events import WorkerSegments
@@ -64,6 +64,16 @@ class WorkerSide:
     def _register(self, kv_caches: dict[str, Any]) -> None:
         ctx = self.ctx
         layers = ordered_layers(kv_caches)
+        states: list[tuple[Any, Any]] = []
+        if ctx.hybrid:  # attention layers as pages; Mamba layers' states (groups.py)
+            layout = ctx.layout
+            names = [n for n, _ in layers]
+            self.saver.group_map = layout.describe(names)
+            states = [(StateView(t, g.shapes, g.dtypes, where=f"kv_caches[{n!r}]"), g)
+                      for n, t in layers if (g := layout.group_of(n)).kind == "mamba"]
+            layers = [(n, t) for n, t in layers if layout.group_of(n).kind != "mamba"]
+            self.saver.groups = [layout.group_of(n) for n, _ in layers]
+            self.saver.states = states
         first = self.forward_context.get(layers[0][0])
         backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
         head_size = getattr(self.spec, "head_size", None)
@@ -85,11 +95,13 @@ class WorkerSide:
         checksums.warm()  # compiled now, not inside the first load's time
         dtype = numpy_dtype(views[0][1].parts[0].dtype)
         warm_formats(set(ctx.formats.values()), dtype)
-        self.target = Target(ctx, views, self.segment_dtype, self.format)
+        self.target = Target(ctx, views, self.segment_dtype, self.format,
+                             list(self.saver.groups), states, self.saver.group_map)
         self.step = StepLoads(lambda: self.target, dtype)
         self.loader = Loader(lambda: self.target, dtype)
-        log.info("HurrayConnector: %d layers of %s (%s), chunks of %d tokens in %s; "
+        log.info("HurrayConnector: %d layers of %s (%s)%s, chunks of %d tokens in %s; "
                  "segments read on %d core(s) %s", len(views), backend, kind,
+                 f" and {len(states)} Mamba layers" if states else "",
                  ctx.chunk_size, ctx.url, threads.workers(), sorted(os.sched_getaffinity(0)))
 
     # ------------------------------------------------------------------ loads
@@ -132,8 +144,7 @@ class WorkerSide:
         jobs, failed = self.loader.finished(finished_req_ids, self.ctx)
         self.step.failed.update(failed)
         self._report(j for j in jobs if not j.cancelled)
-        return ({j.req_id for j in jobs},
-                {j.req_id for j in jobs if j.transfer.failed and not j.cancelled})
+        return {j.req_id for j in jobs}, {j.req_id for j in jobs if j.failed_whole}
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads (and of asynchronous loads reported finished) that

@@ -1,0 +1,143 @@
+"""Segments of a hybrid model (issue 31): what ``groups.py`` says is stored, as a
+KVCacheSnapshot any Hurray reader opens (decision D31 in ``docs/spec-decisions.md``).
+
+* One block-paged member per attention layer (``layers.{i}.key``/``value``, ``i`` the
+  layer's rank among the model's attention layers), all of one sequence of the
+  segment's tokens, as in a one-group segment.  A sliding-window layer keeps only the
+  pages a hit needs (``KVGroup.kept``): its ``page_pool`` holds them in token order and,
+  when any page is left out, one zero page last, which every left-out block of its
+  ``block_table`` names (aliasing, as prefix sharing does).  So ``seq_ptr``, ``seq_lens``
+  and the element type are those of the other members, the snapshot's rules hold, and a
+  reader sees zeros where nothing was kept.
+* One row-major member per state of a Mamba layer at the segment's end
+  (``states.{j}.{k}``: layer ``j`` among the model's Mamba layers, state ``k``), of the
+  engine's own dtype and shape: states are exact, whatever ``store_dtype`` says (a
+  recurrent state carries every earlier token: an error in it never fades).
+* The group map in the info metadata: ``kv_cache_groups``, a JSON object (metadata
+  values are scalars) of each group's kind, layers, window or state shapes; and
+  ``kv_cache_states``: whether this segment holds end states.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import HurrayError
+from ...paged import BlockPagedTensor
+from ...snapshot import KVCacheSnapshot
+from ...wire.buffers import handle
+from ...wire.descriptor import TensorDescriptor
+from ...wire.dtypes import element_type
+from ...wire.layouts import RowMajor
+from .groups import METADATA_KEY, STATE_KEY
+from .store_format import StoreFormat
+
+
+def state_name(layer: int, part: int) -> str:
+    return f"states.{layer}.{part}"
+
+
+def page_table(kept: np.ndarray) -> np.ndarray | None:
+    """The ``block_table`` of a member keeping pages ``kept`` (None: all, in order)."""
+    if kept.all():
+        return None
+    table = np.full(len(kept), int(kept.sum()), np.int64)  # the zero page, last
+    table[kept] = np.arange(int(kept.sum()))
+    return table
+
+
+def encode_layer(fmt: StoreFormat, parts: Sequence[np.ndarray], kept: np.ndarray,
+                 layer: int) -> list[BlockPagedTensor]:
+    """One attention layer's kept pages (``parts``: key and value, or fused) as the
+    members of a segment."""
+    roles = ("fused",) if len(parts) == 1 else ("key", "value")
+    table = page_table(kept)
+    out = []
+    for pages, role in zip(parts, roles, strict=True):
+        if table is not None:  # the zero page every left-out block names
+            pages = np.concatenate([pages, np.zeros((1, *pages.shape[1:]), pages.dtype)])
+        out.append(fmt.encode(pages, role, layer, table) if not fmt.auto or table is not None
+                   else BlockPagedTensor(pages, np.arange(len(pages)), [0, len(pages)],
+                                         [len(pages) * pages.shape[1]], kv_role=role,
+                                         layer_index=layer))
+    return out
+
+
+def state_member(name: str, state: np.ndarray) -> tuple[str, TensorDescriptor, list[Any]]:
+    data = np.ascontiguousarray(state)
+    desc = TensorDescriptor(element_type(data.dtype).tag, tuple(data.shape), RowMajor(),
+                            (handle(data.nbytes),))
+    return name, desc, [memoryview(data.reshape(-1).view(np.uint8))]
+
+
+def segment(tensors: Sequence[BlockPagedTensor], states: Sequence[Sequence[np.ndarray]] | None,
+            groups: dict[str, Any], identity: str, tokens: int, kv_scales: Any = None
+            ) -> KVCacheSnapshot:
+    """A hybrid segment of ``tokens`` tokens: the attention members, the end states
+    (None: none), the group map; ``kv_scales``: an fp8 cache's, per attention layer."""
+    meta = {METADATA_KEY: json.dumps(groups, sort_keys=True, separators=(",", ":")),
+            STATE_KEY: states is not None}
+    extras = [state_member(state_name(j, k), s) for j, layer in enumerate(states or ())
+              for k, s in enumerate(layer)]
+    return KVCacheSnapshot.from_tensors(tensors, [tokens], kv_scales, model=identity,
+                                        metadata=meta, extras=extras)
+
+
+def has_states(snap: KVCacheSnapshot) -> bool:
+    return snap.metadata.get(STATE_KEY) is True
+
+
+def groups_of(snap: KVCacheSnapshot) -> dict[str, Any] | None:
+    """A segment's group map (None: none, or not JSON)."""
+    try:
+        found = json.loads(snap.metadata.get(METADATA_KEY, "null"))
+    except (TypeError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def states_of(snap: KVCacheSnapshot, layers: int, parts: int) -> list[list[np.ndarray]]:
+    """The end states of a segment, ``[layer][part]`` as stored (bytes, typed)."""
+    found = {name: (desc, bufs) for name, desc, bufs in snap.extras if name}
+    out = []
+    for j in range(layers):
+        row = []
+        for k in range(parts):
+            got = found.get(state_name(j, k))
+            if got is None:
+                raise HurrayError(f"a stored segment of identity {snap.model!r} has no member "
+                                  f"{state_name(j, k)} (a Mamba layer's end state)",
+                                  field="segment.members", value=state_name(j, k),
+                                  rule="a hybrid segment's end states")
+            desc, bufs = got
+            raw = np.frombuffer(memoryview(bufs[0]).cast("B"), np.uint8)
+            et = element_type(desc.type_tag)
+            if raw.nbytes != et.nbytes(int(np.prod(desc.shape))):
+                raise HurrayError(f"state member {state_name(j, k)} holds {raw.nbytes} bytes, "
+                                  f"its {et.name} {list(desc.shape)} need "
+                                  f"{et.nbytes(int(np.prod(desc.shape)))}",
+                                  field=f"{state_name(j, k)}.buffers[0]", value=raw.nbytes,
+                                  rule="a state's bytes")
+            row.append(raw.view(et.numpy).reshape(desc.shape))
+        out.append(row)
+    return out
+
+
+def physical_run(t: BlockPagedTensor, first: int, n: int) -> int | None:
+    """The page of ``t``'s pool holding logical page ``first``, when pages ``first ..
+    first + n`` are kept there in order (None: they are not)."""
+    lo, hi = int(t.seq_ptr[0]) + first, int(t.seq_ptr[0]) + first + n
+    table = np.asarray(t.block_table[lo:hi], np.int64)
+    if len(table) != n or (n and not np.array_equal(table, table[0] + np.arange(n))):
+        return None
+    if n and int(table[-1]) >= t.num_pages:
+        return None
+    return int(table[0]) if n else 0
+
+
+__all__ = ["encode_layer", "groups_of", "has_states", "page_table", "physical_run", "segment",
+           "state_member", "state_name", "states_of"]
