@@ -5,11 +5,14 @@ layers collapsed.  ``--json`` prints every number, uncollapsed."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from .. import units
+from ..integrations.vllm.groups import METADATA_KEY as GROUPS_KEY
+from ..integrations.vllm.groups import STATE_KEY as STATES_KEY
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, member_name
 from ..wire.annotate import quantization_fields
@@ -40,8 +43,30 @@ def member_row(name: str | None, desc: TensorDescriptor,
 
 
 def snapshot_rows(snap: KVCacheSnapshot) -> list[dict[str, Any]]:
+    """The block-paged members, then the others (a hybrid model's states)."""
     return [member_row(member_name(layer, role), snap.descriptor(layer, role),
-                       snap.tensor(layer, role)) for layer, role in snap.member_keys()]
+                       snap.tensor(layer, role)) for layer, role in snap.member_keys()] + [
+        member_row(name, desc) for name, desc, _ in snap.extras]
+
+
+def group_lines(snap: KVCacheSnapshot) -> list[str]:
+    """A hybrid model's KV cache groups (a vLLM connector segment's group map:
+    ``integrations/vllm/groups.py``), one line each."""
+    try:
+        found = json.loads(snap.metadata.get(GROUPS_KEY, "null"))
+        groups = found["groups"]
+    except (TypeError, ValueError, KeyError):
+        return []
+    lines = [f"  KV cache groups ({len(groups)}, block size {found.get('block_size')}"
+             f"{', end states stored' if snap.metadata.get(STATES_KEY) is True else ''}):"]
+    for g in groups:
+        kind = g.get("kind", "?") + (f" {g['window']} tokens" if "window" in g else "")
+        members = "states" if g.get("kind") == "mamba" else "layers"
+        states = "".join(f", state {k}: {s['dtype']} {s['shape']}"
+                         for k, s in enumerate(g.get("states", ())))
+        lines.append(f"    {kind:<22} {members}.{','.join(map(str, g.get('members', ())))}"
+                     f" ({len(g.get('layers', ()))} model layers{states})")
+    return lines
 
 
 def seq_summary(lens: np.ndarray) -> dict[str, Any]:
@@ -180,9 +205,12 @@ def summary_lines(snap: KVCacheSnapshot | None, tot: dict[str, Any]) -> list[str
             lines.append(f"  quantization: {'; '.join(sorted(schemes))}")
     if snap is not None and snap.model is not None:
         lines.append(f"  model       : {snap.model}")
-    if snap is not None and snap.metadata:
-        lines.append("  metadata    : " + ", ".join(f"{k} = {v}" for k, v in
-                                                    snap.metadata.items()))
+    if snap is not None:
+        lines += group_lines(snap)
+    shown = {k: v for k, v in (snap.metadata if snap is not None else {}).items()
+             if not (k == GROUPS_KEY and group_lines(snap))}
+    if shown:
+        lines.append("  metadata    : " + ", ".join(f"{k} = {v}" for k, v in shown.items()))
     return lines
 
 

@@ -46,32 +46,32 @@ def tiny_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2,
     return Path(path)
 
 
-def _randomize(model: Any, std: float) -> None:
-    """Every matrix drawn N(0, std): with vLLM's tiny defaults (0.02, tied embeddings)
-    greedy decoding repeats one token, which proves little."""
+def _randomize(model: Any, std: float, embed: float | None = None) -> None:
+    """Every matrix drawn N(0, std), the embeddings N(0, ``embed``) when given: with the
+    defaults (0.02) greedy decoding repeats one token, which proves little."""
     import torch
 
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0, std)
+                p.normal_(0, embed if embed is not None and "embed" in name else std)
 
 
 def tiny_gemma2(path: str | os.PathLike, *, seed: int = 0, window: int = 64) -> Path:
     """A random Gemma2ForCausalLM, 4 layers alternating sliding-window (``window``
-    tokens) and global attention, head_dim 32, untied embeddings (tied ones make a
-    random Gemma repeat its input token), float32: vLLM keeps its hybrid KV cache
-    manager on for it (a sliding-window and a full-attention group)."""
+    tokens) and global attention, head_dim 32, float32: vLLM keeps its hybrid KV cache
+    manager on for it (a sliding-window and a full-attention group).  Its embeddings are
+    tied (vLLM's Gemma2 has no lm_head), so they are drawn small (0.01) and the layers
+    large (0.3): else the residual stream's embedding wins and it repeats its input."""
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(seed)
     config = Gemma2Config(vocab_size=1024, hidden_size=128, intermediate_size=256,
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=32, sliding_window=window, max_position_embeddings=8192,
-                          tie_word_embeddings=False)
+                          head_dim=32, sliding_window=window, max_position_embeddings=8192)
     model = Gemma2ForCausalLM(config)
-    _randomize(model, 0.1)
+    _randomize(model, 0.3, embed=0.01)
     model.save_pretrained(path)
     return Path(path)
 

@@ -33,6 +33,12 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         raise HurrayError(f"chunk_size {chunk_size} is not a positive multiple of "
                           f"the block size {block_size}", field="chunk_size",
                           value=chunk_size)
+    layout = layout_for(vllm_config, kv_cache_config)
+    if layout.mamba and not layout.unsupported and chunk_size != block_size:
+        raise HurrayError(f"chunk_size {chunk_size}: a model with Mamba layers stores chunks "
+                          f"of one block ({block_size} tokens here, vLLM's choice): their "
+                          f"states exist where a step ended, on a block boundary",
+                          field="chunk_size", value=chunk_size, rule="the block size")
     tp = vllm_config.parallel_config.tensor_parallel_size
     # Each tensor-parallel rank holds its own heads: it stores and loads its own
     # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
@@ -65,7 +71,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
         disabled=why_disabled(vllm_config, kv_cache_config), formats=identities,
-        layout=layout_for(vllm_config, kv_cache_config))
+        layout=layout)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
