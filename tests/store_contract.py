@@ -92,6 +92,34 @@ class ChunkStoreContract:
         store.discard(name)
         assert store.locate(k) == [None, None]
 
+    def test_members_besides_the_pages_come_back_whole_in_order_and_checked(self, store):
+        """A hybrid model's segment carries its layers' recurrent states as row-major
+        members besides the block-paged ones (integrations/vllm/hybrid.py): every
+        backend keeps them, bytes, dtype, shape and order (names need not survive), and
+        their checksums hold them like pages."""
+        from hurraykv.integrations.vllm.hybrid import state_member
+
+        rng = np.random.default_rng(9)
+        states = [rng.standard_normal((3, 5)).astype(np.float32),
+                  rng.integers(0, 255, 7, dtype=np.uint8)]
+        base = segment(2, 7, summed=False)
+        snap = hk.KVCacheSnapshot.from_tensors(
+            base.tensors(), extras=[state_member(f"states.0.{k}", s)
+                                    for k, s in enumerate(states)])
+        k = keys(2)
+        store.put(k, 0, checksums.with_checksums(snap), {})
+        back = store.get_verified(store.locate(k)[0])
+        assert back.equal(base)
+        got = [(np.dtype(d.element_type.numpy), tuple(d.shape), np.asarray(
+            memoryview(b[0]).cast("B")).tobytes()) for _, d, b in back.extras]
+        assert got == [(s.dtype, s.shape, s.tobytes()) for s in states]
+        damaged = checksums.with_checksums(snap)
+        np.frombuffer(damaged.extras[0][2][0], np.uint8)[5] ^= 0x10
+        k = keys(2)
+        store.put(k, 0, damaged, {})
+        with pytest.raises(checksums.ChecksumError):
+            store.get_verified(store.locate(k)[0])
+
     def test_a_segment_without_checksums_is_not_vouched_for(self, store):
         k = keys(1)
         store.put(k, 0, segment(1, 4, summed=False), {})

@@ -157,6 +157,9 @@ def pages(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 32, 2, 32)).astype(np.float32)
 
 
+SHAPES = ([(3, 16), (4, 8)], ["float32", "uint8"])
+
+
 def hybrid_segment(fmt: StoreFormat | None = None, states: bool = True):
     """Chunks of 4 blocks, 2 chunks: a sliding layer (0) keeping 2 of each 4 pages, a
     full one (1), and two Mamba layers' states."""
@@ -193,7 +196,7 @@ def test_a_sliding_layer_keeps_its_window_pages_and_names_one_zero_page_for_the_
     back, pending = store.get_checked(segment_name(keys, 0))
     if pending is not None:
         pending.check(frozenset(n for n, _, _ in back.members()))
-    for layer, row in zip(hybrid.states_of(back, 2, 2), states, strict=True):
+    for layer, row in zip(hybrid.states_of(back, 2, *SHAPES), states, strict=True):
         for got, want in zip(layer, row, strict=True):
             assert got.dtype == want.dtype and np.array_equal(got, want)
     assert hybrid.groups_of(back) == json.loads(snap.metadata[METADATA_KEY])
@@ -217,15 +220,19 @@ def test_quantized_sliding_pages_keep_their_table_and_states_stay_exact():
     window = np.asarray(t.dequantize().page_pool[:4])
     np.testing.assert_allclose(window, pages(8, 1)[kept], atol=np.abs(
         pages(8, 1)).max() / 127)
-    assert np.array_equal(hybrid.states_of(snap, 2, 2)[1][0], states[1][0])
+    assert np.array_equal(hybrid.states_of(snap, 2, *SHAPES)[1][0], states[1][0])
 
 
 def test_a_segment_without_states_says_so_and_a_missing_state_is_named():
     snap, _, _ = hybrid_segment(states=False)
     assert not hybrid.has_states(snap)
-    with pytest.raises(HurrayError, match=r"no member states\.0\.0") as e:
-        hybrid.states_of(snap, 1, 1)
+    with pytest.raises(HurrayError, match="holds 0 state members, this engine's 2") as e:
+        hybrid.states_of(snap, 2, *SHAPES)
     assert e.value.field == "segment.members"
+    snap, _, _ = hybrid_segment()
+    with pytest.raises(HurrayError, match=r"states\.0\.1 is uint8 \[4, 8\], the group map "
+                       r"says float32 \[4, 8\]"):
+        hybrid.states_of(snap, 2, SHAPES[0], ["float32", "float32"])
 
 
 # ---------------------------------------------------------------- the scheduler

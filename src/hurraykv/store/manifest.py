@@ -2,7 +2,8 @@
 
 Manifest: ``"HKVM" | u32 version (2) | 16-byte generation | u64 n | n Hurray bytes | u64 n |
 page digests (16 bytes each, all zero for a page no sequence references) | u64 n | token
-ids`` (see ``pages.py``).  The generation is random, one per stored manifest: it is the
+ids`` (see ``pages.py``; members that are not block-paged, a hybrid model's states,
+travel whole in the Hurray bytes).  The generation is random, one per stored manifest: it is the
 reference the manifest holds on each of its pages.  Version 1 (no generation, written
 before references were generations) is still read; ``fsck`` upgrades it.  A prefix-index
 value names the snapshot, sequence and token count where a chain of full token pages ends.
@@ -41,6 +42,8 @@ def encode_manifest(snapshot: KVCacheSnapshot, members: list[Member],
         write_tensor(buf, *info_member(snapshot.model, snapshot.metadata))
     for m in members:
         buf.write(m.skeleton())
+    for _, desc, bufs in snapshot.extras:  # other members (a hybrid model's states): whole
+        write_tensor(buf, desc, bufs)
     hurray = buf.getvalue()
     table = b"".join(d for ds in digests for d in ds)
     tokens = b""

@@ -22,7 +22,8 @@ Manifest: ``"HKVM" | u32 version (2) | 16-byte generation | u64 n | n Hurray byt
 ids``.  The Hurray bytes are the snapshot's group head, ``seq_lens``, ``kv_scales`` and the
 info member (model and metadata) as stream tensors, then each block-paged member's
 descriptor followed by its non-page buffers (block_table, seq_ptr, per-tensor/per-channel
-parameters) in table order - everything of the snapshot but the pages.  Token ids are
+parameters) in table order, then every other member whole (a hybrid model's states) -
+everything of the snapshot but the pages.  Token ids are
 int64, sequences back to back.
 
 A put draws a new generation, adds it to the owners of each of its pages (storing the

@@ -100,27 +100,38 @@ def groups_of(snap: KVCacheSnapshot) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def states_of(snap: KVCacheSnapshot, layers: int, parts: int) -> list[list[np.ndarray]]:
-    """The end states of a segment, ``[layer][part]`` as stored (bytes, typed)."""
-    found = {name: (desc, bufs) for name, desc, bufs in snap.extras if name}
+def states_of(snap: KVCacheSnapshot, layers: int, shapes: Sequence[Sequence[int]],
+              dtypes: Sequence[str]) -> list[list[np.ndarray]]:
+    """The end states of a segment, ``[layer][part]`` as stored.  Members are told by
+    their fields and order, never by name (D7: a transport may not keep names): the
+    members that are not block-paged, in order, each of the dtype and shape the group
+    map gives its state."""
+    found = list(snap.extras)
+    parts = len(shapes)
+    if len(found) != layers * parts:
+        raise HurrayError(f"a stored segment of identity {snap.model!r} holds {len(found)} "
+                          f"state members, this engine's {layers} Mamba layers need "
+                          f"{layers * parts}", field="segment.members", value=len(found),
+                          rule="a hybrid segment's end states")
     out = []
     for j in range(layers):
         row = []
-        for k in range(parts):
-            got = found.get(state_name(j, k))
-            if got is None:
-                raise HurrayError(f"a stored segment of identity {snap.model!r} has no member "
-                                  f"{state_name(j, k)} (a Mamba layer's end state)",
-                                  field="segment.members", value=state_name(j, k),
-                                  rule="a hybrid segment's end states")
-            desc, bufs = got
-            raw = np.frombuffer(memoryview(bufs[0]).cast("B"), np.uint8)
+        for k, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
+            _, desc, bufs = found[j * parts + k]
+            where = state_name(j, k)
             et = element_type(desc.type_tag)
-            if raw.nbytes != et.nbytes(int(np.prod(desc.shape))):
-                raise HurrayError(f"state member {state_name(j, k)} holds {raw.nbytes} bytes, "
-                                  f"its {et.name} {list(desc.shape)} need "
-                                  f"{et.nbytes(int(np.prod(desc.shape)))}",
-                                  field=f"{state_name(j, k)}.buffers[0]", value=raw.nbytes,
+            if (et.name, tuple(desc.shape)) != (element_type(dtype).name, tuple(shape)):
+                raise HurrayError(f"state member {where} is {et.name} {list(desc.shape)}, "
+                                  f"the group map says {dtype} {list(shape)}",
+                                  field=f"{where}.shape", value=list(desc.shape),
+                                  rule="a hybrid segment's end states")
+            raw = np.frombuffer(memoryview(bufs[0]).cast("B"), np.uint8) if len(bufs) else \
+                np.zeros(0, np.uint8)
+            need = et.nbytes(int(np.prod(desc.shape)))
+            if raw.nbytes != need:
+                raise HurrayError(f"state member {where} holds {raw.nbytes} bytes, its "
+                                  f"{et.name} {list(desc.shape)} need {need}",
+                                  field=f"{where}.buffers[0]", value=raw.nbytes,
                                   rule="a state's bytes")
             row.append(raw.view(et.numpy).reshape(desc.shape))
         out.append(row)

@@ -89,7 +89,7 @@ class Target:
             return self.format
         return self.ctx.formats.get(snap.model)
 
-    def check_segment(self, snap: KVCacheSnapshot) -> None:
+    def check_segment(self, snap: KVCacheSnapshot, name: str | None = None) -> None:
         ctx = self.ctx
         view = self.layers[0][1]
         want = (len(self.layers), ctx.block_size, view.heads, *view.dims)
@@ -109,7 +109,8 @@ class Target:
                               f"{snap.num_seqs} sequences, this engine needs {list(want)} "
                               f"in whole chunks of {ctx.chunk_size}", field="segment",
                               value=list(have), rule="the cache identity")
-        fmt.check(snap, self.segment_dtype)  # quantization and scales as the format says
+        # quantization and scales as the format says; the pages kept in order
+        fmt.check(snap, self.segment_dtype, self._tables(snap, name))
         if self.groups:
             have = hybrid.groups_of(snap)
             if have != self.group_map:
@@ -119,6 +120,22 @@ class Target:
                                   rule="the cache identity")
         snap.tensors()  # builds every member: index buffers and token counts checked
 
+    def _tables(self, snap: KVCacheSnapshot, name: str | None) -> dict[int, Any] | None:
+        """A hybrid model's sliding-window layers' block tables, as ``hybrid.page_table``
+        makes them for a segment of this name and length."""
+        if not self.groups or name is None:
+            return None
+        per = self.ctx.per
+        pages = snap.total_tokens // snap.page_size
+        first = segment_first(name) * per
+        out = {}
+        for layer, group in enumerate(self.groups):
+            if group.kind == SLIDING:
+                table = hybrid.page_table(group.kept(first, pages, per))
+                if table is not None:
+                    out[layer] = table
+        return out
+
     def get_checked(self, store: Any, name: str) -> tuple[KVCacheSnapshot, Pending | None] \
             | HurrayError:
         """A segment that fits this engine (and the checks its read left), or the error
@@ -126,7 +143,7 @@ class Target:
         before = store.verify_seconds
         try:
             snap, pending = store.get_checked(name, self.later)
-            self.check_segment(snap)
+            self.check_segment(snap, name)
             return snap, pending
         except TransportError:
             raise
@@ -320,8 +337,8 @@ class LoadJob:
             if self.cancelled or self.ok < len(self.transfer.names) or not target.states:
                 return 0
             snap = self.runs[-1].snap
-            parts = len(target.states[0][0].shapes)
-            states = hybrid.states_of(snap, len(target.states), parts)
+            view = target.states[0][0]
+            states = hybrid.states_of(snap, len(target.states), view.shapes, view.dtypes)
             nbytes = 0
             for (view, group), layer in zip(target.states, states, strict=True):
                 view.write(self.transfer.groups[group.index][-1], layer)

@@ -105,9 +105,11 @@ class StoreFormat:
                                             model=identity)
 
     # ------------------------------------------------------------------ load
-    def check(self, snap: KVCacheSnapshot, cache_segment_dtype: str) -> None:
+    def check(self, snap: KVCacheSnapshot, cache_segment_dtype: str,
+              tables: dict[int, np.ndarray] | None = None) -> None:
         """Refuse a segment whose members are not of this format (same identity, other
-        contents: a forged or foreign object)."""
+        contents: a forged or foreign object); ``tables``: the block tables of layers
+        that keep some of their pages (a hybrid model's sliding-window layers)."""
         t = snap.tensor(*snap.member_keys()[0])
         q = t.quantization
         have = (snap.dtype, None if q is None else type(q).NAME,
@@ -124,16 +126,27 @@ class StoreFormat:
         # segment is one sequence over its pages in order, as encode and segment make it
         for layer, role in snap.member_keys():
             t = snap.tensor(layer, role)
-            head = t.block_table[:t.num_pages]
-            wrong = np.flatnonzero(head != np.arange(len(head)))
-            if len(wrong) or len(t.block_table) != t.num_pages:
-                i = int(wrong[0]) if len(wrong) else len(head)
-                found = int(t.block_table[i]) if i < len(t.block_table) else "nothing"
+            want = (tables or {}).get(layer)
+            if want is None:
+                want = np.arange(t.num_pages)
+            table = np.asarray(t.block_table)
+            n = min(len(table), len(want))
+            wrong = np.flatnonzero(table[:n] != want[:n])
+            if len(wrong) or len(table) != len(want) or t.num_pages != int(want.max(
+                    initial=-1)) + 1:
+                i = int(wrong[0]) if len(wrong) else n
+                found = int(table[i]) if i < len(table) else "nothing"
                 raise HurrayError(f"layers.{layer}.{role}: block_table[{i}] is {found}; a "
                                   f"stored segment is one sequence over its {t.num_pages} "
-                                  f"pages in order (block_table 0..{t.num_pages - 1})",
+                                  f"pages in order (block_table {_table_text(want)})",
                                   field=f"layers.{layer}.{role}.block_table[{i}]",
                                   value=found, rule="pages in order")
+
+
+def _table_text(table: np.ndarray) -> str:
+    if np.array_equal(table, np.arange(len(table))):
+        return f"0..{len(table) - 1}"
+    return f"{table.tolist()}: the kept pages, a zero page for the others"
 
 
 def _slot_bits(pages: np.ndarray):
