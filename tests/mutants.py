@@ -300,6 +300,31 @@ MUTANTS = [
             "links_made_meanwhile",),
            "net/aliases.py: the alias log is compacted on its own thread, never the "
            "event loop's"),
+    # --- hybrid models (issue 31) --------------------------------------------------------
+    Mutant("sliding-window-keeps-every-page", "hurraykv/integrations/vllm/groups.py",
+           "return end - index <= self.need", "return end - index >= 0",
+           ("tests/test_vllm_hybrid.py::test_a_sliding_window_group_needs_the_blocks_of_its_"
+            "window_before_a_hit",
+            "tests/test_vllm_hybrid.py::test_a_sliding_layer_keeps_its_window_pages_and_names_"
+            "one_zero_page_for_the_rest"),
+           "docs/vllm.md, Hybrid models: a segment stores the sliding-window pages a hit "
+           "at one of its chunk ends needs"),
+    Mutant("mamba-hit-anywhere", "hurraykv/integrations/vllm/scheduler.py",
+           "if ctx.hybrid and ctx.layout.mamba:\n            # a Mamba state",
+           "if False:\n            # a Mamba state",
+           ("tests/test_vllm_hybrid.py::test_a_mamba_hit_ends_where_a_stored_segment_ends",),
+           "docs/vllm.md, Hybrid models: a hit ends at the end of a segment (its states)"),
+    Mutant("hybrid-loads-sync", "hurraykv/integrations/vllm/scheduler.py",
+           "        if self.ctx.hybrid:\n            # vLLM takes no block-level",
+           "        if False:\n            # vLLM takes no block-level",
+           ("tests/test_vllm_hybrid.py::test_hybrid_loads_carry_every_groups_blocks_and_fail_"
+            "by_request",),
+           "docs/vllm.md, Hybrid models: loads are asynchronous whatever load_mode says"),
+    Mutant("page-store-drops-states", "hurraykv/store/manifest.py",
+           "        write_tensor(buf, desc, bufs)\n    hurray = buf.getvalue()",
+           "        pass\n    hurray = buf.getvalue()",
+           ("tests/test_chunk_stores.py",),
+           "docs/spec-decisions.md H44/H92: the page store keeps members besides the pages"),
 ]
 
 

@@ -9,7 +9,9 @@ Spec keys: ``model`` (directory), ``dtype``, ``kv_cache_dtype``, ``prompts`` (li
 token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
 "name", "module"}``), ``block_size``, ``rounds`` (generate the prompts this many
 times, one request at a time, timing each), ``env``, ``tensor_parallel_size`` and
-``distributed_executor_backend``, ``time_connector`` (also time the
+``distributed_executor_backend``, ``max_num_batched_tokens``,
+``disable_hybrid_kv_cache_manager``, ``num_blocks`` (None: as much as
+``VLLM_CPU_KVCACHE_SPACE`` holds), ``time_connector`` (also time the
 connector's own calls in each request: ``connector_times``), ``logprobs`` (each output's
 ``logprobs``: per generated token, the top N log-probabilities and the chosen token's)."""
 
@@ -97,6 +99,66 @@ def tiny_qwen3_next(path: str | os.PathLike, *, seed: int = 0) -> Path:
     return Path(path)
 
 
+def tiny_gpt_oss(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A random GptOssForCausalLM: 4 layers alternating sliding-window (64 tokens) and
+    full attention with attention sinks, 4 experts (top 2), head_dim 64, float32."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=1024, hidden_size=256, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, sliding_window=64, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=8192,
+                          tie_word_embeddings=False,
+                          layer_types=["sliding_attention", "full_attention"] * 2)
+    model = GptOssForCausalLM(config)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def tiny_gemma3(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A random Gemma3ForCausalLM (text): layers 0-2 sliding-window (64 tokens), layer 3
+    global, head_dim 32, float32 (vLLM makes one KV cache group of each layer)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=64, max_position_embeddings=8192,
+                              layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                              tie_word_embeddings=False)
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = Gemma3ForCausalLM(config)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def tiny_llama4(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A random Llama4ForCausalLM (text): layers 0-2 chunked local attention (64 tokens),
+    layer 3 global without RoPE, 4 experts, head_dim 64, float32."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(vocab_size=1024, hidden_size=256, intermediate_size=128,
+                              intermediate_size_mlp=256, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              num_local_experts=4, num_experts_per_tok=1,
+                              interleave_moe_layer_step=1, attention_chunk_size=64,
+                              no_rope_layer_interval=4, max_position_embeddings=8192,
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config.architectures = ["Llama4ForCausalLM"]
+    model = Llama4ForCausalLM(config)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def run(spec: dict, workdir: str | os.PathLike, name: str = "engine",
         timeout: float = 600, entry: Any = None) -> dict:
     """Run one engine in a fresh process; its result, with ``log`` (stderr) and ``code``.
@@ -168,7 +230,7 @@ def engine_kwargs(spec: dict) -> dict:
               enable_prefix_caching=spec.get("prefix_caching", False),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     for key in ("tensor_parallel_size", "distributed_executor_backend",
-                "max_num_batched_tokens"):
+                "max_num_batched_tokens", "disable_hybrid_kv_cache_manager"):
         if key in spec:
             kw[key] = spec[key]
     conn = spec.get("connector")

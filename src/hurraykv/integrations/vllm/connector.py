@@ -84,7 +84,9 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
                 ctx.block_size, chunk_size,
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
                 ranks=tp, locality=kv_events.locality_of(conf.url),
-                enabled=bool(wanted and wanted.enable_kv_cache_events)),
+                enabled=bool(wanted and wanted.enable_kv_cache_events),
+                group_idx=ctx.layout.ref if ctx.hybrid else 0,
+                spec_kind="full_attention" if ctx.hybrid else None),
                 new_plan=HurrayConnectorMetadata)
         else:
             for needed, guarded in ((ctx.can_load, ctx.loads), (ctx.can_save, ctx.saves)):
@@ -105,6 +107,10 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
                  conf.lookup_timeout_ms, conf.load_timeout_ms, conf.save_timeout_ms)
         if ctx.disabled:
             log.warning("HurrayConnector passes requests through: %s", ctx.disabled)
+        elif ctx.hybrid and conf.load_mode == "sync":
+            log.warning("HurrayConnector: load_mode is 'sync', but a hybrid model's loads are "
+                        "asynchronous: vLLM takes no block-level load failure from a model "
+                        "with several KV cache groups")
         if conf.url.startswith("file:") and conf.max_bytes is None and ctx.can_save:
             log.warning("HurrayConnector: %s has no capacity and grows without bound; set "
                         "kv_connector_extra_config max_bytes (e.g. \"64G\") to evict the "

@@ -88,14 +88,16 @@ class HurrayKVEvents:
     def __init__(self, block_size: int, chunk_size: int, *, hash_block_size: int | None = None,
                  ranks: int = 1, enabled: bool = True, medium: str = MEDIUM,
                  ownership: str | None = OWNERSHIP, locality: str | None = None,
-                 group_idx: int = 0, max_tracked: int = 100_000) -> None:
+                 group_idx: int = 0, spec_kind: str | None = None,
+                 max_tracked: int = 100_000) -> None:
         if chunk_size % block_size:
             raise ValueError(f"chunk_size {chunk_size} is not a multiple of {block_size}")
         self.block_size, self.chunk_size = block_size, chunk_size
         self.hash_block_size = hash_block_size or block_size
         self.ranks, self.enabled = max(1, ranks), enabled
         self.medium, self.ownership, self.locality = medium, ownership, locality
-        self.group_idx, self.max_tracked = group_idx, max_tracked
+        # a hybrid model's chunks are announced as its full-attention group's blocks
+        self.group_idx, self.spec_kind, self.max_tracked = group_idx, spec_kind, max_tracked
         self._pending: OrderedDict[str, _Payload] = OrderedDict()
         self._announced: OrderedDict[Any, None] = OrderedDict()  # hashes told stored
         self._events: list[Any] = []
@@ -130,8 +132,9 @@ class HurrayKVEvents:
         return BlockStored(block_hashes=p.hashes, parent_block_hash=p.parent,
                            token_ids=p.tokens, block_size=self.block_size,
                            lora_id=p.lora_id, medium=self.medium, lora_name=p.lora_name,
-                           group_idx=self.group_idx, locality=self.locality,
-                           ownership=self.ownership, session_id=p.session)
+                           group_idx=self.group_idx, kv_cache_spec_kind=self.spec_kind,
+                           locality=self.locality, ownership=self.ownership,
+                           session_id=p.session)
 
     # ---------------------------------------------------------------- feeding
     def stored(self, request: Any, first_chunk: int, chunks: int) -> None:

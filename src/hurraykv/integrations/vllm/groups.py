@@ -20,7 +20,7 @@ A segment stores, for the chunks it holds: every page of the full groups; the pa
 hit at one of its chunk ends needs of the sliding groups (``kept``); the state at its
 end of the mamba groups (only a segment ending where a step ended has one, so a hit
 ends at the end of a segment: ``scheduler.py``).  Their form in the file is in
-``docs/spec-decisions.md`` (D31); ``segments.py`` builds and reads it.
+``docs/spec-decisions.md`` (H92); ``hybrid.py`` builds and reads it.
 """
 
 from __future__ import annotations

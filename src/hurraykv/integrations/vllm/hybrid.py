@@ -1,5 +1,5 @@
 """Segments of a hybrid model (issue 31): what ``groups.py`` says is stored, as a
-KVCacheSnapshot any Hurray reader opens (decision D31 in ``docs/spec-decisions.md``).
+KVCacheSnapshot any Hurray reader opens (decision H92 in ``docs/spec-decisions.md``).
 
 * One block-paged member per attention layer (``layers.{i}.key``/``value``, ``i`` the
   layer's rank among the model's attention layers), all of one sequence of the
