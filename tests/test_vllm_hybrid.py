@@ -150,6 +150,11 @@ def test_a_model_with_mamba_layers_stores_chunks_of_one_block(tmp_path):
     assert e.value.field == "chunk_size"
     ctx = build_context(vllm_config(url, 160, "align"), qwen3_next())
     assert ctx.hybrid and ctx.layout.mamba and ctx.disabled == ""
+    # per_block_affine's quantization blocks are pages: a power of two, which 160 is not
+    with pytest.raises(HurrayError, match="needs a power-of-two block size; vLLM's is 160"):
+        build_context(vllm_config(url, 160, "align", store_dtype="int8"), qwen3_next())
+    build_context(vllm_config(url, 160, "align", store_dtype="int8",
+                              quantization="per_channel"), qwen3_next())
 
 
 # ---------------------------------------------------------------- segments

@@ -59,7 +59,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     formats = conf.accepted_formats()
     for i, fmt in enumerate(formats):
         check_cache_dtype(fmt, vllm_config.cache_config.cache_dtype,
-                          "store_dtype" if i == 0 else "accept_store_dtypes")
+                          "store_dtype" if i == 0 else "accept_store_dtypes", block_size)
     identities = {identity_of(vllm_config, kv_cache_config, conf, chunk_size, fmt): fmt
                   for fmt in formats}
     identity = next(iter(identities))

@@ -358,10 +358,18 @@ def parse(text: str, key: str, default_scheme: str | None) -> StoreFormat:
     return StoreFormat(dtype, scheme)
 
 
-def check_cache_dtype(fmt: StoreFormat, kv_cache_dtype: str, key: str = "store_dtype"
-                      ) -> None:
+def check_cache_dtype(fmt: StoreFormat, kv_cache_dtype: str, key: str = "store_dtype",
+                      block_size: int | None = None) -> None:
     """A format the engine's cache can take: quantizing is from the model's floats, so an
-    fp8 (or other quantized) cache stores ``auto`` only."""
+    fp8 (or other quantized) cache stores ``auto`` only; ``per_block_affine`` keeps a
+    scale per page slot in quantization blocks of one page, which Hurray requires to be a
+    power of two (vLLM sizes a Qwen3-Next's pages to 160 tokens)."""
+    if fmt.scheme == "per_block_affine" and block_size and block_size & (block_size - 1):
+        raise HurrayError(f"kv_connector_extra_config[{key!r}] {fmt.dtype!r} with quantization "
+                          f"'per_block_affine' needs a power-of-two block size; vLLM's is "
+                          f"{block_size} for this model: use quantization 'per_channel'",
+                          field="quantization", value="per_block_affine",
+                          rule="a Hurray quantization block is a power of two >= 2")
     if fmt.auto or kv_cache_dtype in FLOAT_CACHES:
         return
     raise HurrayError(f"kv_connector_extra_config[{key!r}] is {fmt.dtype!r} but "
