@@ -1366,12 +1366,15 @@ def serve_bench(work: Path, quick: bool, burn: int, burn_slow: int, delay_ms: fl
 
 
 HYBRID_MODELS = {
-    # name: (builder, dtype, prompt tokens, what a full-attention treatment is)
-    "gemma2": ("tiny_gemma2", "float32", 1024,
+    # name: (builder, its size, dtype, prompt tokens, what a full-attention treatment is);
+    # larger than the tests' models, so that a prefill costs what a load may save
+    "gemma2": ("tiny_gemma2", {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 8,
+                               "head_dim": 64, "window": 128}, "float32", 1024,
                "the same engine with vLLM's hybrid manager off (every layer full attention, "
                "as a connector without SupportsHMA forces)"),
-    "qwen3_next": ("tiny_qwen3_next", "bfloat16", 960,
-                   "computed: its 2 Gated DeltaNet layers as full attention layers of its "
+    "qwen3_next": ("tiny_qwen3_next", {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4},
+                   "bfloat16", 960,
+                   "computed: its Gated DeltaNet layers as full attention layers of its "
                    "attention geometry (vLLM cannot run it so)"),
 }
 
@@ -1388,8 +1391,8 @@ def hybrid_rows(work: Path, name: str, n: int) -> tuple[list, list, tuple]:
     """One hybrid model's rows of the three tables (``hybrid``)."""
     from hurraykv.integrations import engine_run
 
-    builder, dtype, tokens, _ = HYBRID_MODELS[name]
-    model = getattr(engine_run, builder)(work / name)
+    builder, size, dtype, tokens, _ = HYBRID_MODELS[name]
+    model = getattr(engine_run, builder)(work / name, **size)
     rng = np.random.default_rng(31)
     prompts = [rng.integers(1, 1000, tokens).tolist() for _ in range(n)]
     block = 160 if name == "qwen3_next" else 32  # vLLM's choice for Qwen3-Next's pages
@@ -1426,8 +1429,9 @@ def hybrid_rows(work: Path, name: str, n: int) -> tuple[list, list, tuple]:
         if name == "qwen3_next":  # its linear-attention layers as if full attention
             snap = __import__("hurraykv").load_snapshot(sorted(store.glob("*.hrry"))[0])
             attn = sum(snap.descriptor(*k).buffers[0].byte_size for k in snap.member_keys())
+            layers = size["layers"]
             rows_bytes.append([name, "treated as full attention",
-                               attn / snap.total_tokens / snap.num_layers * 4])
+                               attn / snap.total_tokens / snap.num_layers * layers])
     base = rows_bytes[-1][2]
     rows_bytes = [(r[0], r[1], f"{r[2]:,.0f}", f"{r[2] / base:.2f}x") for r in rows_bytes]
     fit = max_concurrency(plain["log"])
@@ -1454,9 +1458,11 @@ def hybrid(work: Path, quick: bool) -> list[tuple[str, tuple[str, ...], list[tup
         rows_fit.append(f)
     return [
         (f"Bytes stored per token, file:// segments on disk over the tokens they hold ({n} "
-         f"prompts of 1024 / 960 tokens, chunks of one block unless said); against the model "
-         f"treated as full attention: Gemma-2: {HYBRID_MODELS['gemma2'][3]}; Qwen3-Next: "
-         f"{HYBRID_MODELS['qwen3_next'][3]}",
+         f"prompts of 1024 / 960 tokens, chunks of one block unless said; Gemma-2-style: 8 "
+         f"layers, 4 of them a 128-token window, 8 KV heads x 64, float32; Qwen3-Next-style: "
+         f"8 layers, 4 of them Gated DeltaNet, 4 KV heads x 64, bfloat16); against the model "
+         f"treated as full attention: Gemma-2: {HYBRID_MODELS['gemma2'][4]}; Qwen3-Next: "
+         f"{HYBRID_MODELS['qwen3_next'][4]}",
          ("model", "stored as", "bytes/token", "ratio"), rows_bytes),
         (f"TTFT (one token, one request at a time, median of {n}): no connector, the "
          f"connector's first engine (cold, stores) and a fresh engine (a full hit: every "

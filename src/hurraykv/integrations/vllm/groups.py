@@ -83,8 +83,10 @@ class GroupLayout:
 
     @property
     def ref(self) -> int:
-        """The first full-attention group: its blocks count the request's tokens."""
-        return next((g.index for g in self.groups if g.kind == FULL), 0)
+        """The group whose blocks count the request's tokens: the first of full attention,
+        else the first sliding window's (all its blocks are there, the null ones too)."""
+        return next((g.index for kind in (FULL, SLIDING) for g in self.groups
+                     if g.kind == kind), 0)
 
     @property
     def mamba(self) -> bool:
@@ -126,6 +128,12 @@ class GroupLayout:
         return "+".join(parts).replace(" ", "")
 
 
+def _spec_classes(spec: Any) -> set[str]:
+    """The names of a spec's classes (vLLM's own: ``MLAAttentionSpec`` is a
+    ``FullAttentionSpec``, ``SlidingWindowMLASpec`` a ``SlidingWindowSpec``)."""
+    return {k.__name__ for k in type(spec).__mro__}
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -137,13 +145,13 @@ def layout_of(kv_cache_config: Any, *, mamba_cache_mode: str = "none") -> GroupL
     why = ""
     for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = g.kv_cache_spec
-        name = type(spec).__name__
+        kinds = _spec_classes(spec)
         common = {"index": i, "layers": tuple(g.layer_names), "block_size": spec.block_size}
-        if name == "SlidingWindowSpec":
+        if "SlidingWindowSpec" in kinds:
             groups.append(KVGroup(kind=SLIDING, window=int(spec.sliding_window),
                                   retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
                                   **common))
-        elif name == "MambaSpec":
+        elif "MambaSpec" in kinds:
             groups.append(KVGroup(kind=MAMBA, shapes=tuple(tuple(s) for s in spec.shapes),
                                   dtypes=tuple(_dtype_name(d) for d in spec.dtypes), **common))
             mode = getattr(spec, "mamba_cache_mode", mamba_cache_mode)
@@ -153,17 +161,18 @@ def layout_of(kv_cache_config: Any, *, mamba_cache_mode: str = "none") -> GroupL
                        f"with --enable-prefix-caching")
             if getattr(spec, "num_speculative_blocks", 0) and not why:
                 why = "Mamba layers with speculative decoding: not supported"
-        elif getattr(spec, "sliding_window", None) is None and \
-                getattr(spec, "attention_chunk_size", None) is None and \
-                name.endswith("AttentionSpec"):
+        elif "FullAttentionSpec" in kinds:
+            # every page allocated (MLA, sinks; and a sliding window's layers when the hybrid
+            # manager is off, its sliding_window set): every page stored and loaded
             groups.append(KVGroup(kind=FULL, **common))
         else:
+            name = type(spec).__name__
             groups.append(KVGroup(kind=name, **common))
             why = why or f"KV cache group {i} is a {name}: not supported"
     layout = GroupLayout(tuple(groups))
-    if len(groups) > 1 and not why:
-        if not any(g.kind == FULL for g in groups):
-            why = "no full-attention layer: not supported"
+    if groups and not why:
+        if not any(g.kind in (FULL, SLIDING) for g in groups):
+            why = "no attention layer: not supported"
         elif len({g.block_size for g in groups}) > 1:
             why = (f"KV cache groups of block sizes {sorted({g.block_size for g in groups})}: "
                    f"not supported (one block size)")
