@@ -276,3 +276,20 @@ def test_quantized_pages_and_exact_states(models, tmp_path):
                         "reuse")
     assert reused["outputs"][0]["num_cached_tokens"] == 480
     assert reused["stats"]["chunks_failed"] == 0
+
+
+@pytest.mark.parametrize("model", ["gemma2", "qwen3_next"])
+def test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model(models, tmp_path, model):
+    """TP=2 on CPU (gloo): each rank stores its heads' pages and its share of the states
+    under its own keys; a fresh TP=2 engine reuses them with a TP=2 plain engine's tokens."""
+    tp = {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+          "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    first = prompts(model)[:1]
+    url = (tmp_path / "kv").as_uri()
+    plain = run_engine(spec(models[model], model, None, first, **tp), tmp_path, "plain")
+    run_engine(spec(models[model], model, conn(url), first, **tp), tmp_path, "store")
+    reused = run_engine(spec(models[model], model, conn(url), first, **tp), tmp_path, "reuse")
+    assert [o["tokens"] for o in reused["outputs"]] == [o["tokens"] for o in plain["outputs"]]
+    assert reused["outputs"][0]["num_cached_tokens"] == HITS[model][0]
+    names = sorted(p.name for p in (tmp_path / "kv").glob("*.hrry"))
+    assert any(".tp0-" in n for n in names) and any(".tp1-" in n for n in names)
