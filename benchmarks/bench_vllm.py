@@ -115,7 +115,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_paged import print_table  # noqa: E402
-from hurraykv.integrations.engine_run import run, tiny_llama  # noqa: E402
+from hurraykv.integrations.engine_run import run  # noqa: E402
+from hurraykv.integrations.tiny_models import tiny_llama  # noqa: E402
 
 LMCACHE_VENV = ROOT / ".venv-lmcache"
 LMCACHE_ENV = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
@@ -1389,10 +1390,10 @@ def max_concurrency(log: str) -> float | None:
 
 def hybrid_rows(work: Path, name: str, n: int) -> tuple[list, list, tuple]:
     """One hybrid model's rows of the three tables (``hybrid``)."""
-    from hurraykv.integrations import engine_run
+    from hurraykv.integrations import tiny_models
 
     builder, size, dtype, tokens, _ = HYBRID_MODELS[name]
-    model = getattr(engine_run, builder)(work / name, **size)
+    model = getattr(tiny_models, builder)(work / name, **size)
     rng = np.random.default_rng(31)
     prompts = [rng.integers(1, 1000, tokens).tolist() for _ in range(n)]
     block = 160 if name == "qwen3_next" else 32  # vLLM's choice for Qwen3-Next's pages

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 from tests.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
 
-from hurraykv.integrations import engine_run
+from hurraykv.integrations import engine_run, tiny_models
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return engine_run.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_models.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Engine:

@@ -18,7 +18,7 @@ import pytest
 
 import hurraykv as hk
 from engine_tests.conftest import run_engine
-from hurraykv.integrations import engine_run
+from hurraykv.integrations import tiny_models
 from hurraykv.integrations.vllm import hybrid
 from hurraykv.integrations.vllm.groups import METADATA_KEY
 
@@ -27,12 +27,12 @@ TURNED_OFF = "Turning off hybrid kv cache manager"
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory) -> Path:
-    return engine_run.tiny_gemma2(tmp_path_factory.mktemp("gemma2"))
+    return tiny_models.tiny_gemma2(tmp_path_factory.mktemp("gemma2"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> Path:
-    return engine_run.tiny_qwen3_next(tmp_path_factory.mktemp("qwen3-next"))
+    return tiny_models.tiny_qwen3_next(tmp_path_factory.mktemp("qwen3-next"))
 
 
 # Gemma 2: chunks of 32 tokens (one block), window 64.  Qwen3-Next: vLLM sets the block
@@ -89,7 +89,7 @@ OTHERS = {"gpt_oss": ("tiny_gpt_oss", 256), "gemma3": ("tiny_gemma3", 512),
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_sliding_window_families_reuse_a_prefix(tmp_path, family):
     builder, blocks = OTHERS[family]
-    model = getattr(engine_run, builder)(tmp_path / family)
+    model = getattr(tiny_models, builder)(tmp_path / family)
     url = (tmp_path / "kv").as_uri()
     plain = run_engine(spec(model, "gemma2", None, num_blocks=blocks), tmp_path, "plain")
     run_engine(spec(model, "gemma2", conn(url), prompts("gemma2")[:1], num_blocks=blocks),
@@ -106,7 +106,7 @@ def test_other_sliding_window_families_reuse_a_prefix(tmp_path, family):
 def test_chunked_local_attention_passes_through_saying_why(tmp_path):
     """Llama 4's chunked local attention (one group per layer): the engine keeps its
     hybrid manager and runs; the connector stores and loads nothing and says why."""
-    model = engine_run.tiny_llama4(tmp_path / "llama4")
+    model = tiny_models.tiny_llama4(tmp_path / "llama4")
     url = (tmp_path / "kv").as_uri()
     plain = run_engine(spec(model, "gemma2", None, num_blocks=512), tmp_path, "plain")
     out = run_engine(spec(model, "gemma2", conn(url), num_blocks=512), tmp_path, "through")

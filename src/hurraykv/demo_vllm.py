@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .integrations.engine_run import run, tiny_llama
+from .integrations.engine_run import run
+from .integrations.tiny_models import tiny_llama
 
 LONG = 2048
 BLOCK = 32
