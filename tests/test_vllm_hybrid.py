@@ -13,7 +13,6 @@ The spec stand-ins carry the class names and fields of vLLM 0.32's
 from __future__ import annotations
 
 import json
-import logging
 from types import SimpleNamespace
 
 import hurray  # pyhurray
@@ -24,17 +23,16 @@ import torch
 import hurraykv as hk
 from hurraykv.adapters.vllm import StateView
 from hurraykv.errors import HurrayError, LayoutError
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store, segment_name
-from hurraykv.integrations.guard import Guarded
+from hurraykv.integrations.chunks import ChunkKeys, open_store, segment_name
 from hurraykv.integrations.vllm import hybrid
-from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.context import build_context, identity_of, why_disabled
-from hurraykv.integrations.vllm.events import HurrayKVEvents, SavedSegments
+from hurraykv.integrations.vllm.events import SavedSegments
 from hurraykv.integrations.vllm.groups import METADATA_KEY, layout_of
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from hurraykv.integrations.vllm.store_format import StoreFormat
 from hurraykv.io import checksums
+from tests.test_vllm_scheduler import scheduler_side
 
 
 def spec(kind: str, **fields):
@@ -255,16 +253,8 @@ LOADED = "loaded"
 
 @pytest.fixture
 def mamba_side(tmp_path):
-    url = (tmp_path / "kv").as_uri()
-    guards = [Guarded(lambda: open_store(url), url=url, what=what, timeout=5.0,
-                      log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
-    layout = layout_of(qwen3_next(block_size=BLOCK))
-    ctx = Context(ConnectorConfig.from_extra({"url": url}), BLOCK, BLOCK, "model=q",
-                  identity_digest("model=q"), can_load=True, can_save=True,
-                  lookups=guards[0], loads=guards[1], saves=guards[2], layout=layout)
-    yield SchedulerSide(ctx, HurrayKVEvents(BLOCK, BLOCK, enabled=False)), open_store(url)
-    for g in guards:
-        g.close()
+    yield from scheduler_side(tmp_path, BLOCK, BLOCK, "model=q",
+                              layout=layout_of(qwen3_next(block_size=BLOCK)))
 
 
 def request(req_id: str, tokens: list[int]) -> SimpleNamespace:

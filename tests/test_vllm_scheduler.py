@@ -28,17 +28,24 @@ LOADED = "loaded"  # a worker's load record, (LOADED, request id): events.LOADED
 IDENTITY = "model=tiny;cache_dtype=float16;chunk_size=32;tp_size=1"
 
 
-@pytest.fixture
-def side(tmp_path):
+def scheduler_side(tmp_path, block: int = BLOCK, chunk: int = CHUNK,
+                   identity: str = IDENTITY, **context):
+    """A scheduler part over a ``file://`` store in ``tmp_path``, and that store (a
+    fixture's body: its guards are closed after the yield)."""
     url = (tmp_path / "kv").as_uri()
     guards = [Guarded(lambda: open_store(url), url=url, what=what, timeout=5.0,
                       log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
-    ctx = Context(ConnectorConfig.from_extra({"url": url}), BLOCK, CHUNK, IDENTITY,
-                  identity_digest(IDENTITY), can_load=True, can_save=True,
-                  lookups=guards[0], loads=guards[1], saves=guards[2])
-    yield SchedulerSide(ctx, HurrayKVEvents(BLOCK, CHUNK, enabled=False)), open_store(url)
+    ctx = Context(ConnectorConfig.from_extra({"url": url}), block, chunk, identity,
+                  identity_digest(identity), can_load=True, can_save=True,
+                  lookups=guards[0], loads=guards[1], saves=guards[2], **context)
+    yield SchedulerSide(ctx, HurrayKVEvents(block, chunk, enabled=False)), open_store(url)
     for g in guards:
         g.close()
+
+
+@pytest.fixture
+def side(tmp_path):
+    yield from scheduler_side(tmp_path)
 
 
 def request(req_id: str, tokens: list[int], **extra) -> SimpleNamespace:
