@@ -23,6 +23,7 @@ from hurraykv.integrations.vllm import hybrid
 from hurraykv.integrations.vllm.groups import METADATA_KEY
 
 TURNED_OFF = "Turning off hybrid kv cache manager"
+QWEN_STATES = ([(3, 512), (4, 64, 64)], ["bfloat16", "float32"])  # conv, recurrent
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def test_a_damaged_state_or_page_is_recomputed(models, reference, tmp_path, dama
     (segment,) = sorted(store.glob("*.hrry"))
     snap = hk.load_snapshot(segment)
     if damage == "state":  # layer 1 of the Mamba layers, its recurrent (SSM) state
-        states = hybrid.states_of(snap, 2, [(3, 512), (4, 64, 64)], ["bfloat16", "float32"])
+        states = hybrid.states_of(snap, [QWEN_STATES] * 2)
         _flip(segment, states[1][1].tobytes()[:4096])
     else:  # a sliding-window layer's page inside the window of the hit
         pages = np.asarray(snap.tensor(2, "value").page_pool)
@@ -269,8 +270,8 @@ def test_quantized_pages_and_exact_states(models, tmp_path):
         (segment,) = sorted(store.glob("*.hrry"))
         snap = hk.load_snapshot(segment)
         assert (snap.tensor(0, "key").quantization is None) == (fmt == "auto")
-        states.append([s.tobytes() for row in hybrid.states_of(
-            snap, 2, [(3, 512), (4, 64, 64)], ["bfloat16", "float32"]) for s in row])
+        states.append([s.tobytes() for row in hybrid.states_of(snap, [QWEN_STATES] * 2)
+                       for s in row])
     assert states[0] == states[1]
     reused = run_engine(spec(models["qwen3_next"], "qwen3_next", connector, first), tmp_path,
                         "reuse")

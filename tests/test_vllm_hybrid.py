@@ -12,6 +12,7 @@ The spec stand-ins carry the class names and fields of vLLM 0.32's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -147,6 +148,19 @@ def test_the_identity_covers_the_group_layout(tmp_path):
     assert plain.endswith(";layers=4;kv_heads=2;head_size=32;head_size_v=32")
     q = identity_of(vllm_config(url, 160, "align"), qwen3_next(), conf, 160, StoreFormat())
     assert "groups=mamba(bfloat16[3,512],float32[4,64,64]):0,1+full:0,1" in q
+    # one sliding-window group (every layer sliding): stored otherwise than as full
+    # attention, so another identity than the one its engines had before hybrid models
+    only = gemma2()
+    del only.kv_cache_groups[1]
+    assert "groups=sliding_window64:0,1" in identity_of(vllm_config(url, 32), only, conf, 32,
+                                                       StoreFormat())
+    # vLLM's one group of full-attention layers of several page sizes: as ever
+    uniform = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        kv_cache_spec=spec("UniformTypeKVCacheSpecs", block_size=32, kv_cache_specs={
+            "a": attention(), "b": attention(head_size=64)}),
+        layer_names=["model.layers.0.attn", "model.layers.1.attn"])])
+    assert layout_of(uniform).plain and why_disabled(vllm_config(url, 32), uniform) == ""
+    assert "groups" not in identity_of(vllm_config(url, 32), uniform, conf, 32, StoreFormat())
 
 
 def test_a_model_with_mamba_layers_stores_chunks_of_one_block(tmp_path):
@@ -207,7 +221,7 @@ def test_a_sliding_layer_keeps_its_window_pages_and_names_one_zero_page_for_the_
     back, pending = store.get_checked(segment_name(keys, 0))
     if pending is not None:
         pending.check(frozenset(n for n, _, _ in back.members()))
-    for layer, row in zip(hybrid.states_of(back, 2, *SHAPES), states, strict=True):
+    for layer, row in zip(hybrid.states_of(back, [SHAPES] * 2), states, strict=True):
         for got, want in zip(layer, row, strict=True):
             assert got.dtype == want.dtype and np.array_equal(got, want)
     assert hybrid.groups_of(back) == json.loads(snap.metadata[METADATA_KEY])
@@ -231,19 +245,19 @@ def test_quantized_sliding_pages_keep_their_table_and_states_stay_exact():
     window = np.asarray(t.dequantize().page_pool[:4])
     np.testing.assert_allclose(window, pages(8, 1)[kept], atol=np.abs(
         pages(8, 1)).max() / 127)
-    assert np.array_equal(hybrid.states_of(snap, 2, *SHAPES)[1][0], states[1][0])
+    assert np.array_equal(hybrid.states_of(snap, [SHAPES] * 2)[1][0], states[1][0])
 
 
 def test_a_segment_without_states_says_so_and_a_missing_state_is_named():
     snap, _, _ = hybrid_segment(states=False)
     assert not hybrid.has_states(snap)
     with pytest.raises(HurrayError, match="holds 0 state members, this engine's 2") as e:
-        hybrid.states_of(snap, 2, *SHAPES)
+        hybrid.states_of(snap, [SHAPES] * 2)
     assert e.value.field == "segment.members"
     snap, _, _ = hybrid_segment()
     with pytest.raises(HurrayError, match=r"states\.0\.1 is uint8 \[4, 8\], the group map "
                        r"says float32 \[4, 8\]"):
-        hybrid.states_of(snap, 2, SHAPES[0], ["float32", "float32"])
+        hybrid.states_of(snap, [(SHAPES[0], ["float32", "float32"])] * 2)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -296,6 +310,16 @@ def test_a_mamba_hit_ends_where_a_stored_segment_ends(mamba_side):
     assert match(sched, request("c", PROMPT))[0] == 80
 
 
+def test_a_hybrid_hit_starts_on_a_block_boundary(mamba_side):
+    """vLLM's own prefix hit may end inside a block (hashes finer than blocks): the block
+    it copied for the request is not written by a load, so there is no hybrid load."""
+    sched, store = mamba_side
+    put(store, sched.ctx.seed, PROMPT, 0, 4)
+    assert match(sched, request("i", PROMPT)) == (64, True)
+    got = sched.matched(request("j", PROMPT), 8)
+    assert got == (0, False)
+
+
 def test_hybrid_loads_carry_every_groups_blocks_and_fail_by_request(mamba_side):
     sched, store = mamba_side
     put(store, sched.ctx.seed, PROMPT, 0, 4)
@@ -331,21 +355,58 @@ def step(req_id, blocks, computed, scheduled):
         num_scheduled_tokens={req_id: scheduled}, finished_req_ids=set())
 
 
-def test_mamba_saves_are_whole_runs_ending_where_the_step_ended(mamba_side):
-    sched, _ = mamba_side
-    req = request("e", PROMPT)
+def new_request(sched, req_id: str, tokens: list[int]) -> SimpleNamespace:
+    req = request(req_id, tokens)
     assert match(sched, req)[0] == 0
     sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([], [])), 0)
+    return req
+
+
+def test_mamba_saves_are_whole_runs_ending_on_a_state(mamba_side):
+    """vLLM keeps a Mamba state in block i after token (i + 1) * block_size where a step
+    ended or a prefill checkpoint was taken, null blocks elsewhere: a segment ends on a
+    state, whole, and chunks without one wait for a later segment."""
+    sched, _ = mamba_side
+    new_request(sched, "e", PROMPT)
     mamba, attn = [0, 0, 0, 5], [20, 21, 22, 23]
-    save, = sched.plan(step("e", (mamba, attn), 0, 64)).saves
+    save, = sched.plan(step("e", (mamba, attn), 0, 64)).saves  # the step ended at 64
     assert (save.first_chunk, len(save.keys), save.state) == (0, 4, True)
     assert save.groups == [mamba, attn] and save.first_block == 0
-    # a step ending inside a block (the prompt's end) completes no chunk with a state
-    sched.requests.clear()
-    req = request("f", PROMPT[:50] + [7] * 30)
-    match(sched, req)
-    sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([], [])), 0)
-    assert sched.plan(step("f", ([0, 0, 0, 9], [30, 31, 32, 33]), 0, 70)).saves == []
+    # a step ending inside block 4 (the prompt's end): no state after block 3, nothing
+    # stored yet; the step that ends on block 5 stores all five chunks
+    tokens = [9] * 30 + PROMPT[:50]
+    req = new_request(sched, "f", tokens)
+    assert sched.plan(step("f", ([0, 0, 0, 0, 9], [30, 31, 32, 33, 34]), 0, 70)).saves == []
+    req.all_token_ids = tokens + [1] * 10
+    cached = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=["f"], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[70]),
+        num_scheduled_tokens={"f": 10}, finished_req_ids=set())
+    sched.ctx.config = dataclasses.replace(sched.ctx.config, save_decode=True)
+    save, = sched.plan(cached).saves
+    assert (save.first_chunk, len(save.keys)) == (0, 5) and save.groups[0][-1] == 9
+    # a prefill checkpoint (Mamba2's num_prefill_checkpoint_blocks): the state after block
+    # 3 of a step that ran on to 70
+    new_request(sched, "g", [8] * 80)
+    save, = sched.plan(step("g", ([0, 0, 0, 8, 9], [40, 41, 42, 43, 44]), 0, 70)).saves
+    assert (save.first_chunk, len(save.keys)) == (0, 4) and save.groups[0][-1] == 8
+
+
+@pytest.fixture
+def sliding_side(tmp_path):
+    yield from scheduler_side(tmp_path, BLOCK, BLOCK, "model=g",  # need: 2 blocks
+                              layout=layout_of(gemma2(window=32, block_size=BLOCK)))
+
+
+def test_sliding_window_pages_vllm_never_computed_are_not_stored(sliding_side):
+    """vLLM's own prefix cache gave the first 64 tokens; its sliding-window group names
+    the null block for what fell out of the window: those chunks are not stored (their
+    pages would be the null block's), the rest are."""
+    sched, _ = sliding_side
+    new_request(sched, "h", PROMPT)
+    sliding, full = [0, 0, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]
+    save, = sched.plan(step("h", (sliding, full), 64, 32)).saves
+    assert (save.first_chunk, len(save.keys)) == (2, 4)  # chunks 0, 1 hold null blocks
+    assert save.groups == [sliding[2:], full[2:]]
 
 
 # ---------------------------------------------------------------- the states in vLLM's cache
@@ -373,3 +434,89 @@ def test_state_view_moves_a_blocks_states_as_vllm_lays_them_out():
         view.write(1, [got[0], got[1][:2]])
     with pytest.raises(LayoutError, match="state bytes contiguously"):
         StateView(given[:, :, :, :100], [(3, 512)], [torch.bfloat16])
+
+
+# ---------------------------------------------------------------- a hybrid load, written
+def small_layout():
+    """A full-attention group (group 1) and a Mamba group of one float32 state (group 0)."""
+    mamba = spec("MambaSpec", block_size=BLOCK, shapes=((2, 8),), dtypes=(torch.float32,),
+                 mamba_cache_mode="align", num_speculative_blocks=0)
+    return layout_of(SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=mamba, layer_names=["model.layers.0.mixer"]),
+        SimpleNamespace(kv_cache_spec=attention(block_size=BLOCK, head_size=8, head_size_v=8,
+                                                num_kv_heads=1),
+                        layer_names=["model.layers.1.attn"])]))
+
+
+def test_a_hybrid_load_is_done_only_once_its_states_are_written(mamba_side):
+    """The attention pages and then the state at the hit's end go into the engine's
+    blocks; the job is not done (vLLM would run the request) before the state is
+    written; a segment without states is a failed receive, not a load."""
+    from hurraykv.adapters.vllm import LayerView
+    from hurraykv.integrations.vllm.common import Transfer
+    from hurraykv.integrations.vllm.loads import LoadJob, Target, run_job
+    from hurraykv.integrations.vllm.store_format import DecodeBuffers
+
+    sched, store = mamba_side
+    ctx, layout = sched.ctx, small_layout()
+    ctx.layout = layout
+    names = ["model.layers.0.mixer", "model.layers.1.attn"]
+    cache = torch.zeros(8, 1, BLOCK, 16)  # [blocks, heads, block, key + value]
+    raw = torch.zeros(8, 1, 1, 64, dtype=torch.int8)  # one float32 [2, 8] state a block
+    target = Target(ctx, [(names[1], LayerView(cache, "split", head_size=8))], "float32",
+                    StoreFormat(), [layout.groups[1]],
+                    [(StateView(raw, [(2, 8)], ["float32"]), layout.groups[0])],
+                    layout.describe(names))
+    keys, values = pages(2, 1)[:, :, :1, :8], pages(2, 2)[:, :, :1, :8]
+    state = np.arange(16, dtype=np.float32).reshape(2, 8)
+
+    def stored(states):
+        snap = hybrid.segment(hybrid.encode_layer(StoreFormat(), [keys[:, :BLOCK].copy(),
+                                                                  values[:, :BLOCK].copy()],
+                                                  np.ones(2, bool), 0),
+                              states, layout.describe(names), ctx.identity, 2 * BLOCK)
+        k = ChunkKeys(ctx.seed, BLOCK).upto(list(range(40 + len(states or ()))), 2)
+        store.put(k, 0, checksums.with_checksums(snap), {})
+        return segment_name(k, 0)
+
+    name = stored([[state]])
+    job = LoadJob(Transfer("r", names=[name, name], blocks=[[3], [4]], pages=[0, 1],
+                           groups=[[0, 6], [3, 4]]))
+    job.fetch(target, {})
+    job.write_layer(target, 0, DecodeBuffers("float32"))
+    assert job.state == "writing" and not job.done  # the state is not there yet
+    job.write_states(target)
+    assert job.state == "written" and job.done and not job.failed_whole
+    assert np.array_equal(raw[6, 0, 0].view(torch.float32).numpy(), state.reshape(-1))
+    np.testing.assert_array_equal(cache[3, 0, :, :8].numpy(), keys[0, :BLOCK, 0])
+    # a segment without its end states: the whole request is recomputed
+    bare = LoadJob(Transfer("s", names=[stored(None)] * 2, blocks=[[3], [4]], pages=[0, 1],
+                            groups=[[0, 7], [3, 4]]))
+    run_job(bare, target, DecodeBuffers("float32"))
+    assert bare.state == "failed" and bare.failed_whole and bare.failed_blocks() == []
+    assert not raw[7].any()
+
+
+@pytest.fixture
+def plain_side(tmp_path):
+    yield from scheduler_side(tmp_path)
+
+
+def test_a_plain_models_failed_receive_is_counted_and_its_segments_left_alone(plain_side):
+    """One full-attention group: a failed receive (a load the scheduler could not plan)
+    counts its tokens failed; the stored segments are not taken for damaged (no events
+    of removal, nothing stored again), as before hybrid models."""
+    from tests.test_vllm_scheduler import CHUNK, store_chunks
+
+    sched, store = plain_side
+    sched.ctx.config = dataclasses.replace(sched.ctx.config, load_mode="async")
+    store_chunks(store, sched.ctx.seed, PROMPT, 3)
+    req = request("k", PROMPT)
+    assert match(sched, req) == (3 * CHUNK, True)
+    sched.after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)),
+                      3 * CHUNK)
+    sched.output(SimpleNamespace(invalid_block_ids=set(), failed_recving={"k"},
+                                 kv_cache_events=SavedSegments([(LOADED, "k")])))
+    assert sched.ctx.stats["tokens_failed"] == 3 * CHUNK
+    st = sched.requests["k"]
+    assert not st.rewrite and not st.load_failed and st.stored == 3

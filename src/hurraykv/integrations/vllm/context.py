@@ -17,7 +17,7 @@ from ..chunks import identity_digest, open_store
 from ..guard import Guarded
 from .common import Context, log
 from .config import ConnectorConfig
-from .groups import GroupLayout, layout_of
+from .groups import FULL, MAMBA, SLIDING, GroupLayout, layout_of
 from .store_format import StoreFormat, check_cache_dtype
 
 
@@ -57,10 +57,12 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     # The store format is part of the identity: an engine finds the chunks of its own
     # format and of those accept_store_dtypes lists, nothing else (store_format.py).
     formats = conf.accepted_formats()
-    for i, fmt in enumerate(formats):
+    disabled = why_disabled(vllm_config, kv_cache_config, layout)
+    for i, fmt in enumerate(formats):  # (a model passed through stores nothing to check)
         check_cache_dtype(fmt, vllm_config.cache_config.cache_dtype,
-                          "store_dtype" if i == 0 else "accept_store_dtypes", block_size)
-    identities = {identity_of(vllm_config, kv_cache_config, conf, chunk_size, fmt): fmt
+                          "store_dtype" if i == 0 else "accept_store_dtypes",
+                          None if disabled else block_size)
+    identities = {identity_of(vllm_config, kv_cache_config, conf, chunk_size, fmt, layout): fmt
                   for fmt in formats}
     identity = next(iter(identities))
     return Context(
@@ -70,12 +72,11 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
                         **guard),
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-        disabled=why_disabled(vllm_config, kv_cache_config), formats=identities,
-        layout=layout)
+        disabled=disabled, formats=identities, layout=layout)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
-              chunk_size: int, fmt: StoreFormat) -> str:
+                chunk_size: int, fmt: StoreFormat, layout: GroupLayout | None = None) -> str:
     """What makes two engines' KV interchangeable, in every chunk key's seed: the cache
     and, unless ``auto``, the store format."""
     spec = spec_of(kv_cache_config)
@@ -95,8 +96,8 @@ def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
         if value and not callable(value):
             parts[key] = json.dumps(value, sort_keys=True, default=str) \
                 if isinstance(value, dict) else value
-    layout = layout_for(vllm_config, kv_cache_config)
-    if layout.hybrid:  # which layer is of which kind is part of what the KV means
+    layout = layout or layout_for(vllm_config, kv_cache_config)
+    if layout.groups and not layout.plain:  # which layer is of which kind is what KV means
         parts["groups"] = layout.identity(sorted_layers(layout))
     if spec is not None:
         parts |= {"layers": len(_group_of(kv_cache_config, spec).layer_names),
@@ -129,7 +130,7 @@ def spec_of(kv_cache_config: Any) -> Any:
     if len(groups) == 1:
         return groups[0].kv_cache_spec
     layout = layout_of(kv_cache_config)
-    return groups[layout.ref].kv_cache_spec if any(g.kind in ("full", "sliding_window")
+    return groups[layout.ref].kv_cache_spec if any(g.kind in (FULL, SLIDING)
                                                     for g in layout.groups) else None
 
 
@@ -138,11 +139,13 @@ def _group_of(kv_cache_config: Any, spec: Any) -> Any:
     return next(g for g in groups if g.kv_cache_spec is spec)
 
 
-def why_disabled(vllm_config: Any, kv_cache_config: Any) -> str:
-    layout = layout_for(vllm_config, kv_cache_config)
+def why_disabled(vllm_config: Any, kv_cache_config: Any, layout: GroupLayout | None = None
+                 ) -> str:
+    layout = layout or layout_for(vllm_config, kv_cache_config)
     if layout.unsupported:
-        return f"{len(layout.groups)} KV cache groups: {layout.unsupported}"
-    pages = [g for g in layout.groups if g.kind != "mamba"]
+        n = len(layout.groups)
+        return f"{n} KV cache group{'s' if n != 1 else ''}: {layout.unsupported}"
+    pages = [g for g in layout.groups if g.kind != MAMBA]
     specs = [kv_cache_config.kv_cache_groups[g.index].kv_cache_spec for g in pages]
     if len({(getattr(s, "num_kv_heads", None), getattr(s, "head_size", None),
              str(getattr(s, "dtype", None))) for s in specs}) > 1:

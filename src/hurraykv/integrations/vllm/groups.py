@@ -31,6 +31,11 @@ from typing import Any
 import numpy as np
 
 FULL, SLIDING, MAMBA = "full", "sliding_window", "mamba"
+# vLLM's null block: the first block of the pool (BlockPool takes it out of its free queue
+# at start, vllm/v1/core/block_pool.py); a group's skipped positions name it
+NULL_BLOCK = 0
+# vLLM's names of the kinds (KVCacheSpecKind, vllm/v1/kv_cache_interface.py), for events
+SPEC_KINDS = {FULL: "full_attention", SLIDING: "sliding_window", MAMBA: "mamba"}
 METADATA_KEY = "kv_cache_groups"  # the group map in a segment's info metadata (JSON)
 STATE_KEY = "kv_cache_states"  # whether a segment holds the Mamba states at its end
 
@@ -66,6 +71,8 @@ class KVGroup:
         out: dict[str, Any] = {"kind": self.kind, "layers": list(self.layers)}
         if self.kind == SLIDING:
             out["window"] = self.window
+            if self.retained:  # it moves the pages kept: part of what a segment means
+                out["retained"] = self.retained
         if self.kind == MAMBA:
             out["states"] = [{"shape": list(s), "dtype": d}
                              for s, d in zip(self.shapes, self.dtypes, strict=True)]
@@ -91,6 +98,35 @@ class GroupLayout:
     @property
     def mamba(self) -> bool:
         return any(g.kind == MAMBA for g in self.groups)
+
+    @property
+    def plain(self) -> bool:
+        """One full-attention group: stored as every release before hybrid models did."""
+        return len(self.groups) == 1 and self.groups[0].kind == FULL
+
+    def first_storable(self, blocks: list[list[int]], first: int, chunks: int,
+                       per: int) -> int:
+        """The first chunk of ``[first, chunks)`` from which a segment's pages exist: after
+        the last chunk a page of which vLLM holds in its null block (a sliding window's
+        blocks before the tokens its own prefix cache found: it never computed them)."""
+        start = first
+        for g in self.groups:
+            if g.kind == MAMBA:
+                continue
+            ids = np.asarray(blocks[g.index][first * per:chunks * per], np.int64)
+            bad = np.flatnonzero(g.kept(first * per, len(ids), per) & (ids == NULL_BLOCK))
+            if len(bad):
+                start = max(start, first + int(bad[-1]) // per + 1)
+        return start
+
+    def states_at(self, blocks: list[list[int]], chunks: int, per: int) -> bool:
+        """Every Mamba group holds a state after chunk ``chunks - 1``: its block
+        ``chunks * per - 1`` is not null (vLLM: "block i ends at token (i + 1) *
+        block_size", ``MambaManager.reachable_block_mask``; a step that ended there, or a
+        prefill checkpoint there)."""
+        at = chunks * per - 1
+        return at >= 0 and all(at < len(blocks[g.index]) and blocks[g.index][at] != NULL_BLOCK
+                               for g in self.groups if g.kind == MAMBA)
 
     def group_of(self, layer: str) -> KVGroup:
         return next(g for g in self.groups if layer in g.layers)
@@ -134,6 +170,16 @@ def _spec_classes(spec: Any) -> set[str]:
     return {k.__name__ for k in type(spec).__mro__}
 
 
+def _full(spec: Any) -> bool:
+    """Every page allocated: a ``FullAttentionSpec`` (MLA, sinks), or vLLM's
+    ``UniformTypeKVCacheSpecs`` of full-attention layers of other page sizes."""
+    kinds = _spec_classes(spec)
+    if "UniformTypeKVCacheSpecs" in kinds:
+        inner = list((getattr(spec, "kv_cache_specs", None) or {}).values())
+        return bool(inner) and all(_full(s) for s in inner)
+    return "FullAttentionSpec" in kinds
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -161,7 +207,7 @@ def layout_of(kv_cache_config: Any, *, mamba_cache_mode: str = "none") -> GroupL
                        f"with --enable-prefix-caching")
             if getattr(spec, "num_speculative_blocks", 0) and not why:
                 why = "Mamba layers with speculative decoding: not supported"
-        elif "FullAttentionSpec" in kinds:
+        elif _full(spec):
             # every page allocated (MLA, sinks; and a sliding window's layers when the hybrid
             # manager is off, its sliding_window set): every page stored and loaded
             groups.append(KVGroup(kind=FULL, **common))
@@ -179,5 +225,5 @@ def layout_of(kv_cache_config: Any, *, mamba_cache_mode: str = "none") -> GroupL
     return GroupLayout(layout.groups, why)
 
 
-__all__ = ["FULL", "MAMBA", "METADATA_KEY", "SLIDING", "STATE_KEY", "GroupLayout", "KVGroup",
-           "layout_of"]
+__all__ = ["FULL", "MAMBA", "METADATA_KEY", "NULL_BLOCK", "SLIDING", "SPEC_KINDS", "STATE_KEY",
+           "GroupLayout", "KVGroup", "layout_of"]

@@ -100,24 +100,27 @@ def groups_of(snap: KVCacheSnapshot) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def states_of(snap: KVCacheSnapshot, layers: int, shapes: Sequence[Sequence[int]],
-              dtypes: Sequence[str]) -> list[list[np.ndarray]]:
-    """The end states of a segment, ``[layer][part]`` as stored.  Members are told by
-    their fields and order, never by name (D7: a transport may not keep names): the
-    members that are not block-paged, in order, each of the dtype and shape the group
-    map gives its state."""
+def states_of(snap: KVCacheSnapshot, layers: Sequence[tuple[Sequence[Sequence[int]],
+                                                            Sequence[str]]]
+              ) -> list[list[np.ndarray]]:
+    """The end states of a segment, ``[layer][part]`` as stored; ``layers``: each Mamba
+    layer's ``(shapes, dtypes)`` of its states.  Members are told by their fields and
+    order, never by name (D7: a transport may not keep names): the members that are not
+    block-paged, in order, each of the dtype and shape its layer's group gives it."""
     found = list(snap.extras)
-    parts = len(shapes)
-    if len(found) != layers * parts:
+    need = sum(len(shapes) for shapes, _ in layers)
+    if len(found) != need:
         raise HurrayError(f"a stored segment of identity {snap.model!r} holds {len(found)} "
-                          f"state members, this engine's {layers} Mamba layers need "
-                          f"{layers * parts}", field="segment.members", value=len(found),
+                          f"state members, this engine's {len(layers)} Mamba layers need "
+                          f"{need}", field="segment.members", value=len(found),
                           rule="a hybrid segment's end states")
     out = []
-    for j in range(layers):
+    at = 0
+    for j, (shapes, dtypes) in enumerate(layers):
         row = []
         for k, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
-            _, desc, bufs = found[j * parts + k]
+            _, desc, bufs = found[at]
+            at += 1
             where = state_name(j, k)
             et = element_type(desc.type_tag)
             if (et.name, tuple(desc.shape)) != (element_type(dtype).name, tuple(shape)):

@@ -44,7 +44,7 @@ from ...snapshot_members import member_name
 from ..chunks import segment_first
 from . import hybrid
 from .common import Context, Transfer, log
-from .groups import METADATA_KEY, SLIDING, KVGroup
+from .groups import METADATA_KEY, NULL_BLOCK, SLIDING, KVGroup
 from .store_format import DecodeBuffers, StoreFormat
 
 if TYPE_CHECKING:  # no torch import here: loads are tested without an engine
@@ -243,10 +243,12 @@ class LoadJob:
             else:
                 at = sum(len(b) for b in t.blocks[:i])
                 self.runs.append(Run(list(t.blocks[i]), snap, first, i, at, name))
-        if target.states and self.ok == len(t.names) and t.names and not hybrid.has_states(
-                self.runs[-1].snap):
-            self.fail(len(t.names) - 1, f"segment {t.names[-1]} holds no Mamba states at "
-                      "its end")
+        if target.states and self.ok == len(t.names) and t.names:
+            last = self.runs[-1].snap  # the states are those at its end: the hit's end too
+            if not hybrid.has_states(last) or t.pages[-1] + len(t.blocks[-1]) != \
+                    last.total_tokens // last.page_size:
+                self.fail(len(t.names) - 1, f"segment {t.names[-1]} holds no Mamba states "
+                          "at the hit's end")
         if self._state == "fetching":
             self._state = "fetched"
 
@@ -300,7 +302,9 @@ class LoadJob:
                                       tensors, run.snap.roles, strict=True))
                 view.write(blocks, pages)
             self.written = layer + 1
-            if self.written == len(target.layers) and self._state == "writing":
+            # a model with Mamba layers is written once its states are (write_states)
+            if self.written == len(target.layers) and self._state == "writing" and \
+                    not target.states:
                 self._state = "written"
             return nbytes
 
@@ -319,6 +323,10 @@ class LoadJob:
         logical = run.first + skip
         if not n:
             return [], 0
+        if NULL_BLOCK in blocks:  # shared by every request: never written
+            raise HurrayError(f"request {self.req_id}: vLLM gave pages of layer {layer} "
+                              f"({group.kind}) its null block", field="blocks", value=blocks,
+                              rule="a block of the request's own")
         per = target.ctx.per
         pages = run.snap.total_tokens // run.snap.page_size
         kept = group.kept(segment_first(run.name) * per, pages, per)
@@ -336,13 +344,19 @@ class LoadJob:
         with self.lock:
             if self.cancelled or self.ok < len(self.transfer.names) or not target.states:
                 return 0
-            snap = self.runs[-1].snap
-            view = target.states[0][0]
-            states = hybrid.states_of(snap, len(target.states), view.shapes, view.dtypes)
+            states = hybrid.states_of(self.runs[-1].snap,
+                                      [(v.shapes, v.dtypes) for v, _ in target.states])
+            blocks = [self.transfer.groups[group.index][-1] for _, group in target.states]
+            if NULL_BLOCK in blocks:
+                raise HurrayError(f"request {self.req_id}: vLLM gave the states at the hit's "
+                                  f"end its null block", field="blocks", value=blocks,
+                                  rule="a block of the request's own")
             nbytes = 0
-            for (view, group), layer in zip(target.states, states, strict=True):
-                view.write(self.transfer.groups[group.index][-1], layer)
+            for (view, _), block, layer in zip(target.states, blocks, states, strict=True):
+                view.write(block, layer)
                 nbytes += view.nbytes
+            if self._state == "writing":
+                self._state = "written"
             return nbytes
 
     def _damaged_at_layer(self, target: Target, name: str, layer: int,
@@ -364,7 +378,10 @@ class LoadJob:
     # ------------------------------------------------------------------ outcome
     def fail(self, chunk: int, why: str) -> None:
         """Chunks from ``chunk`` on are recomputed: written no further, their blocks
-        reported."""
+        reported.  A hybrid model's load fails whole: vLLM recomputes it from its start
+        (failed_recving), so nothing more of it is written."""
+        if self.transfer.groups:
+            chunk = 0
         if chunk >= self.ok:
             return  # failed from an earlier chunk already
         blocks = sum(len(b) for b in self.transfer.blocks[chunk:self.ok])

@@ -32,7 +32,7 @@ from ...snapshot import KVCacheSnapshot
 from . import hybrid
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
-from .groups import KVGroup
+from .groups import NULL_BLOCK, KVGroup
 from .store_format import StoreFormat
 
 
@@ -135,17 +135,11 @@ class Saver:
         view = self.layers[layer][1]
         try:
             for i, save in enumerate(plan.saves):
-                blocks = [b for chunk in save.blocks for b in chunk]
                 staged = self._staged.setdefault(i, [[] for _ in self.layers])
                 if self.groups:  # a hybrid model: the pages its group keeps
-                    group = self.groups[layer]
-                    flat = save.groups[group.index]
-                    kept = group.kept(save.first_block, len(flat), self.ctx.per)
-                    parts = pages_to_numpy(view.read([b for b, k in zip(flat, kept,
-                                                                         strict=True) if k]))
-                    staged[layer] = hybrid.encode_layer(self.format, parts, kept, layer)
+                    staged[layer] = self._kept_pages(save, layer, view)
                     continue
-                parts = pages_to_numpy(view.read(blocks))
+                parts = pages_to_numpy(view.read([b for chunk in save.blocks for b in chunk]))
                 if not self.format.auto:  # quantized now, while the copy is in cache
                     roles = ("fused",) if len(parts) == 1 else ("key", "value")
                     parts = [self.format.encode(p, role, layer)
@@ -256,25 +250,37 @@ class Saver:
         return template.with_pools({(layer, role): parts[r] for layer, parts in
                                     enumerate(pools) for r, role in enumerate(roles)})
 
+    def _kept_pages(self, save: Transfer, layer: int, view: LayerView) -> list[Any]:
+        """A hybrid model's layer: the pages of its group's blocks the segment keeps,
+        encoded (``hybrid.encode_layer``)."""
+        group = self.groups[layer]
+        flat = np.asarray(save.groups[group.index], np.int64)
+        kept = group.kept(save.first_block, len(flat), self.ctx.per)
+        if (flat[kept] == NULL_BLOCK).any():  # never computed here: never stored as KV
+            raise HurrayError(f"request {save.req_id}: layer {layer} ({group.kind}) would "
+                              f"store vLLM's null block as a page", field="blocks",
+                              value=flat.tolist(), rule="pages vLLM computed")
+        parts = pages_to_numpy(view.read(flat[kept]))
+        return hybrid.encode_layer(self.format, parts, kept, layer)
+
     def _hybrid(self, save: Transfer, staged: list[list[Any]]) -> KVCacheSnapshot:
         """A hybrid model's segment (``hybrid.py``): the staged attention members, and the
         Mamba layers' states at its end (read now: the forward pass has run)."""
         states = None
         if save.state:
             blocks = [save.groups[group.index][-1] for _, group in self.states]
-            if not all(blocks):  # block 0 is vLLM's null block: no state was kept there
+            if NULL_BLOCK in blocks:  # no state was kept there
                 end = save.first_block + len(save.groups[self.states[0][1].index])
                 raise HurrayError(f"request {save.req_id}: no Mamba state in block {end - 1} "
                                   f"of its state groups (vLLM's null block)", field="blocks",
                                   value=blocks, rule="a state at the segment's end")
             states = [view.read(b) for (view, _), b in zip(self.states, blocks, strict=True)]
         tokens = len(save.groups[self.groups[0].index]) * self.ctx.block_size
-        scales = None if self.scales is None else np.array(self.scales, np.float32)
-        tensors = [t for parts in staged for t in parts]
-        if scales is not None and self.format.auto:
-            return hybrid.segment(tensors, states, self.group_map, self.ctx.identity,
-                                  tokens, kv_scales=scales)
-        return hybrid.segment(tensors, states, self.group_map, self.ctx.identity, tokens)
+        # an fp8 cache's scales, kept as they are (a quantized format carries its own)
+        scales = np.array(self.scales, np.float32) if self.scales is not None and \
+            self.format.auto else None
+        return hybrid.segment([t for parts in staged for t in parts], states, self.group_map,
+                              self.ctx.identity, tokens, kv_scales=scales)
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every segment handed to the writer is stored or dropped."""

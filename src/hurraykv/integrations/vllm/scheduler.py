@@ -97,6 +97,10 @@ class SchedulerSide:
         st.local = num_computed_tokens
         if not ctx.can_load or ctx.disabled or passed_through(request) or st.load_failed:
             return 0, False
+        if ctx.hybrid and num_computed_tokens % ctx.block_size:
+            # vLLM's own hit ends inside a block (finer prefix hashes): the block it copied
+            # for the request is being written; a hybrid load starts on a block boundary
+            return 0, False
         prompt = request.prompt_token_ids or []
         chunks = (len(prompt) - 1) // ctx.chunk_size  # the last token is always computed
         if st.asked is None:  # this engine's keys, then each accepted other format's
@@ -288,15 +292,17 @@ class SchedulerSide:
         chunks = min(upto, len(st.blocks) * ctx.block_size, known) // ctx.chunk_size
         if chunks <= st.stored:
             return []
+        per = ctx.per
+        # Mamba layers: a segment ends where every state layer holds a state (where a step
+        # ended, or a prefill checkpoint), whole (a hit ends at a segment's end: matched);
+        # without one, its chunks wait for a later segment that ends on a state
+        mamba = ctx.hybrid and ctx.layout.mamba
+        if mamba and not ctx.layout.states_at(st.groups, chunks, per):
+            return []
         keys = st.keys.upto(request.all_token_ids, chunks)
         rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
-        # Mamba layers: a state exists where this step ends, so a segment ends there,
-        # whole (a hit ends at a segment's end: matched); a step ending elsewhere stores
-        # nothing of them (vLLM ends prefill steps on block boundaries under align mode)
-        mamba = ctx.hybrid and ctx.layout.mamba
-        if mamba and chunks * ctx.chunk_size != upto:
-            return []
-        per = ctx.per
+        if ctx.hybrid:  # not the chunks whose window pages vLLM never computed
+            first = ctx.layout.first_storable(st.groups, first, chunks, per)
         out: list[Transfer] = []
         now = time.monotonic()
         for c in range(first, chunks):
@@ -354,7 +360,7 @@ class SchedulerSide:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         self._loads_done(loaded, invalid or set(), failed)
-        for req_id in failed:  # a hybrid model's failed load: recomputed from the start
+        for req_id in failed if self.ctx.hybrid else ():  # its load failed: all recomputed
             st = self.requests.get(req_id)
             if st is not None:
                 self.events.removed(st.request, 0, len(st.located))
@@ -372,8 +378,7 @@ class SchedulerSide:
                 st.stored = min(st.stored, first)
                 st.rewrite = st.load_failed = True
 
-    def _loads_done(self, req_ids: set[str], invalid: set[int],
-                    failed: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def _loads_done(self, req_ids: set[str], invalid: set[int], failed: set[str]) -> None:
         """The loads of ``req_ids`` ran in the step whose failed blocks are ``invalid``:
         vLLM recomputes a request from its first failed block on, so the tokens before it
         are hits and the rest failed; a request in ``failed`` (vLLM's

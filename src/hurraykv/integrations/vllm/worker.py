@@ -24,6 +24,7 @@ from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordere
 from ...io import checksums
 from .common import IDLE_WAIT, Context, Plan, log
 from .events import WorkerSegments
+from .groups import MAMBA
 from .loads import Loader, LoadJob, StepLoads, Target
 from .saves import Saver
 from .store_format import StoreFormat
@@ -70,8 +71,8 @@ class WorkerSide:
             names = [n for n, _ in layers]
             self.saver.group_map = layout.describe(names)
             states = [(StateView(t, g.shapes, g.dtypes, where=f"kv_caches[{n!r}]"), g)
-                      for n, t in layers if (g := layout.group_of(n)).kind == "mamba"]
-            layers = [(n, t) for n, t in layers if layout.group_of(n).kind != "mamba"]
+                      for n, t in layers if (g := layout.group_of(n)).kind == MAMBA]
+            layers = [(n, t) for n, t in layers if layout.group_of(n).kind != MAMBA]
             self.saver.groups = [layout.group_of(n) for n, _ in layers]
             self.saver.states = states
         first = self.forward_context.get(layers[0][0])
