@@ -237,9 +237,8 @@ MUTANTS = [
            "docs/vllm.md, Limits and Metrics: chunks_corrupt + the chunks loads wanted from "
            "a damaged object"),
     Mutant("resumed-request-not-loaded", "hurraykv/integrations/vllm/scheduler.py",
-           "st.blocks = list(new_blocks[0]) if new_blocks else []\n                "
-           "self._plan_load(plan, st)",
-           "st.blocks = list(new_blocks[0]) if new_blocks else []",
+           "self._set_blocks(st, new_blocks)\n                self._plan_load(plan, st)",
+           "self._set_blocks(st, new_blocks)",
            ("tests/test_vllm_scheduler.py::test_a_request_resumed_after_preemption_loads_"
             "what_vllm_takes_as_computed",),
            "docs/vllm.md: a hit's tokens are loaded into the blocks vLLM allocated, "
