@@ -352,3 +352,29 @@ def test_zmq_subscriber_receives_hurraykv_events() -> None:
 def test_chunk_size_must_be_a_multiple_of_the_block(bad: int) -> None:
     with pytest.raises(ValueError):
         HurrayKVEvents(BLOCK, bad)
+
+
+@pytest.mark.parametrize(("url", "source"), [("file", "disk"),
+                                             ("hurray://127.0.0.1:9", "external_unspecified"),
+                                             ("redis://127.0.0.1:9", "external_unspecified")])
+def test_hits_are_reported_from_the_stores_tier(tiny_llama, tmp_path, url, source) -> None:
+    """What vLLM counts in ``vllm:prompt_tokens_cached_by_source`` (its scheduler calls
+    ``get_external_cache_hit_sources`` after ``update_state_after_alloc``,
+    ``scheduler.py:1306``): a ``file://`` store is this host's disk, a server or Redis a
+    remote store (vLLM's ``external_unspecified``).  The OpenAI-server test reads the
+    disk count from /metrics."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hurraykv.integrations import engine_run
+
+    url = (tmp_path / "kv").as_uri() if url == "file" else url
+    config = EngineArgs(**engine_run.engine_kwargs(
+        {"model": str(tiny_llama), "connector": {"url": url}})).create_engine_config()
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
+    try:
+        request = Request("r", list(range(1, 101)), SamplingParams(max_tokens=1), None)
+        assert {k.value: v for k, v in connector.get_external_cache_hit_sources(
+            request, 64).items()} == {source: 64}
+    finally:
+        connector.shutdown()

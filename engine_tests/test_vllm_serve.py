@@ -82,12 +82,17 @@ def test_the_openai_server_serves_every_client_the_tokens_of_an_engine_without_i
         proc = serve(str(tiny_llama), port, {"url": store.as_uri()}, log)
         try:
             wait_healthy(port, proc, log_path)
+            served = 0
             with ThreadPoolExecutor(CLIENTS) as pool:
                 for _ in range(2):  # computed and stored, then loaded from the store
                     got = list(pool.map(lambda p: complete(port, str(tiny_llama), p), batch))
                     assert [tokens for tokens, _ in got] == want
+                    served += sum(c for _, c in got)  # the first pass hits what it stored
                 cached = [c for _, c in got]
                 assert cached == [192, 160] * (CLIENTS // 2), cached
+            # vLLM's own count of cached prompt tokens by tier: a file:// store is disk
+            assert by_source(port, "vllm:prompt_tokens_cached_by_source") == {
+                "disk": served}
         finally:
             proc.terminate()
             proc.wait(60)
@@ -104,6 +109,19 @@ def scrape(port: int) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def by_source(port: int, name: str) -> dict[str, float]:
+    """A ``source``-labelled counter of ``vllm serve``'s /metrics, its non-zero values."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_total" and sample.value:
+                source = sample.labels["source"]
+                out[source] = out.get(source, 0.0) + sample.value
     return out
 
 

@@ -31,6 +31,7 @@ loading.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -39,7 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..chunks import store_class
 from . import events as kv_events
 from . import metrics
 from .common import FP8_NAMES, Plan, log
@@ -69,6 +72,12 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self.ctx = ctx = build_context(vllm_config, kv_cache_config, rank=rank)
         conf, cfg, chunk_size = ctx.config, self._kv_transfer_config, ctx.chunk_size
+        # where vLLM says hits came from (vllm:prompt_tokens_cached_by_source): a file://
+        # store is this host's disk; a server or Redis is a remote store, which vLLM's
+        # CacheHitSource names external_unspecified
+        local = store_class(urlparse(conf.url).scheme)
+        self._cache_hit_source = CacheHitSource.DISK if local is not None and local.LOCAL \
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
         tp = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's /metrics: what changed since the last report (metrics.py)
         self._deltas = metrics.CounterDeltas(
