@@ -229,3 +229,49 @@ def test_a_resumed_request_whose_plan_fails_has_its_expected_loads_reported_fail
     plan = sched.failed_plan(step(cached=[("q", range(70, 77), 0)], resumed=["q"]))
     assert plan.failed == [70, 71, 72, 73, 74, 75, 76]
     assert sched.ctx.stats["tokens_failed"] == 64
+
+
+def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(tmp_path):
+    """``store_threshold`` 2 (as vLLM's offloading connector): a prompt computed once is
+    not stored (counted ``chunks_unadmitted``), the same prompt computed again is; a
+    prefix shared with an earlier prompt is stored, the new tail waits for its second
+    time; the counting table keeps ``max_tracker_size`` keys, the least recently counted
+    leaving it."""
+    import dataclasses
+
+    gen = scheduler_side(tmp_path)
+    sched, _ = next(gen)
+    sched.ctx.config = dataclasses.replace(sched.ctx.config, store_threshold=2,
+                                          max_tracker_size=4)
+    sched.admission = type(sched.admission)(2, 4)
+
+    def computed(req_id: str, tokens: list[int]) -> list[tuple[int, int]]:
+        req = request(req_id, tokens)
+        assert match(sched, req, 0)[0] == 0
+        alloc(sched, req, 0)
+        plan = sched.plan(step(new=[(req_id, range(7), 0)], scheduled={req_id: 100}))
+        sched.requests.pop(req_id)
+        return [(s.first_chunk, len(s.keys)) for s in plan.saves]
+
+    assert computed("a", PROMPT) == []
+    assert sched.ctx.stats["chunks_unadmitted"] == 3
+    assert computed("b", PROMPT) == [(0, 3)]  # the second time
+    other = PROMPT[:40] + [999] * 60  # shares chunk 0 (tokens 0..31) only
+    assert computed("c", other) == []  # chunk 0: its third time, but planned by b (2 s)
+    sched.planned.clear()
+    assert computed("d", other) == [(0, 3)]  # chunk 0 again, chunks 1, 2: their second
+    # four keys tracked: PROMPT's chunk 1 left the table and is counted anew, so chunk 2
+    # (admitted: its third time) waits too (a hit is a prefix: no use without chunk 1)
+    sched.planned.clear()
+    assert computed("e", PROMPT) == [(0, 1)]
+    assert computed("f", PROMPT) == [(1, 2)]
+    try:
+        next(gen)
+    except StopIteration:
+        pass
+
+
+def test_store_threshold_is_a_positive_count():
+    with pytest.raises(hk.HurrayError, match="store_threshold") as e:
+        ConnectorConfig.from_extra({"url": "file:///tmp/x", "store_threshold": 0})
+    assert e.value.field == "store_threshold"

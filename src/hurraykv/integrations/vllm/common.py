@@ -105,6 +105,7 @@ class Counters:
     chunks_saved: int = 0
     segments_saved: int = 0
     saves_present: int = 0  # segments not written: the store had every chunk already
+    chunks_unadmitted: int = 0  # computed chunks not stored: below store_threshold
     bytes_saved: int = 0
     saves_dropped: int = 0
     evictions: int = 0

@@ -80,6 +80,13 @@ class ConnectorConfig:
     quantization: str | None = None
     """For int8 and int4: ``"per_block_affine"`` (default; a scale per token of a page)
     or ``"per_channel"`` (a scale per head_dim channel of each layer's pool)."""
+    store_threshold: int = 1
+    """Store a chunk the Nth time a request of this engine computes it (as vLLM's
+    offloading connector's ``store_threshold``): 2 keeps one-off prompts out of the
+    store, so they do not evict what comes back.  1: every chunk, at once."""
+    max_tracker_size: int = 64000
+    """With ``store_threshold`` >= 2: chunk keys whose computations are counted (the
+    least recently counted leaves the table)."""
     accept_store_dtypes: tuple[str, ...] | None = None
     """Other store formats this engine also looks up and loads (``"int4"``,
     ``"int8:per_channel"``, ``"auto"``, ...).  Default: its own only."""

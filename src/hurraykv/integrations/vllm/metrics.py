@@ -108,6 +108,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "saves_present": ("vllm:hurraykv_present_saves",
                       "Segments not written because the store already held their chunks "
                       "(another request or engine stored them)."),
+    "chunks_unadmitted": ("vllm:hurraykv_unadmitted_chunks",
+                          "Computed chunks not stored because they were computed fewer "
+                          "times than store_threshold."),
     "saves_dropped": ("vllm:hurraykv_dropped_saves",
                       "Segments not stored (writer full, store down or failing)."),
     "evictions": ("vllm:hurraykv_evictions",

@@ -30,6 +30,7 @@ from typing import Any
 
 from ...errors import HurrayError
 from ..chunks import ChunkKeys, segment_ends_at, segment_first
+from .admission import Admission
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
@@ -74,6 +75,7 @@ class SchedulerSide:
         # hands the connector the output of the step that loaded it
         self.loading: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self.lookups = Lookups(ctx.lookups, ctx.stats)
+        self.admission = Admission(ctx.config.store_threshold, ctx.config.max_tracker_size)
         self.async_loads: list[Transfer] = []  # allocated, for the next plan
         self.async_pending: set[str] = set()  # async loads not reported finished yet
         # chunk key -> (step, time) it was planned for storing, oldest first
@@ -303,9 +305,12 @@ class SchedulerSide:
         rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
         if ctx.hybrid:  # not the chunks whose window pages vLLM never computed
             first = ctx.layout.first_storable(st.groups, first, chunks, per)
+        admitted = self._admitted(keys, first, chunks, rewrite, mamba)
         out: list[Transfer] = []
         now = time.monotonic()
         for c in range(first, chunks):
+            if not admitted[c - first]:
+                continue
             if (not mamba or not out) and self._planned_elsewhere(keys[c], rewrite, now):
                 continue
             self.planned[keys[c]] = (self.steps, now)
@@ -333,6 +338,21 @@ class SchedulerSide:
             self.events.expect(t.segment_id, request, t.first_chunk,
                                len(t.keys))
         return out
+
+    def _admitted(self, keys: list[str], first: int, chunks: int, rewrite: bool,
+                  mamba: bool) -> list[bool]:
+        """Which of chunks ``[first, chunks)`` ``store_threshold`` lets in (all, when
+        storing again what failed to load).  A hit is a prefix: after a refused chunk,
+        none of this step's is stored (a later chunk is no use without it); a Mamba
+        segment ends on the step's last chunk (its state), so it is stored whole or not."""
+        offered = self.admission.offer(keys[first:chunks])
+        if rewrite:
+            return [True] * len(offered)
+        refused = offered.index(False) if False in offered else len(offered)
+        if mamba and refused < len(offered):
+            refused = 0
+        self.ctx.stats.add(chunks_unadmitted=len(offered) - refused)
+        return [i < refused for i in range(len(offered))]
 
     def _planned_elsewhere(self, key: str, rewrite: bool, now: float) -> bool:
         """Another request of this engine is storing chunk ``key`` (a burst sharing a new

@@ -1,0 +1,37 @@
+"""Admission of newly computed chunks into the store (issue 32): ``store_threshold``.
+
+A burst of one-off prompts evicts a hot prefix from a capped store as readily as
+anything else (LRU has no memory of what came back).  With ``store_threshold`` N >= 2 a
+chunk is stored the Nth time a request of this engine computes it, as vLLM's
+``OffloadingConnector`` does (``vllm/v1/kv_offload/cpu/manager.py``: ``store_threshold``,
+counted per offer in an LRU table of ``max_tracker_size`` keys): a prompt seen once
+costs the store nothing, one seen again is stored.  The table is this engine's only (an
+engine restarted counts anew), and bounded: the least recently offered key leaves it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class Admission:
+    def __init__(self, threshold: int, max_tracked: int) -> None:
+        self.threshold, self.max_tracked = threshold, max_tracked
+        self._counts: OrderedDict[str, int] = OrderedDict()
+
+    def offer(self, keys: Sequence[str]) -> list[bool]:
+        """Count one more computation of each chunk key; which may be stored now."""
+        if self.threshold <= 1:
+            return [True] * len(keys)
+        out = []
+        for key in keys:  # a step's new chunks: a handful, whatever the prompt's length
+            count = self._counts.pop(key, 0) + 1
+            self._counts[key] = count  # most recent last
+            out.append(count >= self.threshold)
+        while len(self._counts) > self.max_tracked:
+            self._counts.popitem(last=False)
+        return out
+
+
+__all__ = ["Admission"]
