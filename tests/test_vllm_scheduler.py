@@ -231,7 +231,7 @@ def test_a_resumed_request_whose_plan_fails_has_its_expected_loads_reported_fail
     assert sched.ctx.stats["tokens_failed"] == 64
 
 
-def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(tmp_path):
+def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(side):
     """``store_threshold`` 2 (as vLLM's offloading connector): a prompt computed once is
     not stored (counted ``chunks_unadmitted``), the same prompt computed again is; a
     prefix shared with an earlier prompt is stored, the new tail waits for its second
@@ -239,8 +239,7 @@ def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(tmp_path)
     leaving it."""
     import dataclasses
 
-    gen = scheduler_side(tmp_path)
-    sched, _ = next(gen)
+    sched, _ = side
     sched.ctx.config = dataclasses.replace(sched.ctx.config, store_threshold=2,
                                           max_tracker_size=4)
     sched.admission = type(sched.admission)(2, 4)
@@ -265,10 +264,6 @@ def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(tmp_path)
     sched.planned.clear()
     assert computed("e", PROMPT) == [(0, 1)]
     assert computed("f", PROMPT) == [(1, 2)]
-    try:
-        next(gen)
-    except StopIteration:
-        pass
 
 
 def test_store_threshold_is_a_positive_count():
