@@ -107,6 +107,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -390,6 +391,126 @@ def lru_hits(stream: list[int], slots: int) -> int:
             del cache[next(iter(cache))]
         cache[i] = None
     return hits
+
+
+def arc_hits(stream: list[int], slots: int) -> list[bool]:
+    """Which requests an ARC cache (Megiddo and Modha, 2003) of ``slots`` whole prompts
+    would serve: T1 (seen once) and T2 (again) with ghost lists B1 and B2 steering the
+    target size ``p`` of T1."""
+    t1: OrderedDict[int, None] = OrderedDict()
+    t2: OrderedDict[int, None] = OrderedDict()
+    b1: OrderedDict[int, None] = OrderedDict()
+    b2: OrderedDict[int, None] = OrderedDict()
+    p, out = 0.0, []
+
+    def replace(x: int) -> None:
+        if t1 and (len(t1) > p or (x in b2 and len(t1) == p)):
+            b1[t1.popitem(last=False)[0]] = None
+        elif t2:
+            b2[t2.popitem(last=False)[0]] = None
+
+    for x in stream:
+        if x in t1 or x in t2:
+            (t1 if x in t1 else t2).pop(x)
+            t2[x] = None
+            out.append(True)
+            continue
+        out.append(False)
+        if x in b1:
+            p = min(slots, p + max(len(b2) / max(len(b1), 1), 1))
+            replace(x)
+            b1.pop(x)
+            t2[x] = None
+        elif x in b2:
+            p = max(0.0, p - max(len(b1) / max(len(b2), 1), 1))
+            replace(x)
+            b2.pop(x)
+            t2[x] = None
+        else:
+            if len(t1) + len(b1) == slots:
+                if len(t1) < slots:
+                    b1.popitem(last=False)
+                    replace(x)
+                else:
+                    t1.popitem(last=False)
+            elif len(t1) + len(b1) < slots and len(t1) + len(t2) + len(b1) + len(b2) >= slots:
+                if len(t1) + len(t2) + len(b1) + len(b2) == 2 * slots:
+                    b2.popitem(last=False)
+                replace(x)
+            t1[x] = None
+    return out
+
+
+def lru_served(stream: list[int], slots: int, threshold: int = 1) -> list[bool]:
+    """Which requests an exact LRU of ``slots`` whole prompts serves, admitting a prompt
+    the ``threshold``-th time it is computed."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    seen: dict[int, int] = {}
+    out = []
+    for x in stream:
+        if x in cache:
+            cache.move_to_end(x)
+            out.append(True)
+            continue
+        out.append(False)
+        seen[x] = seen.get(x, 0) + 1
+        if seen[x] >= threshold:
+            if len(cache) >= slots:
+                cache.popitem(last=False)
+            cache[x] = None
+    return out
+
+
+def admission(work: Path, quick: bool) -> tuple[str, tuple[str, ...], list[tuple[str, ...]]]:
+    """Issue 32: a hot set of prompts repeated while a stream of one-off prompts passes
+    through a capped ``file://`` store, one request at a time: the hot requests served
+    from the store with plain LRU (``store_threshold`` 1) and with admission at the
+    second computation (2), against exact LRU and ARC simulated at the same capacity."""
+    model = tiny_llama(work / "tiny-admission")
+    rng = np.random.default_rng(32)
+    hot, rounds, between = 4, 6 if quick else 12, 3
+    n_prompts = hot + rounds * hot * between
+    prompts = [rng.integers(1, 1000, 200).tolist() for _ in range(n_prompts)]
+    stream, one_off = [], iter(range(hot, n_prompts))
+    for _ in range(rounds):
+        for h in range(hot):
+            stream += [h] + [next(one_off) for _ in range(between)]
+    is_hot = [i < hot for i in stream]
+
+    def spec(connector: dict | None) -> dict:
+        return {"model": str(model), "dtype": "float32", "prompts": [prompts[i] for i in stream],
+                "max_tokens": 1, "rounds": 1, "connector": connector, "block_size": 32,
+                "prefix_caching": False}
+
+    probe = work / "admission-probe"
+    engine(spec(hurray_conn(probe.as_uri())) | {"prompts": [prompts[0]]}, work, "probe")
+    slots = hot + 2
+    cap = segment_bytes(probe) * slots  # a hot set and two prompts more
+
+    def hot_rate(served: list[bool]) -> str:
+        hits = sum(s for s, h in zip(served, is_hot, strict=True) if h)
+        return f"{hits}/{sum(is_hot)} ({hits / sum(is_hot):.0%})"
+
+    rows = []
+    for threshold in (1, 2):
+        store = work / f"admission-{threshold}"
+        out = engine(spec(hurray_conn(store.as_uri(), max_bytes=cap,
+                                      store_threshold=threshold)), work, f"adm-{threshold}")
+        served = [o["num_cached_tokens"] > 0 for o in out["outputs"]]
+        rows.append((f"hurraykv, store_threshold {threshold}", hot_rate(served),
+                     f"{sum(served)}/{len(served)}",
+                     f"{out['stats']['chunks_saved']} stored, "
+                     f"{out['stats'].get('evictions', 0)} evicted"))
+    for label, served in ((f"exact LRU of {slots} prompts (simulated)", lru_served(stream, slots)),
+                          ("exact LRU, admitted at the 2nd computation (simulated)",
+                           lru_served(stream, slots, 2)),
+                          (f"ARC of {slots} prompts (simulated)", arc_hits(stream, slots))):
+        rows.append((label, hot_rate(served), f"{sum(served)}/{len(served)}", ""))
+    return (f"Admission: {hot} hot prompts of 200 tokens repeated {rounds} times, {between} "
+            f"one-off prompts between hot requests ({len(stream)} requests, one at a time), "
+            f"file:// max_bytes = {slots} prompts' segments ({cap / (1 << 20):.2f} MiB); "
+            f"hot requests served from the store",
+            ("contender", "hot requests served", "all requests served", "store"), rows)
 
 
 def segment_bytes(directory: Path) -> int:
@@ -1486,7 +1607,7 @@ def main() -> None:
     p.add_argument("--skip-peers", action="store_true",
                    help="only the connector table (as --only connector)")
     p.add_argument("--only", choices=("peers", "connector", "zipf", "store_dtype",
-                                      "store_dtype_speed", "serve", "hybrid"),
+                                      "store_dtype_speed", "serve", "hybrid", "admission"),
                    help="run one table alone")
     p.add_argument("--burn", type=int, default=2,
                    help="serve: CPU burner processes beside the server in the hit-rate rows "
@@ -1503,7 +1624,8 @@ def main() -> None:
                    help="engine pairs per connector, each over its own prompts (default 3)")
     args = p.parse_args()
     tables = {args.only} if args.only else {"peers", "connector", "zipf", "store_dtype",
-                                            "store_dtype_speed", "serve", "hybrid"}
+                                            "store_dtype_speed", "serve", "hybrid",
+                                            "admission"}
     if args.skip_peers:  # as before the Zipf table: the connector table alone
         tables = {"connector"}
     with tempfile.TemporaryDirectory(prefix="hurraykv-bench-vllm-") as tmp:
@@ -1533,6 +1655,9 @@ def main() -> None:
                 print()
         if "store_dtype_speed" in tables:
             print_grid(*store_dtype_speed(work, 2048 if args.quick else 4096))
+            print()
+        if "admission" in tables:
+            print_grid(*admission(work, args.quick))
             print()
         if "hybrid" in tables:
             for grid in hybrid(work, args.quick):

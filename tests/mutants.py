@@ -319,6 +319,12 @@ MUTANTS = [
            ("tests/test_vllm_hybrid.py::test_hybrid_loads_carry_every_groups_blocks_and_fail_"
             "by_request",),
            "docs/vllm.md, Hybrid models: loads are asynchronous whatever load_mode says"),
+    # --- retention (issue 32) ---------------------------------------------------------
+    Mutant("store-threshold-ignored", "hurraykv/integrations/vllm/admission.py",
+           "if self.threshold <= 1:", "if True:",
+           ("tests/test_vllm_scheduler.py::test_store_threshold_stores_a_chunk_the_second_"
+            "time_it_is_computed",),
+           "docs/vllm.md, store_threshold: a chunk is stored the Nth time it is computed"),
     Mutant("page-store-drops-states", "hurraykv/store/manifest.py",
            "        write_tensor(buf, desc, bufs)\n    hurray = buf.getvalue()",
            "        pass\n    hurray = buf.getvalue()",
