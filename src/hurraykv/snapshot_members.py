@@ -45,16 +45,20 @@ def group_head(member_count: int) -> TensorDescriptor:
     return TensorDescriptor(UINT8, (member_count,), Composite(GROUP, member_count))
 
 
+def row_major_member(data: np.ndarray, tag: int) -> tuple[TensorDescriptor, Buffers]:
+    """A row-major member of ``data`` (contiguous, little-endian) whose element type is
+    ``tag``: ``seq_lens``, ``kv_scales``, a hybrid model's states."""
+    data = np.ascontiguousarray(data)
+    return (TensorDescriptor(tag, tuple(data.shape), RowMajor(), (handle(data.nbytes),)),
+            [memoryview(data.reshape(-1).view(np.uint8))])
+
+
 def seq_lens_member(seq_lens: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
-    data = np.ascontiguousarray(seq_lens, dtype="<u8")
-    return (TensorDescriptor(UINT64, (len(data),), RowMajor(), (handle(data.nbytes),)),
-            [memoryview(data.view(np.uint8))])
+    return row_major_member(np.asarray(seq_lens, dtype="<u8").reshape(-1), UINT64)
 
 
 def kv_scales_member(kv_scales: np.ndarray) -> tuple[TensorDescriptor, Buffers]:
-    data = np.ascontiguousarray(kv_scales, dtype="<f4")
-    return (TensorDescriptor(FLOAT32, tuple(data.shape), RowMajor(),
-                             (handle(data.nbytes),)), [memoryview(data.view(np.uint8))])
+    return row_major_member(np.asarray(kv_scales, dtype="<f4"), FLOAT32)
 
 
 def host_descriptor(desc: TensorDescriptor) -> TensorDescriptor:

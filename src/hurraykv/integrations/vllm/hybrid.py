@@ -29,10 +29,9 @@ import numpy as np
 from ...errors import HurrayError
 from ...paged import BlockPagedTensor
 from ...snapshot import KVCacheSnapshot
-from ...wire.buffers import handle
+from ...snapshot_members import row_major_member
 from ...wire.descriptor import TensorDescriptor
 from ...wire.dtypes import element_type
-from ...wire.layouts import RowMajor
 from .groups import METADATA_KEY, STATE_KEY
 from .store_format import StoreFormat
 
@@ -60,18 +59,12 @@ def encode_layer(fmt: StoreFormat, parts: Sequence[np.ndarray], kept: np.ndarray
     for pages, role in zip(parts, roles, strict=True):
         if table is not None:  # the zero page every left-out block names
             pages = np.concatenate([pages, np.zeros((1, *pages.shape[1:]), pages.dtype)])
-        out.append(fmt.encode(pages, role, layer, table) if not fmt.auto or table is not None
-                   else BlockPagedTensor(pages, np.arange(len(pages)), [0, len(pages)],
-                                         [len(pages) * pages.shape[1]], kv_role=role,
-                                         layer_index=layer))
+        out.append(fmt.encode(pages, role, layer, table))
     return out
 
 
-def state_member(name: str, state: np.ndarray) -> tuple[str, TensorDescriptor, list[Any]]:
-    data = np.ascontiguousarray(state)
-    desc = TensorDescriptor(element_type(data.dtype).tag, tuple(data.shape), RowMajor(),
-                            (handle(data.nbytes),))
-    return name, desc, [memoryview(data.reshape(-1).view(np.uint8))]
+def state_member(name: str, state: np.ndarray) -> tuple[str, TensorDescriptor, Any]:
+    return (name, *row_major_member(state, element_type(state.dtype).tag))
 
 
 def segment(tensors: Sequence[BlockPagedTensor], states: Sequence[Sequence[np.ndarray]] | None,

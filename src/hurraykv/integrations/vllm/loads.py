@@ -216,6 +216,7 @@ class LoadJob:
         self._state = "fetching"
         self.segments = segments
         t, ctx = self.transfer, target.ctx
+        at = 0  # the load's page of chunk i's first block
         for i, name in enumerate(t.names):
             got = segments.get(name)
             told = got is not None  # damage found by another job: told by that one
@@ -241,8 +242,8 @@ class LoadJob:
             if last is not None and last.snap is snap and last.first + len(last.blocks) == first:
                 last.blocks.extend(t.blocks[i])  # one write per run of a segment's pages
             else:
-                at = sum(len(b) for b in t.blocks[:i])
                 self.runs.append(Run(list(t.blocks[i]), snap, first, i, at, name))
+            at += len(t.blocks[i])
         if target.states and self.ok == len(t.names) and t.names:
             last = self.runs[-1].snap  # the states are those at its end: the hit's end too
             if not hybrid.has_states(last) or t.pages[-1] + len(t.blocks[-1]) != \
