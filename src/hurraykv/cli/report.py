@@ -205,10 +205,10 @@ def summary_lines(snap: KVCacheSnapshot | None, tot: dict[str, Any]) -> list[str
             lines.append(f"  quantization: {'; '.join(sorted(schemes))}")
     if snap is not None and snap.model is not None:
         lines.append(f"  model       : {snap.model}")
-    if snap is not None:
-        lines += group_lines(snap)
+    groups = group_lines(snap) if snap is not None else []
+    lines += groups
     shown = {k: v for k, v in (snap.metadata if snap is not None else {}).items()
-             if not (k == GROUPS_KEY and group_lines(snap))}
+             if not (k == GROUPS_KEY and groups)}  # the group map is shown above
     if shown:
         lines.append("  metadata    : " + ", ".join(f"{k} = {v}" for k, v in shown.items()))
     return lines

@@ -191,6 +191,8 @@ class LoadJob:
     # the segments of its step (sync) or the damage known to the loader (async): a
     # segment found damaged is told once, by the job that found it
     segments: dict[str, Fetched] = field(default_factory=dict, repr=False)
+    # (segment, group index) -> the blocks a hybrid segment keeps of that group's layers
+    _kept: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -328,9 +330,11 @@ class LoadJob:
             raise HurrayError(f"request {self.req_id}: vLLM gave pages of layer {layer} "
                               f"({group.kind}) its null block", field="blocks", value=blocks,
                               rule="a block of the request's own")
-        per = target.ctx.per
-        pages = run.snap.total_tokens // run.snap.page_size
-        kept = group.kept(segment_first(run.name) * per, pages, per)
+        kept = self._kept.get((run.name, group.index))
+        if kept is None:  # the same for every layer of the group
+            per, pages = target.ctx.per, run.snap.total_tokens // run.snap.page_size
+            kept = self._kept[(run.name, group.index)] = group.kept(
+                segment_first(run.name) * per, pages, per)
         phys = hybrid.physical_run(tensor, logical, n)
         if not kept[logical:logical + n].all() or phys is None:
             raise HurrayError(f"segment {run.name} does not hold pages {logical}.."
