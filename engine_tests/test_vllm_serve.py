@@ -19,8 +19,9 @@ import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from tests.redis_servers import free_port
-from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
+import hurraykv as hk
 from engine_tests.conftest import run_engine
 from engine_tests.test_vllm_connector import BLOCK, prompts, spec
 
@@ -129,7 +130,9 @@ def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_event
         tiny_llama, tmp_path):
     """As an operator runs it: a directory capped by max_bytes under 8 clients sending
     more distinct prompts than it holds, vLLM's /metrics carrying the connector's
-    counters, and its KV events published over ZMQ as a router subscribes to them."""
+    counters, and its KV events published over ZMQ as a router subscribes to them: a
+    ``BlockStored`` per segment stored and a ``BlockRemoved`` for every one evicted, so
+    that what a router still counts stored is no more than what the directory holds."""
     base = prompts()[0]
     batch = [[(t + 17 * i) % 900 + 1 for t in base] for i in range(16)]  # 16 distinct
     want = [o["tokens"] for o in run_engine(spec(tiny_llama, None, batch), tmp_path,
@@ -144,7 +147,8 @@ def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_event
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                  "endpoint": f"tcp://*:{events_port}", "topic": "kv"}
     with open(log_path, "w") as log:
-        proc = serve(str(tiny_llama), port, {"url": store.as_uri(), "max_bytes": "600K"},
+        proc = serve(str(tiny_llama), port, {"url": store.as_uri(), "max_bytes": "600K",
+                                             "removal_check_s": 0.2},
                      log, "--kv-events-config", json.dumps(kv_events))
         try:
             wait_healthy(port, proc, log_path)
@@ -154,6 +158,12 @@ def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_event
                     assert [tokens for tokens, _ in got] == want
                     sizes = sum(p.stat().st_size for p in store.glob("*.hrry"))
                     assert sizes <= cap, sizes
+            # events go out when the scheduler steps: a short prompt (no whole chunk, so
+            # nothing stored or evicted) after the last checks carries the last removals
+            for _ in range(2):
+                time.sleep(0.6)
+                complete(port, str(tiny_llama), base[:20])
+            held = sum(hk.load_snapshot(p).seq_lens[0] // BLOCK for p in store.glob("*.hrry"))
             metrics = scrape(port)
             batches = []
             with contextlib.suppress(zmq.Again):
@@ -173,3 +183,15 @@ def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_event
               if isinstance(e, BlockStored) and e.medium == "STORAGE"]
     assert len(stored) >= 16, f"{len(batches)} batches, {len(stored)} BlockStored"
     assert all(e.block_size == BLOCK and len(e.block_hashes) >= 1 for e in stored)
+    live: set = set()
+    removed = 0
+    for e in (e for b in batches for e in decoder.decode(b).events
+              if getattr(e, "medium", None) == "STORAGE"):
+        if isinstance(e, BlockStored):
+            live.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            assert set(e.block_hashes) <= live  # only what was announced stored
+            live.difference_update(e.block_hashes)
+            removed += len(e.block_hashes)
+    assert removed > 0
+    assert len(live) <= held, (len(live), held, removed)  # nothing gone still announced

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, ChunkStore, identity_digest
+from hurraykv.integrations.chunks import ChunkKeys, ChunkStore, identity_digest, identity_key
 from hurraykv.io import checksums
 
 CHUNK = 4
@@ -72,6 +73,41 @@ class ChunkStoreContract:
             assert other.get_verified(other.locate(k)[0]).equal(snap)
         finally:
             other.close()
+
+    def test_the_catalog_lists_each_segment_with_its_identity(self, store):
+        mine, theirs = (f"model=contract-{next(_names)}-{np.random.random()}" for _ in "ab")
+        ka, kb = keys(2), keys(3)
+        store.put(ka, 0, segment(2, 3).with_info(model=mine), {})
+        store.put(kb, 0, segment(3, 4).with_info(model=theirs), {})
+        a, b = store.locate(ka)[0], store.locate(kb)[0]
+        listed = {s.name: s for s in store.catalog()}
+        assert listed[a].identity_key == identity_key(mine)
+        assert listed[b].identity_key == identity_key(theirs)
+        assert listed[a].identity in (mine, None)  # the string, where the store keeps it
+        assert 0 < listed[a].nbytes < listed[b].nbytes  # 2 pages against 3
+        for s in (listed[a], listed[b]):
+            assert s.used is None or abs(s.used - time.time()) < 120
+            assert s.created is None or abs(s.created - time.time()) < 120
+
+    def test_clear_removes_one_identity_and_nothing_else(self, store, make):
+        mine, theirs = (f"model=contract-{next(_names)}-{np.random.random()}" for _ in "ab")
+        ka, kb, kc = keys(2), keys(2), keys(1)
+        store.put(ka[:1], 0, segment(1, 5).with_info(model=mine), {})
+        store.put(ka[1:], 1, segment(1, 6).with_info(model=mine), {})
+        store.put(kb, 0, segment(2, 7).with_info(model=theirs), {})
+        store.put(kc, 0, segment(1, 8), {})  # stored with no identity at all
+        names = store.locate(ka)
+        other = make()  # another engine's client clears them
+        try:
+            removed = other.clear(identity_key(mine))
+        finally:
+            other.close()
+        assert sorted(s.name for s in removed) == sorted(names)
+        assert store.locate(ka) == [None, None] and store.exists(names) == [False, False]
+        assert store.get_verified(store.locate(kb)[0]).equal(segment(2, 7))
+        assert store.locate(kc)[0] is not None
+        assert store.clear(identity_key(mine)) == []  # nothing left of it: idempotent
+        assert store.remove(names[0]) is False
 
     def test_a_name_never_stored_is_a_hurray_error(self, store):
         with pytest.raises(hk.HurrayError):

@@ -8,6 +8,8 @@
     hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
     hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
     hurraykv store fsck URL              repair a Redis page store after a crash
+    hurraykv cache ls [--segments] URL   a connector's store: per cache identity
+    hurraykv cache clear URL (--identity ID | --all)
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
 on stderr); 2 usage, or a file, directory or server that cannot be read, written or
@@ -24,6 +26,7 @@ from typing import Any
 
 from .. import __version__, units
 from ..errors import HurrayError, MissingDependencyError, TransportError
+from .cache import add_parsers as add_cache_parsers
 from .inputs import CannotRead
 from .local import cmd_compact, cmd_inspect, cmd_validate
 from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
@@ -188,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "running and are kept; default 3600")
     fs.add_argument("--json", action="store_true", help="the report as one JSON object")
     fs.set_defaults(func=cmd_store_fsck)
+    add_cache_parsers(sub)
     return p
 
 

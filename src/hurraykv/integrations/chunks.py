@@ -39,6 +39,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
@@ -119,6 +120,26 @@ def segment_first(name: str) -> int:
     return int(check_name(name).rsplit("-", 1)[1])
 
 
+@dataclass(frozen=True)
+class Stored:
+    """One segment as ``ChunkStore.catalog`` lists it: its name, its bytes, the cache
+    identity it was stored under (``identity``: the string, where the store keeps it;
+    ``identity_key``: ``identity_digest(identity).hex()``, which every store knows) and,
+    where the store records them, when it was stored and last used (Unix seconds)."""
+
+    name: str
+    nbytes: int
+    identity_key: str | None = None
+    identity: str | None = None
+    created: float | None = None
+    used: float | None = None
+
+
+def identity_key(identity: str) -> str:
+    """How a catalog names an identity: its digest, 32 hex digits."""
+    return identity_digest(identity).hex()
+
+
 class ChunkStore(ABC):
     """Where chunks live.  ``get`` raises a HurrayError for a segment that is missing,
     truncated or does not parse."""
@@ -186,6 +207,44 @@ class ChunkStore(ABC):
     def connect(self) -> None:
         """Open the connection now (and import what it needs), not on the first call."""
         return None
+
+    # -- what is stored (``hurraykv cache ls|clear``, the connector's reset_cache and
+    # -- its removal events) --------------------------------------------------------------
+    def catalog(self) -> list[Stored]:
+        """Every segment stored, with its identity (``Stored``)."""
+        raise HurrayError(f"a {self.FORM} store cannot list what it holds", field="url",
+                          value=getattr(self, "url", None), rule="a store that lists")
+
+    def remove(self, name: str) -> bool:
+        """Delete segment ``name`` (its aliases stop reaching it); False if it was not
+        stored."""
+        raise HurrayError(f"a {self.FORM} store cannot delete", field="url",
+                          value=getattr(self, "url", None), rule="a store that deletes")
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        """Which of the segments ``names`` are still stored (one round trip where the
+        store batches)."""
+        raise HurrayError(f"a {self.FORM} store cannot tell what it holds", field="url",
+                          value=getattr(self, "url", None), rule="a store that lists")
+
+    def clear(self, identity: str | None) -> list[Stored]:
+        """Remove every segment of ``identity`` (an ``identity_key``; None: every
+        segment), then list the store again: a ``HurrayError`` names what is still there
+        (a removal that failed; a segment stored again meanwhile is one of a later
+        engine's and survives).  Returns what was removed."""
+        def chosen(s: Stored) -> bool:
+            return identity is None or s.identity_key == identity
+
+        listed = {s.name: s for s in self.catalog() if chosen(s)}
+        removed = [s for s in listed.values() if self.remove(s.name)]
+        # still there: the very segment listed (stored again since, it is a new one)
+        left = [s.name for s in self.catalog() if s.name in listed and (
+            s.created is None or s.created == listed[s.name].created)]
+        if left:
+            raise HurrayError(f"{len(left)} segments of {identity or 'any identity'} are "
+                              f"still in {self.url} after their removal, e.g. {left[0]}",
+                              field="segment", value=left[0], rule="a cleared store")
+        return removed
 
     def discard(self, name: str) -> None:
         """Take a damaged segment out of the store, so it is not read again (its chunks
@@ -348,6 +407,15 @@ class Suffixed(ChunkStore):
     def connect(self) -> None:
         self.inner.connect()
 
+    def catalog(self) -> list[Stored]:  # every rank's: a reset clears them all
+        return self.inner.catalog()
+
+    def remove(self, name: str) -> bool:
+        return self.inner.remove(name)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        return self.inner.exists([self._named(n) for n in names])
+
     def discard(self, name: str) -> None:
         self.inner.discard(self._named(name))
 
@@ -386,6 +454,7 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
     return Suffixed(store, suffix) if suffix else store
 
 
-__all__ = ["ChunkKeys", "ChunkStore", "chain", "identity_digest", "open_store", "schemes",
+__all__ = ["ChunkKeys", "ChunkStore", "Stored", "chain", "identity_digest", "identity_key",
+           "open_store", "schemes",
            "segment_ends_at", "segment_first", "segment_name", "store_class", "url_forms",
            "url_problem"]

@@ -446,6 +446,29 @@ class Capacity:
         finally:
             os.close(fd)
 
+    def drop(self, name: str) -> bool:
+        """Remove segment ``name`` as an eviction does (a reader that opened it reads on,
+        none finds it later), its bytes taken off the record; False if it was not there."""
+        path = f"{self._at}{name}{SUFFIX}"
+        with self.lock(exclusive=True):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                raise HurrayError(f"cannot remove segment {name} from {self.dir}: "
+                                  f"{e.strerror}", field="segment", value=name) from None
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            trash = self._take(Entry(name, st.st_size, st.st_mtime_ns, st.st_ino))
+            if trash is None:  # loaded or stored again this instant: a later one's
+                return False
+            total, scanned = self._usage()
+            if scanned:
+                self._record(max(0, total - st.st_size), scanned)
+        self._discard(trash)
+        return True
+
     def _evict(self, entry: Entry) -> bool:
         """Remove segment ``entry`` if it is still the file the scan listed."""
         trash = self._take(entry)

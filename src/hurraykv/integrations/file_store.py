@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import alloc
 from ..errors import HurrayError
-from ..info import PREFIX, info_member, is_info, text_offset
+from ..info import PREFIX, info_member, is_info, parse_info, text_offset
 from ..io import checksums
 from ..io.atomic import append_lines, create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
@@ -29,7 +29,15 @@ from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
 from ..snapshot import KV_SCALES, KVCacheSnapshot
 from ..snapshot_members import is_kv_scales
 from ..wire.layouts import BlockPaged
-from .chunks import ALIAS_LINE, ChunkStore, check_name, segment_name
+from .chunks import (
+    ALIAS_LINE,
+    SEGMENT_NAME,
+    ChunkStore,
+    Stored,
+    check_name,
+    identity_key,
+    segment_name,
+)
 from .file_capacity import Capacity, Entry, Reservation
 
 
@@ -496,6 +504,36 @@ class FileChunks(ChunkStore):
     def close(self) -> None:
         self.capacity.close()  # the files it evicted removed from the disk
 
+    def catalog(self) -> list[Stored]:
+        """Every segment file, its identity read from its info member (small reads of
+        its index, not its pages), its modification time as its last use."""
+        out = []
+        with os.scandir(self.dir) as entries:
+            names = [e.name[:-5] for e in entries if e.name.endswith(".hrry")
+                     and SEGMENT_NAME.fullmatch(e.name[:-5])]
+        for name in sorted(names):
+            path = self.path(name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # removed since the listing, or a planted link
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                identity = _identity(fd, path)
+            finally:
+                os.close(fd)
+            out.append(Stored(name, st.st_size, identity_key(identity) if identity else None,
+                              identity, used=st.st_mtime))
+        return out
+
+    def remove(self, name: str) -> bool:
+        return self.capacity.drop(check_name(name))
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        return [_regular(self.path(check_name(n))) for n in names]
+
     def discard(self, name: str) -> None:
         """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""
         check_name(name)
@@ -509,6 +547,23 @@ class FileChunks(ChunkStore):
                 kept.append((p.stat().st_mtime_ns, p))
         for _, old in sorted(kept)[:-self.QUARANTINED]:  # evidence, not a second cache
             old.unlink(missing_ok=True)
+
+
+def _identity(fd: int, path: Path) -> str | None:
+    """The cache identity a segment file was stored under (its info member's model),
+    read with small reads of its index and info member; None where it has none."""
+    try:
+        f = HrryFile.index(fd, str(path))
+        for name in member_names(f):
+            desc = f.descriptor(name)
+            if is_info(desc):
+                off, n = f.spans(name)[0]
+                info = parse_info(desc, [os.pread(fd, n, off)])
+                if info is not None:
+                    return info[0]
+    except (HurrayError, OSError, ValueError):  # damaged: listed, of no identity
+        return None
+    return None
 
 
 def _regular(path: Path) -> bool:

@@ -7,12 +7,22 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import ParseResult, parse_qsl
 
+from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
-from .chunks import ChunkStore, _valid, check_name, segment_name
+from .chunks import (
+    SEGMENT_NAME,
+    ChunkStore,
+    Stored,
+    _valid,
+    check_name,
+    identity_key,
+    segment_name,
+)
 
 
 class RedisChunks(ChunkStore):
@@ -107,12 +117,73 @@ class RedisChunks(ChunkStore):
     def get(self, name: str) -> KVCacheSnapshot:
         return self.store.get(self.prefix + name)
 
+    def catalog(self) -> list[Stored]:
+        """Every segment's manifest (SCAN), its identity read from the info member it
+        holds, stored when its generation was drawn, last used as Redis's ``OBJECT
+        IDLETIME`` says (None under an LFU policy, where Redis keeps no idle time).  On
+        Redis before 7.2 (no ``CLIENT NO-TOUCH``) the listing counts as a use of every
+        manifest for ``allkeys-lru``."""
+        from ..info import parse_info
+        from ..store.manifest import manifest_generation, parse_manifest
+        from ..store.scripts import generation_age, id_of, manifest_key
+
+        client = self.store.client
+        keys = list(client.scan_iter(match=manifest_key(self.prefix + "*"), count=1000))
+        pipe = client.pipeline(transaction=False)
+        # reading a manifest is a use of it to Redis's LRU: not from this connection
+        # where Redis (7.2+) or Valkey takes NO-TOUCH; the idle time is asked first
+        pipe.execute_command("CLIENT", "NO-TOUCH", "ON")
+        for key in keys:
+            pipe.object("idletime", key)
+            pipe.get(key)
+        pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
+        replies = pipe.execute(raise_on_error=False)[1:-1]
+        now, out = time.time(), []
+        for key, idle, raw in zip(keys, replies[::2], replies[1::2], strict=True):
+            name = id_of(key, "m").removeprefix(self.prefix)
+            if not isinstance(raw, bytes) or not SEGMENT_NAME.fullmatch(name):
+                continue  # gone since the SCAN, or not a segment of this prefix
+            try:
+                items, _, _ = parse_manifest(name, raw)
+            except HurrayError:  # damaged: listed, of no identity (fsck mends it)
+                items = []
+            model = next((info[0] for desc, bufs in items
+                          if (info := _info(parse_info, desc, bufs)) is not None), None)
+            generation = manifest_generation(raw)
+            out.append(Stored(
+                name, sum(h.byte_size for desc, _ in items for h in desc.buffers),
+                identity_key(model) if model else None, model,
+                now - generation_age(generation, now) if generation else None,
+                now - idle if isinstance(idle, int) else None))
+        return sorted(out, key=lambda s: s.name)
+
+    def remove(self, name: str) -> bool:
+        from ..errors import StoreError
+
+        try:
+            self.store.delete(self.prefix + check_name(name))
+        except StoreError as e:
+            if e.field != "snapshot_id":
+                raise
+            return False
+        return True
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        return self.store.contains_many([self.prefix + check_name(n) for n in names])
+
     def discard(self, name: str) -> None:
         self.store.delete(self.prefix + check_name(name))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.store.client.close()
+
+
+def _info(parse: Any, desc: Any, bufs: Any) -> Any:
+    try:
+        return parse(desc, bufs)
+    except HurrayError:
+        return None
 
 
 def _with_timeout(url: str, timeout: float | None) -> str:

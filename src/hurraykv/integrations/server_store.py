@@ -10,7 +10,19 @@ from urllib.parse import ParseResult, unquote
 
 from ..errors import TransportError
 from ..snapshot import KVCacheSnapshot
-from .chunks import ChunkStore, _valid, check_name, segment_name
+from .chunks import (
+    SEGMENT_NAME,
+    ChunkStore,
+    Stored,
+    _valid,
+    check_name,
+    identity_key,
+    segment_name,
+)
+
+# A segment's identity, kept by the server as an alias it drops with the segment:
+# LABELS + identity_key + "/" + segment name -> the segment (``catalog``).
+LABELS = "hurraykv-ids/"
 
 
 class ServerChunks(ChunkStore):
@@ -58,8 +70,37 @@ class ServerChunks(ChunkStore):
             metadata: dict[str, Any]) -> None:
         name = self.prefix + segment_name(keys, first)
         snapshot = snapshot.with_info(metadata=metadata)  # carried as the file store does
-        self._call(lambda c: (c.push(name, snapshot),
-                              c.link([(self.prefix + k, name) for k in keys])))
+        links = [(self.prefix + k, name) for k in keys]
+        if snapshot.model:  # the server reads no snapshot: its identity goes as a label
+            links.append((f"{LABELS}{identity_key(snapshot.model)}/{name}", name))
+        self._call(lambda c: (c.push(name, snapshot), c.link(links)))
+
+    def catalog(self) -> list[Stored]:
+        """The server's segments (LIST) and their identities (the labels, ALIASES); it
+        records no times, and a segment stored before labels were written has no
+        identity (``cache clear --all`` removes it)."""
+        objects, labels = self._call(lambda c: (c.list_keys(self.prefix),
+                                                c.aliases(LABELS)))
+        of = {target: alias[len(LABELS):].partition("/")[0] for alias, target in labels}
+        return [Stored(key.removeprefix(self.prefix), nbytes, of.get(key))
+                for key, nbytes in objects
+                if SEGMENT_NAME.fullmatch(key.removeprefix(self.prefix))]
+
+    def remove(self, name: str) -> bool:
+        from ..net.messages import ErrorCode, RemoteError
+
+        try:
+            self._call(lambda c: c.delete(self.prefix + check_name(name)))
+        except RemoteError as e:
+            if e.code != ErrorCode.UNKNOWN_TENSOR:
+                raise
+            return False
+        return True
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        return self._call(lambda c: c.has([self.prefix + check_name(n) for n in names]))
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self._call(lambda c: c.pull(self.prefix + name))

@@ -109,6 +109,7 @@ class Counters:
     bytes_saved: int = 0
     saves_dropped: int = 0
     evictions: int = 0
+    segments_cleared: int = 0  # removed by reset_cache (vLLM's reset_prefix_cache)
     save_seconds: float = 0.0
     write_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -155,6 +156,9 @@ class Context:
     # loads: its own first, then those of accept_store_dtypes
     formats: dict[str, Any] = field(default_factory=dict)
     layout: Any = None  # groups.GroupLayout: the KV cache groups (None: one, unchecked)
+    # a new store connection of its own, outside the guards (reset, the removal watch):
+    # open(ranked=True) to this rank's objects, open(ranked=False) to every rank's
+    open: Any = None
     stats: Counters = field(default_factory=Counters)
 
     @property

@@ -87,6 +87,12 @@ class ConnectorConfig:
     max_tracker_size: int = 64000
     """With ``store_threshold`` >= 2: chunk keys whose computations are counted (the
     least recently counted leaves the table)."""
+    removal_check_s: float = 1.0
+    """With KV events on: seconds between checks that the segments announced to routers
+    are still stored.  One found gone (evicted by this engine or another, by a server's
+    budget or Redis's ``maxmemory``, cleared by an operator) is announced removed
+    (``BlockRemoved``); this is how long a router may see a prefix that is gone.
+    0: never checked."""
     accept_store_dtypes: tuple[str, ...] | None = None
     """Other store formats this engine also looks up and loads (``"int4"``,
     ``"int8:per_channel"``, ``"auto"``, ...).  Default: its own only."""
@@ -195,10 +201,11 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
             out = number(value)
         except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
             out = None
-        if out is None or not 0 < out <= LIMIT:
+        least = "0 or more" if key in ZERO_OFF else "positive"
+        if out is None or not (out >= 0 if key in ZERO_OFF else out > 0) or out > LIMIT:
             raise HurrayError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; it is "
-                              f"a positive {number.__name__} up to {LIMIT:g}", field=key,
-                              value=value, rule=f"a positive {number.__name__}")
+                              f"a {least} {number.__name__} up to {LIMIT:g}", field=key,
+                              value=value, rule=f"a {least} {number.__name__}")
         return out
     if not isinstance(value, str) or not value.strip():
         raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
@@ -214,6 +221,7 @@ def _shown(value: Any) -> str:
 
 
 LOAD_MODES = ("auto", "sync", "async")
+ZERO_OFF = ("removal_check_s",)  # numbers whose 0 turns their feature off
 LIMIT = 1e9  # finite, and no deadline or count this large is meant
 MAX_SIZE = (1 << 63) - 1  # what a byte count on disk or the wire holds
 

@@ -175,7 +175,12 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def take_events(self) -> Any:  # what vLLM publishes to routers
-        return self.scheduler.events.take_events()
+        return self._safely("take_events", [], self.scheduler.take_events)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: this engine's identity
+        cleared from the store (``retention.py``); False when it could not be."""
+        return bool(self._safely("reset_cache", False, self.scheduler.reset))
 
     def _safely(self, hook: str, default: Any, fn: Any, *args: Any) -> Any:
         try:

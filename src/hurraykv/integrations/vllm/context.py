@@ -45,8 +45,9 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
                                          "server_hostname") if getattr(conf, k)}
 
-    def open_one() -> Any:
-        return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 else "",
+    def open_one(ranked: bool = True) -> Any:
+        """A new connection; ``ranked``: to this rank's objects, else to every rank's."""
+        return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 and ranked else "",
                           timeout=conf.load_timeout_ms / 1000 + 5,
                           max_bytes=conf.max_bytes, **tls)
 
@@ -72,7 +73,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
                         **guard),
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-        disabled=disabled, formats=identities, layout=layout)
+        disabled=disabled, formats=identities, layout=layout, open=open_one)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,

@@ -65,13 +65,15 @@ def locality_of(url: str) -> str:
 
 
 class _Payload:
-    __slots__ = ("hashes", "lora_id", "lora_name", "parent", "seen", "session", "tokens")
+    __slots__ = ("hashes", "lora_id", "lora_name", "name", "parent", "seen", "session",
+                 "tokens")
 
     def __init__(self, hashes: list[Any], parent: Any, tokens: list[int], lora_id: Any,
                  lora_name: Any, session: Any) -> None:
         self.hashes, self.parent, self.tokens = hashes, parent, tokens
         self.lora_id, self.lora_name, self.session = lora_id, lora_name, session
         self.seen = 0  # ranks that reported the segment written
+        self.name = ""  # the segment's name in the store
 
 
 class HurrayKVEvents:
@@ -100,6 +102,8 @@ class HurrayKVEvents:
         self.group_idx, self.spec_kind, self.max_tracked = group_idx, spec_kind, max_tracked
         self._pending: OrderedDict[str, _Payload] = OrderedDict()
         self._announced: OrderedDict[Any, None] = OrderedDict()  # hashes told stored
+        # segment name -> the hashes announced with it (the removal watch finds names)
+        self._segments: OrderedDict[str, list[Any]] = OrderedDict()
         self._events: list[Any] = []
         self.removed_blocks = 0  # blocks announced removed (for the "evictions" counter)
 
@@ -146,19 +150,24 @@ class HurrayKVEvents:
         if p is not None:
             self._events.append(self._stored(p))
 
-    def expect(self, segment: str, request: Any, first_chunk: int, chunks: int) -> None:
-        """A segment (id ``segment``) is being written: announce it on ``confirm``."""
+    def expect(self, segment: str, request: Any, first_chunk: int, chunks: int,
+               name: str = "") -> None:
+        """A segment (id ``segment``, stored as ``name``) is being written: announce it on
+        ``confirm``."""
         if not self.enabled:
             return
         p = self._payload(request, first_chunk, chunks)
         if p is None:
             return
+        p.name = name
         self._pending[segment] = p
         while len(self._pending) > self.max_tracked:
             self._pending.popitem(last=False)  # never confirmed (dropped): forgotten
 
-    def confirm(self, segments: Iterable[str]) -> None:
-        """Segments a worker reports written (once per rank that wrote its part)."""
+    def confirm(self, segments: Iterable[str]) -> list[str]:
+        """Segments a worker reports written (once per rank that wrote its part); the
+        names of those announced now."""
+        named = []
         for segment in segments:
             p = self._pending.get(segment)
             if p is None:
@@ -167,6 +176,13 @@ class HurrayKVEvents:
             if p.seen >= self.ranks:
                 del self._pending[segment]
                 self._events.append(self._stored(p))
+                if p.name:
+                    self._segments[p.name] = p.hashes
+                    self._segments.move_to_end(p.name)
+                    named.append(p.name)
+        while len(self._segments) > self.max_tracked:
+            self._segments.popitem(last=False)
+        return named
 
     def forget(self, segments: Iterable[str]) -> None:
         """Segments that will not be written (dropped): never announced."""
@@ -180,6 +196,19 @@ class HurrayKVEvents:
             return 0
         p = self._payload(request, first_chunk, chunks)
         return self.removed_hashes(p.hashes) if p is not None else 0
+
+    def removed_segments(self, names: Iterable[str]) -> int:
+        """Segments found gone from the store (the removal watch): a ``BlockRemoved``
+        for their blocks still announced.  Returns how many blocks."""
+        hashes = [h for name in names for h in self._segments.pop(name, ())]
+        return self.removed_hashes(hashes) if self.enabled else 0
+
+    def cleared(self) -> int:
+        """The store was cleared of this engine's identity (``reset_cache``): every
+        block announced is announced removed.  Returns how many."""
+        self._segments.clear()
+        self._pending.clear()
+        return self.removed_hashes(list(self._announced)) if self.enabled else 0
 
     def removed_hashes(self, hashes: Iterable[Any]) -> int:
         from vllm.distributed.kv_events import BlockRemoved

@@ -57,6 +57,13 @@ class Lookups:
             self._queued.pop(req_id, None)
             self._asking.discard(req_id)  # its answer, when it comes, is dropped
 
+    def forget_all(self) -> None:
+        """Every answer dropped, those in flight too (the store was cleared): the next
+        ``ask`` of each request looks up again."""
+        with self._cv:
+            self._answers.clear()
+            self._asking = set()
+
     def wait_any(self, timeout: float) -> None:
         """Wait until a lookup in flight is answered, at most ``timeout`` (a step with
         nothing to run: vLLM's loop would step again at once, holding the GIL the lookup

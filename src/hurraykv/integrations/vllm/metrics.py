@@ -115,6 +115,9 @@ METRICS: dict[str, tuple[str, str]] = {
                       "Segments not stored (writer full, store down or failing)."),
     "evictions": ("vllm:hurraykv_evictions",
                   "Segments this engine evicted to stay within max_bytes."),
+    "segments_cleared": ("vllm:hurraykv_cleared_segments",
+                         "Segments of this engine's identity removed from the store by "
+                         "reset_cache (vLLM's reset_prefix_cache with reset_connector)."),
 }
 
 # keys counted once per chunk (not per byte or second): with tensor parallelism every

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import HurrayError
-from ..chunks import ChunkKeys, segment_ends_at, segment_first
+from ..chunks import ChunkKeys, identity_key, segment_ends_at, segment_first, segment_name
 from .admission import Admission
-from .common import IDLE_WAIT, Context, Plan, Transfer, holds
+from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
 from .request_keys import passed_through, request_seed
+from .retention import Watch, rank_names
 
 
 @dataclass
@@ -81,7 +82,12 @@ class SchedulerSide:
         # chunk key -> (step, time) it was planned for storing, oldest first
         self.planned: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.steps = 0  # plans made
-        self.saving: dict[str, list[str]] = {}  # segment id -> chunk keys, until written
+        # segment id -> (its first chunk, its chunk keys), until written or dropped
+        self.saving: dict[str, tuple[int, list[str]]] = {}
+        # segment id -> name of segments planned before a reset (retention.py)
+        self.stale: OrderedDict[str, str] = OrderedDict()
+        self.watch = Watch(ctx.open or (lambda: None), ctx.config.removal_check_s
+                           if events.enabled and ctx.open else 0.0, events.max_tracked)
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -334,9 +340,9 @@ class SchedulerSide:
         while len(self.saving) > self.MAX_PLANNED:
             self.saving.pop(next(iter(self.saving)))
         for t in out:  # announced to routers once the workers say it is stored
-            self.saving[t.segment_id] = list(t.keys)
-            self.events.expect(t.segment_id, request, t.first_chunk,
-                               len(t.keys))
+            self.saving[t.segment_id] = (t.first_chunk, list(t.keys))
+            self.events.expect(t.segment_id, request, t.first_chunk, len(t.keys),
+                               segment_name(t.keys, t.first_chunk))
         return out
 
     def _admitted(self, keys: list[str], first: int, chunks: int, rewrite: bool,
@@ -372,10 +378,14 @@ class SchedulerSide:
         is replaced), instead of failing every later request that finds them."""
         saved = getattr(connector_output, "kv_cache_events", None)
         segments, loaded, dropped = split_records(saved.get_all_events() if saved else ())
+        stale = [s for s in segments if s in self.stale]
+        if stale:
+            self._remove_stale(stale)
+            segments = [s for s in segments if s not in self.stale]
         if segments:
-            self.events.confirm(segments)
+            self.watch.watch(self.events.confirm(segments))
         for done in (*segments, *dropped):  # their chunks may be planned again
-            for key in self.saving.pop(done, ()):
+            for key in self.saving.pop(done, (0, ()))[1]:
                 self.planned.pop(key, None)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
@@ -415,6 +425,61 @@ class SchedulerSide:
             hit = tokens if bad is None else min(tokens, bad * block)
             stats.add(tokens_hit=hit, tokens_failed=tokens - hit)
 
+    def take_events(self) -> list[Any]:
+        """The KV events since the last call, with the segments the watch found gone."""
+        gone = self.watch.take_gone()
+        if gone:
+            self.events.removed_segments(gone)
+        return self.events.take_events()
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_cache``: every segment of this engine's identity removed from
+        the store, and everything known of it forgotten (``retention.py``); False (vLLM
+        then fails the reset) when the store could not be cleared."""
+        ctx = self.ctx
+        try:
+            store = ctx.open(ranked=False)
+            try:
+                removed = store.clear(identity_key(ctx.identity))
+            finally:
+                store.close()
+        except Exception as e:
+            log.warning("reset_cache: %s was not cleared of identity %s (%s: %s)", ctx.url,
+                        ctx.identity, type(e).__name__, e)
+            return False
+        for sid, (first, keys) in self.saving.items():  # written after the reset: stale
+            self.stale[sid] = segment_name(keys, first)
+        while len(self.stale) > self.MAX_PLANNED:
+            self.stale.popitem(last=False)
+        self.saving.clear()
+        self.planned.clear()
+        self.lookups.forget_all()
+        for st in self.requests.values():
+            # what it found is gone; what it holds was computed before the reset
+            st.asked, st.counted, st.located = None, False, []
+            st.foreign = st.foreign or bool(st.blocks)
+        self.watch.forget()
+        self.events.cleared()
+        ctx.stats.add(segments_cleared=len(removed))
+        log.info("reset_cache: removed %d segments (%d bytes) of identity %s from %s",
+                 len(removed), sum(s.nbytes for s in removed), ctx.identity, ctx.url)
+        return True
+
+    def _remove_stale(self, segments: list[str]) -> None:
+        """Segments planned before a reset and reported written after it: removed (every
+        rank's), never announced."""
+        try:
+            store = self.ctx.open(ranked=False)
+            try:
+                for sid in segments:
+                    for name in rank_names(self.stale[sid], self.events.ranks):
+                        store.remove(name)
+            finally:
+                store.close()
+        except Exception as e:  # left for the next reset
+            log.warning("reset_cache: a segment written after the reset could not be "
+                        "removed (%s: %s)", type(e).__name__, e)
+
     def finished(self, request: Any) -> None:
         req_id = getattr(request, "request_id", None)
         self.requests.pop(req_id, None)
@@ -425,6 +490,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.lookups.close()
+        self.watch.close()
 
 
 __all__ = ["RequestState", "SchedulerSide"]

@@ -1,0 +1,145 @@
+"""What stays cached, without an engine (``integrations/vllm/retention.py``): the
+scheduler part's reset over a real ``file://`` store, and the removal watch over each
+real store.  Through a running vLLM (``LLM.reset_prefix_cache``, events over ZMQ):
+``engine_tests/test_vllm_retention.py``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import hurraykv as hk
+from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.integrations.vllm.config import ConnectorConfig
+from hurraykv.integrations.vllm.events import SavedSegments
+from hurraykv.integrations.vllm.retention import Watch, rank_names
+from hurraykv.io import checksums
+from tests.test_vllm_scheduler import (
+    BLOCK,
+    CHUNK,
+    IDENTITY,
+    PROMPT,
+    alloc,
+    match,
+    request,
+    scheduler_side,
+    step,
+    store_chunks,
+)
+
+
+@pytest.fixture
+def side(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    yield from scheduler_side(tmp_path, open=lambda ranked=True: open_store(url))
+
+
+def segment_of(identity: str, chunks: int) -> hk.KVCacheSnapshot:
+    pages = chunks * (CHUNK // BLOCK)
+    pool = np.ones((pages, BLOCK, 1, 8), np.float16)
+    return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+        [pool], [pool], np.arange(pages), [0, pages], [pages * BLOCK], model=identity))
+
+
+def test_reset_clears_this_identity_and_forgets_what_was_found(side):
+    sched, store = side
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)
+    other = "model=other;cache_dtype=float16;chunk_size=32;tp_size=1"
+    theirs = ChunkKeys(identity_digest(other), CHUNK).upto(PROMPT, 2)
+    store.put(theirs, 0, segment_of(other, 2), {})
+    req = request("a", PROMPT)
+    assert match(sched, req) == (64, False)
+    assert sched.reset() is True
+    assert sched.ctx.stats["segments_cleared"] == 1
+    assert match(sched, req) == (0, False)  # asked again, not the answer from before
+    assert match(sched, request("b", PROMPT)) == (0, False)
+    assert store.locate(theirs)[0] is not None  # another identity's stays
+    assert [s.identity for s in store.catalog()] == [other]
+
+
+def test_a_segment_planned_before_a_reset_and_written_after_it_is_removed(side):
+    """The writer runs behind the scheduler: a segment planned before the reset holds KV
+    of the old weights, and is removed once its write is reported."""
+    sched, store = side
+    req = request("a", PROMPT)
+    assert match(sched, req) == (0, False)
+    alloc(sched, req, 0)
+    save, = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100})).saves
+    assert sched.reset() is True
+    store.put(save.keys, save.first_chunk, segment_of(IDENTITY, len(save.keys)), {})
+    assert store.locate(save.keys)[0] is not None  # written after the reset
+    sched.output(type("Out", (), {"kv_cache_events": SavedSegments([save.segment_id]),
+                                  "invalid_block_ids": set(), "failed_recving": set()})())
+    assert store.locate(save.keys) == [None] * len(save.keys)
+    # and the request, whose blocks were computed before the reset, stores nothing more
+    req.all_token_ids += list(range(500, 560))  # decoded since
+    assert sched.plan(step(cached=[("a", [7, 8], 100)], scheduled={"a": 28})).saves == []
+    fresh = request("b", PROMPT + list(range(500, 560)))  # one of after the reset does
+    assert match(sched, fresh) == (0, False)
+    alloc(sched, fresh, 0)
+    assert [len(s.keys) for s in sched.plan(step(new=[("b", range(9), 0)],
+                                                 scheduled={"b": 128})).saves] == [4]
+
+
+def test_a_reset_that_cannot_reach_its_store_fails(tmp_path):
+    """vLLM fails its reset_prefix_cache on a False: a store down is not cleared."""
+    gen = scheduler_side(tmp_path, open=lambda ranked=True: open_store("hurray://127.0.0.1:9",
+                                                                         timeout=1))
+    sched, store = next(gen)
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)
+    assert sched.reset() is False
+    assert match(sched, request("a", PROMPT)) == (64, False)  # nothing was forgotten
+    gen.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "hurray", "redis"])
+def test_the_watch_finds_the_segments_gone_from_each_store(backend, tmp_path, request):
+    from hurraykv.net.server import KVServer
+
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        url = {"file": (tmp_path / "kv").as_uri(), "hurray": f"hurray://{st.address}",
+               "redis": request.getfixturevalue("redis_url") if backend == "redis" else ""
+               }[backend]
+        store = open_store(url)
+        seed = identity_digest(f"watch-{np.random.random()}")
+        names = []
+        for i in range(3):
+            keys = ChunkKeys(seed, CHUNK).upto([i] * 100, 3)
+            store.put(keys, 0, segment_of(IDENTITY, 3), {})
+            names.append(store.locate(keys)[0])
+        watch = Watch(lambda: open_store(url), every=0.05)
+        watch.watch(names)
+        time.sleep(0.2)
+        assert watch.take_gone() == [] and watch.checks >= 1
+        assert store.remove(names[1]) is True  # as an eviction, by another client
+        deadline = time.monotonic() + 5
+        gone: list[str] = []
+        while not gone and time.monotonic() < deadline:
+            time.sleep(0.02)
+            gone = watch.take_gone()
+        assert gone == [names[1]]
+        time.sleep(0.2)
+        assert watch.take_gone() == []  # told once
+        watch.close()
+        store.close()
+
+
+def test_a_watch_with_no_interval_never_starts():
+    watch = Watch(lambda: pytest.fail("opened"), every=0.0)
+    watch.watch(["a" * 32 + "-0"])
+    assert watch._thread is None
+
+
+def test_rank_names_are_each_ranks_segment():
+    assert rank_names("ab-3", 1) == ["ab-3"]
+    assert rank_names("ab-3", 2) == ["ab.tp0-3", "ab.tp1-3"]
+
+
+def test_removal_check_s_takes_zero_and_refuses_negatives():
+    url = "file:///tmp/x"
+    assert ConnectorConfig.from_extra({"url": url, "removal_check_s": 0}).removal_check_s == 0
+    for bad in (-1, float("nan"), "soon"):
+        with pytest.raises(hk.HurrayError, match=r"removal_check_s.*0 or more"):
+            ConnectorConfig.from_extra({"url": url, "removal_check_s": bad})
