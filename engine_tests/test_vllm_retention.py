@@ -6,6 +6,7 @@ evictions over ZMQ under ``vllm serve``: ``test_vllm_serve.py``."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import hurraykv as hk
 from engine_tests.conftest import Engine
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts
 from engine_tests.test_vllm_faults import generate, store_url, want  # noqa: F401 - fixture
+from hurraykv.integrations import engine_run
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, identity_key, open_store
 from hurraykv.io import checksums
 
@@ -65,3 +67,53 @@ def test_reset_through_vllm_clears_this_engines_identity_from_the_store(
         tokens, cached, _ = generate(eng, both)
         assert tokens == want and cached == [0, 0]
         assert generate(eng, both)[1] == [192, 160]  # stored again, found again
+
+
+def run(eng: Engine, prompts_: list[list[int]], params: dict | None = None
+        ) -> tuple[list[list[int]], list[int]]:
+    """(tokens, num_cached_tokens) of requests sent with ``kv_transfer_params`` (as the
+    OpenAI server passes its top-level field: ``SamplingParams.extra_args``,
+    ``vllm/entrypoints/openai/completion/protocol.py:380``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True,
+                              extra_args={"kv_transfer_params": params} if params else None)
+    ids = [f"p{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
+    for rid, p in zip(ids, prompts_, strict=True):
+        eng.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sampling)
+    done = {}
+    while eng.llm.llm_engine.has_unfinished_requests():
+        for out in eng.llm.llm_engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return ([list(done[r].outputs[0].token_ids) for r in ids],
+            [done[r].num_cached_tokens for r in ids])
+
+
+def test_a_pinned_prefix_survives_a_flood_that_evicts_everything_else(
+        tiny_llama, tmp_path, want):  # noqa: F811 - want is the fixture
+    """A system prompt sent with ``{"hurraykv": {"pin": true}}`` and another without,
+    then a flood of distinct prompts four times the capped directory: the pinned one is
+    still served from the store, the other is gone."""
+    system, other = prompts()
+    rng = np.random.default_rng(7)
+    flood = [rng.integers(1, 1000, 200).tolist() for _ in range(20)]
+    store = tmp_path / "kv"
+    eng = Engine(tiny_llama, block_size=BLOCK, connector=conn(
+        store.as_uri(), async_save=False, max_bytes="1M", max_pinned_bytes="300K"))
+    try:
+        run(eng, [system], {"hurraykv": {"pin": True}})
+        run(eng, [other])
+        pinned = [s for s in open_store(store.as_uri()).catalog() if s.pinned]
+        assert len(pinned) == 1
+        for p in flood:
+            run(eng, [p])
+        assert sum(s.nbytes for s in open_store(store.as_uri()).catalog()) <= 1 << 20
+        tokens, cached = run(eng, [system, other])
+        # the other shares its first 64 tokens with the pinned one: only they are found
+        assert tokens == want and cached == [192, 64]
+        stats = engine_run.connector_stats()  # the worker's: it pinned what it wrote
+        assert stats["segments_retained"] >= 1 and stats["pins_refused"] == 0
+    finally:
+        eng.close()

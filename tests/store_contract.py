@@ -44,6 +44,7 @@ class ChunkStoreContract:
     # Past its capacity the store keeps the most recently used (a store whose eviction is
     # sampled, like Redis's, may keep none of a burst: only exactness is asked of it).
     KEEPS_RECENT = True
+    PINS = True  # it keeps a pinned segment through evictions (Redis cannot: refused)
 
     @pytest.fixture
     def store(self, make: Callable[[], ChunkStore]):
@@ -213,3 +214,48 @@ class ChunkStoreContract:
             found += 1
         assert found < len(stored), "nothing was evicted"
         assert found > 0 or not self.KEEPS_RECENT, (found, len(stored))
+
+    def test_a_segment_past_its_lifetime_is_a_miss(self, store):
+        k, snap = keys(2), segment(2, 20)
+        store.put(k, 0, snap, {})
+        name = store.locate(k)[0]
+        assert store.retain([name, "f" * 32 + "-0"], pin=False, ttl_s=0.5) == [name]
+        listed = {s.name: s for s in store.catalog()}
+        assert listed[name].expiry is not None and listed[name].expiry > time.time()
+        assert store.get_verified(store.locate(k)[0]).equal(snap)
+        time.sleep(1.2)
+        assert store.locate(k) == [None, None]
+
+    def test_a_pinned_segment_outlives_a_flood_until_released(self, capped):
+        if capped is None or not self.PINS:
+            pytest.skip("no capacity of its own here, or no pins (see its test class)")
+        k, snap = keys(4), segment(16, 30)
+        capped.put(k, 0, snap, {})
+        name = capped.locate(k)[0]
+        assert capped.retain([name], pin=True, ttl_s=None) == [name]
+        for i in range(30):  # 2.5 times the capacity
+            capped.put(keys(4), 0, segment(16, 200 + i), {})
+        assert capped.locate(k)[0] == name
+        assert capped.get_verified(name).equal(snap)
+        assert [s.pinned for s in capped.catalog() if s.name == name] == [True]
+        assert capped.retain([name], pin=False, ttl_s=None) == [name]
+        for i in range(30):
+            capped.put(keys(4), 0, segment(16, 300 + i), {})
+        assert capped.locate(k)[0] is None  # released, it went as any other
+
+    def test_pins_past_the_pinned_budget_are_refused(self, capped):
+        if capped is None or not self.PINS:
+            pytest.skip("no capacity of its own here, or no pins (see its test class)")
+        names = []
+        for i in range(4):  # the budget is a quarter of 12 segments: three
+            k = keys(4)
+            capped.put(k, 0, segment(16, 40 + i), {})
+            names.append(capped.locate(k)[0])
+        assert capped.retain(names[:3], pin=True, ttl_s=None) == names[:3]
+        with pytest.raises(hk.HurrayError, match="max_pinned_bytes") as e:
+            capped.retain(names[3:], pin=True, ttl_s=None)
+        assert e.value.field == "max_pinned_bytes"
+        pinned = {s.name for s in capped.catalog() if s.pinned}
+        assert pinned == set(names[:3])  # the refused one changed nothing
+        capped.retain(names[:1], pin=False, ttl_s=None)
+        assert capped.retain(names[3:], pin=True, ttl_s=None) == names[3:]  # room now

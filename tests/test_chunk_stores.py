@@ -25,7 +25,11 @@ class TestFileStore(ChunkStoreContract):
 
     @pytest.fixture
     def capped(self, tmp_path):
-        return open_store((tmp_path / "capped").as_uri(), max_bytes=12 * SEGMENT_BYTES)
+        # twelve segments of the contract's, as files (headers and alignment included)
+        probe = open_store((tmp_path / "probe").as_uri())
+        probe.put(["0" * 32], 0, segment(16, 0), {})
+        size = (tmp_path / "probe" / f"{'0' * 32}-0.hrry").stat().st_size
+        return open_store((tmp_path / "capped").as_uri(), max_bytes=12 * size)
 
 
 class TestServerStore(ChunkStoreContract):
@@ -36,8 +40,12 @@ class TestServerStore(ChunkStoreContract):
 
     @pytest.fixture
     def capped(self):
-        with KVServer(listen="127.0.0.1:0",
-                      memory_budget=12 * SEGMENT_BYTES).run_in_thread() as st:
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:  # an object's bytes
+            probe = open_store(f"hurray://{st.address}")
+            probe.put(["0" * 32], 0, segment(16, 0), {})
+            (_, size), = probe._call(lambda c: c.list_keys(probe.prefix))
+            probe.close()
+        with KVServer(listen="127.0.0.1:0", memory_budget=12 * size).run_in_thread() as st:
             s = open_store(f"hurray://{st.address}")
             yield s
             s.close()
@@ -45,6 +53,14 @@ class TestServerStore(ChunkStoreContract):
 
 class TestRedisStore(ChunkStoreContract):
     KEEPS_RECENT = False  # allkeys-lru samples keys, and aliases are keys too (H91)
+    PINS = False  # Redis evicts by its own policy: a pin is refused, saying so
+
+    def test_a_pin_is_refused_saying_why(self, store):
+        k = ["1" * 32]
+        store.put(k, 0, segment(1, 9), {})
+        with pytest.raises(HurrayError, match="maxmemory-policy") as e:
+            store.retain(store.locate(k), pin=True, ttl_s=None)
+        assert e.value.field == "pin"
 
     @pytest.fixture
     def make(self, redis_url):
@@ -64,6 +80,7 @@ class TestRedisStore(ChunkStoreContract):
 
 
 class TestRedisClusterStore(ChunkStoreContract):
+    PINS = False
     @pytest.fixture
     def make(self, redis_cluster_url):
         return lambda: open_store(redis_cluster_url)

@@ -4,6 +4,7 @@ Redis server (started by the suite)."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -99,3 +100,37 @@ def test_a_missing_directory_is_not_made(tmp_path, capsys):
     where = tmp_path / "typo"
     assert main(["cache", "ls", where.as_uri()]) == 2
     assert "no such directory" in capsys.readouterr().err and not where.exists()
+
+
+def test_pin_by_segment_and_by_prompt_prefix(tmp_path, capsys):
+    """``cache pin`` by a segment's name, and by a prompt's token ids under the identity
+    string the connector logs (its keys computed as the connector computes them)."""
+    from tests.test_vllm_scheduler import store_chunks
+
+    url = (tmp_path / "kv").as_uri()
+    names = fill(url)
+    assert main(["cache", "pin", url, "--segment", names[A][0], "--ttl", "600"]) == 0
+    assert "pinned 1 segments, a miss in 600 s" in capsys.readouterr().out
+    listed = {s["name"]: s for s in ls(url, capsys)["segments"]}
+    assert listed[names[A][0]]["pinned"] and listed[names[A][0]]["expiry"] > time.time()
+    assert not listed[names[A][1]]["pinned"]
+    assert main(["cache", "pin", url, "--segment", names[A][0], "--unpin"]) == 0
+    capsys.readouterr()
+    assert not ls(url, capsys)["segments"][0]["pinned"]
+
+    identity = "model=tiny;cache_dtype=float16;chunk_size=32;tp_size=1"
+    prompt = list(range(1, 101))
+    store = open_store(url)
+    store_chunks(store, identity_digest(identity), prompt, 2)
+    stored = store.locate(ChunkKeys(identity_digest(identity), 32).upto(prompt, 1))[0]
+    store.close()
+    tokens = tmp_path / "prompt.json"
+    tokens.write_text(json.dumps(prompt))
+    assert main(["cache", "pin", url, "--tokens", str(tokens), "--identity", identity,
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["retained"] == [stored]
+    assert main(["cache", "pin", url, "--tokens", str(tokens), "--identity", identity,
+                 "--salt", "tenant-b"]) == 1  # salted keys: nothing of it stored
+    assert "no segment of that prefix is stored" in capsys.readouterr().err
+    assert main(["cache", "pin", url, "--tokens", str(tokens)]) == 1
+    assert "--tokens needs --identity" in capsys.readouterr().err

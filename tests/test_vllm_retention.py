@@ -14,7 +14,7 @@ import hurraykv as hk
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import SavedSegments
-from hurraykv.integrations.vllm.retention import Watch, rank_names
+from hurraykv.integrations.vllm.retention import Keep, Watch, keep_of, rank_names
 from hurraykv.io import checksums
 from tests.test_vllm_scheduler import (
     BLOCK,
@@ -143,3 +143,43 @@ def test_removal_check_s_takes_zero_and_refuses_negatives():
     for bad in (-1, float("nan"), "soon"):
         with pytest.raises(hk.HurrayError, match=r"removal_check_s.*0 or more"):
             ConnectorConfig.from_extra({"url": url, "removal_check_s": bad})
+
+
+def test_a_requests_retention_ask_is_read_from_kv_transfer_params():
+    def req(params):
+        return request("r", PROMPT) if params is None else type(
+            "R", (), {"kv_transfer_params": params})()
+
+    assert keep_of(req(None)) is None and keep_of(req({"other": 1})) is None
+    assert keep_of(req({"hurraykv": {"pin": True}})) == Keep(True, None)
+    assert keep_of(req({"hurraykv": {"ttl_s": 60}})) == Keep(False, 60.0)
+    assert keep_of(req({"hurraykv": {"pin": False}})) is None  # nothing asked
+    for bad, field in (({"pin": "yes"}, "pin"), ({"ttl_s": -1}, "ttl_s"),
+                       ({"ttl_s": True}, "ttl_s"), ({"pinned": True}, "hurraykv"),
+                       ([1], "hurraykv")):
+        with pytest.raises(hk.HurrayError) as e:
+            keep_of(req({"hurraykv": bad}))
+        assert e.value.field.endswith(field), (bad, e.value.field)
+
+
+def test_a_pinned_request_pins_what_it_finds_and_carries_the_pin_to_its_saves(tmp_path):
+    url = (tmp_path / "kv").as_uri()
+    gen = scheduler_side(tmp_path, open=lambda ranked=True: open_store(url))
+    sched, store = next(gen)
+    store_chunks(store, sched.ctx.seed, PROMPT, 2)
+    req = request("a", PROMPT)
+    req.kv_transfer_params = {"hurraykv": {"pin": True, "ttl_s": 600}}
+    assert match(sched, req) == (64, False)
+    assert sched.retainer.wait_idle(5)
+    kept, = store.catalog()
+    assert kept.pinned and 500 < kept.expiry - time.time() <= 600
+    assert sched.ctx.stats["segments_retained"] == 1
+    alloc(sched, req, 64)
+    plan = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100}))
+    assert [s.keep for s in plan.saves] == [Keep(True, 600.0)]
+    bad = request("b", PROMPT)
+    bad.kv_transfer_params = {"hurraykv": {"pin": 1}}
+    assert match(sched, bad) == (64, False)  # runs, unretained, counted
+    assert sched.ctx.stats["retention_refused"] == 1
+    sched.close()
+    gen.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import signal
 import socket
 import struct
@@ -239,6 +240,9 @@ def seeds(target: str) -> list[bytes]:
                    frame(T.LIST, 17, "fuzz-"),
                    frame(T.ALIASES, 19, ""),
                    frame(T.STAT, 21),
+                   frame(T.RETAIN, 25, json.dumps({"keys": [key], "pin": True,
+                                                   "ttl_s": 60})),
+                   frame(T.RETAIN, 27, json.dumps({"prefix": "fuzz-"})),
                    frame(T.ERROR, 23, m.ErrorMessage(int(m.ErrorCode.TIMEOUT), "gave up")),
                    frame(T.DELETE, 7, m.Delete(key)),
                    frame(T.PING, 9, b"ping")]

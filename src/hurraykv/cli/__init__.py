@@ -10,6 +10,7 @@
     hurraykv store fsck URL              repair a Redis page store after a crash
     hurraykv cache ls [--segments] URL   a connector's store: per cache identity
     hurraykv cache clear URL (--identity ID | --all)
+    hurraykv cache pin URL (--segment NAME | --tokens FILE --identity S) [--ttl S] [--unpin]
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
 on stderr); 2 usage, or a file, directory or server that cannot be read, written or
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--persist", metavar="DIR",
                     help="keep each committed snapshot as a .hrry file in DIR (kept across "
                     "restarts); default: memory only")
+    sv.add_argument("--max-pinned-bytes", type=_size, default=None, metavar="SIZE",
+                    help="most bytes of objects pinned (RETAIN: never evicted to make "
+                    "room); a pin past it is refused with STORE_FULL; default: a quarter "
+                    "of the smaller budget (unlimited without one)")
     sv.add_argument("--persist-budget", type=_size, default=None, metavar="SIZE",
                     help="most bytes of .hrry files kept in --persist DIR, e.g. 64G; beyond "
                     "it the least recently pushed or pulled files are deleted, and a "

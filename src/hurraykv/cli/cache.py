@@ -1,6 +1,8 @@
-"""``hurraykv cache ls URL`` and ``hurraykv cache clear URL (--identity ID | --all)``: what
-a connector's store holds (``file://``, ``hurray://``, ``redis://``), per cache identity,
-and its removal.
+"""``hurraykv cache ls URL``, ``hurraykv cache clear URL (--identity ID | --all)`` and
+``hurraykv cache pin URL (--segment NAME | --tokens FILE --identity STRING)``: what a
+connector's store holds (``file://``, ``hurray://``, ``redis://``), per cache identity,
+its removal, and its pins and lifetimes (the operator's side of a request's
+``{"hurraykv": {"pin": true, "ttl_s": ...}}``).
 
 An identity is named by its key, the 32 hex digits ``cache ls`` prints (a prefix of them
 that only one identity starts with will do), or by the whole identity string the
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from .. import units
@@ -35,7 +38,22 @@ def add_parsers(sub: Any) -> None:
                        "it (or a prefix only it starts with), or the identity string")
     which.add_argument("--all", action="store_true", help="every segment, of every "
                        "identity")
-    for p, func in ((ls, cmd_cache_ls), (cl, cmd_cache_clear)):
+    pn = csub.add_parser("pin", help="pin segments (never evicted to make room, within "
+                         "the store's pinned budget) and/or give them a lifetime")
+    what = pn.add_mutually_exclusive_group(required=True)
+    what.add_argument("--segment", action="append", metavar="NAME", help="a segment as "
+                      "`cache ls --segments` names it (repeat for more)")
+    what.add_argument("--tokens", metavar="FILE", help="a prompt's token ids (a JSON list, "
+                      "or whitespace-separated; - reads stdin): the segments holding its "
+                      "stored prefix, with --identity")
+    pn.add_argument("--identity", metavar="STRING", help="with --tokens: the cache identity "
+                    "string the connector logs at start (it names the chunk size)")
+    pn.add_argument("--salt", help="with --tokens: the requests' cache_salt")
+    pn.add_argument("--ttl", type=float, metavar="SECONDS", help="a lifetime: a miss that "
+                    "many seconds from now")
+    pn.add_argument("--unpin", action="store_true", help="release the pin (with --ttl: "
+                    "keep only the lifetime)")
+    for p, func in ((ls, cmd_cache_ls), (cl, cmd_cache_clear), (pn, cmd_cache_pin)):
         p.add_argument("url", help="file:///DIR, hurray://HOST:PORT or redis://HOST:PORT")
         p.add_argument("--json", action="store_true", help="the answer as one JSON object")
         for opt in TLS:
@@ -101,8 +119,10 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
               f"{_ago(r['last_used'], now):>12}  {r['identity'] or '-'}")
     if args.segments:
         for s in segments:
+            kept = ("pinned" if s.pinned else "") + (
+                f" expires in {max(0.0, s.expiry - now):.0f} s" if s.expiry else "")
             print(f"  {s.name}  {units.size(s.nbytes):>10}  {_ago(s.used, now):>12}  "
-                  f"{s.identity_key or '-'}")
+                  f"{s.identity_key or '-'}  {kept.strip()}")
     print(f"{len(segments)} segments, {units.size(sum(s.nbytes for s in segments))} in "
           f"{args.url}")
     return 0
@@ -147,4 +167,72 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parsers", "cmd_cache_clear", "cmd_cache_ls"]
+def _prefix_names(args: argparse.Namespace, store: Any) -> list[str]:
+    """The segments holding the stored prefix of ``--tokens`` under ``--identity``, every
+    tensor-parallel rank's."""
+    import re
+    from types import SimpleNamespace
+
+    from ..integrations.chunks import ChunkKeys, identity_digest
+    from ..integrations.vllm.request_keys import request_seed
+    from ..integrations.vllm.retention import rank_names
+
+    if not args.identity:
+        raise HurrayError("--tokens needs --identity (the identity string the connector "
+                          "logs at start)", field="identity", rule="--identity with --tokens")
+    chunk = re.search(r"(?:^|;)chunk_size=([0-9]+)(?:;|$)", args.identity)
+    tp = re.search(r"(?:^|;)tp_size=([0-9]+)(?:;|$)", args.identity)
+    if chunk is None or int(chunk[1]) <= 0:
+        raise HurrayError(f"--identity {args.identity[:120]!r} names no chunk_size=N; it is "
+                          "the string the connector logs (`identity model=...;...`)",
+                          field="identity", value=args.identity[:120],
+                          rule="an identity string with chunk_size")
+    try:
+        text = sys.stdin.read() if args.tokens == "-" else Path(args.tokens).read_text()
+    except OSError as e:
+        raise CannotRead(f"{args.tokens}: {e.strerror}") from None
+    try:
+        tokens = [int(t) for t in (json.loads(text) if text.lstrip().startswith("[")
+                                   else text.split())]
+    except (ValueError, TypeError) as e:
+        raise HurrayError(f"{args.tokens}: not token ids ({e})", field="tokens",
+                          rule="a JSON list of integers, or integers apart") from None
+    size, ranks = int(chunk[1]), int(tp[1]) if tp else 1
+    seed = request_seed(identity_digest(args.identity), SimpleNamespace(
+        lora_request=None, cache_salt=args.salt))
+    keys = ChunkKeys(seed, size).upto(tokens, len(tokens) // size)
+    suffix = ".tp0" if ranks > 1 else ""
+    names = []
+    for name in store.locate([k + suffix for k in keys]):
+        if name is None:
+            break  # a hit is a prefix: nothing after the first chunk missing
+        if suffix:
+            key, _, first = name.rpartition("-")
+            name = f"{key.removesuffix(suffix)}-{first}"
+        names.append(name)
+    return [r for n in dict.fromkeys(names) for r in rank_names(n, ranks)]
+
+
+def cmd_cache_pin(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        names = args.segment or _prefix_names(args, store)
+        if not names:
+            raise HurrayError("no segment of that prefix is stored (nothing pinned)",
+                              field="tokens", rule="a stored prefix")
+        done = store.retain(names, pin=not args.unpin, ttl_s=args.ttl)
+    finally:
+        store.close()
+    missing = [n for n in names if n not in done]
+    if args.json:
+        print(json.dumps({"url": args.url, "retained": done, "missing": missing,
+                          "pin": not args.unpin, "ttl_s": args.ttl}, sort_keys=True))
+    else:
+        what = "unpinned" if args.unpin else "pinned"
+        life = f", a miss in {args.ttl:g} s" if args.ttl else ""
+        print(f"{what} {len(done)} segments{life}" + (
+            f"; not stored: {', '.join(missing)}" if missing else ""))
+    return 1 if missing else 0
+
+
+__all__ = ["add_parsers", "cmd_cache_clear", "cmd_cache_ls", "cmd_cache_pin"]

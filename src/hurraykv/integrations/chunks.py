@@ -133,6 +133,8 @@ class Stored:
     identity: str | None = None
     created: float | None = None
     used: float | None = None
+    pinned: bool = False  # never evicted to make room (``ChunkStore.retain``)
+    expiry: float | None = None  # a miss from then on (Unix seconds)
 
 
 def identity_key(identity: str) -> str:
@@ -226,6 +228,17 @@ class ChunkStore(ABC):
         store batches)."""
         raise HurrayError(f"a {self.FORM} store cannot tell what it holds", field="url",
                           value=getattr(self, "url", None), rule="a store that lists")
+
+    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
+               ) -> list[str]:
+        """Pin the segments ``names`` (``pin``: never evicted to make room, within the
+        store's pinned-bytes budget) and give them a lifetime (``ttl_s`` seconds from now:
+        a miss after it; None: none); ``pin=False, ttl_s=None`` releases them.  Returns
+        the names retained (those stored); a pin past the budget raises ``PinRefused``
+        and changes nothing."""
+        raise HurrayError(f"a {self.FORM} store cannot pin or expire segments",
+                          field="url", value=getattr(self, "url", None),
+                          rule="a store that retains")
 
     def clear(self, identity: str | None) -> list[Stored]:
         """Remove every segment of ``identity`` (an ``identity_key``; None: every
@@ -415,6 +428,11 @@ class Suffixed(ChunkStore):
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         return self.inner.exists([self._named(n) for n in names])
+
+    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
+               ) -> list[str]:
+        done = self.inner.retain([self._named(n) for n in names], pin=pin, ttl_s=ttl_s)
+        return [self._plain(n) for n in done]
 
     def discard(self, name: str) -> None:
         self.inner.discard(self._named(name))

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HurrayError
+from ..io import retention
 from ..io.atomic import STALE_SECONDS, remove_stale, write_pieces
 
 SUFFIX = ".hrry"
@@ -122,8 +123,12 @@ class Capacity:
     LOCK_PAUSE, LOCK_PAUSE_MAX = 0.0001, 0.005  # waits for a lock held elsewhere, doubling
     RECORD = 64  # bytes of the usage record, padded: rewritten in place
 
-    def __init__(self, directory: Path, max_bytes: int | None) -> None:
+    def __init__(self, directory: Path, max_bytes: int | None,
+                 max_pinned_bytes: int | None = None) -> None:
         self.dir, self.max_bytes = directory, max_bytes
+        # pins never fill the store: a quarter of it by default (io/retention.py)
+        self.max_pinned = max_pinned_bytes if max_pinned_bytes is not None else (
+            max_bytes // 4 if max_bytes is not None else None)
         self.evictions = 0  # segments this process evicted
         self.evicted_bytes = 0
         # a released reservation's file, still locked: (path, fd, the pid that holds it)
@@ -246,17 +251,30 @@ class Capacity:
             return held, total + nbytes, 0
         entries, reservations = self._list()
         reserved = self._reserved(reservations)
+        kept, now = self._kept(entries), time.time()
+        done: list[Entry] = []
+        for entry in entries:  # past their lifetime: removed whatever the total
+            k = kept.get(entry.name)
+            if k is not None and k.expired(now) and entry.name != keep:
+                gone = self._take(entry)
+                if gone is not None:
+                    trash.append(gone)
+                    done.append(entry)
+        if done:
+            entries = [e for e in entries if e not in done]
         # a segment stored again under its name replaces the old file: the reservation
         # stands for both
         total = reserved + sum(e.nbytes for e in entries if written or e.name != keep) + \
             (0 if written else nbytes)
-        done: list[Entry] = []
         if total > self.max_bytes:
             target = int(self.max_bytes * self.LOW_WATER)
             for entry in entries:
                 if total <= target:
                     break
-                gone = self._take(entry) if entry.name != keep else None
+                k = kept.get(entry.name)
+                if entry.name == keep or (k is not None and k.pinned):
+                    continue  # pinned: never evicted to make room
+                gone = self._take(entry)
                 if gone is not None:
                     trash.append(gone)
                     total -= entry.nbytes
@@ -445,6 +463,39 @@ class Capacity:
                 os.unlink(self.dir / USAGE)
         finally:
             os.close(fd)
+
+    def _kept(self, entries: list[Entry]) -> dict[str, retention.Kept]:
+        """The pins and lifetimes (under the exclusive lock), those of segments no longer
+        listed dropped from the record."""
+        kept = retention.read(self.dir)
+        listed = {e.name for e in entries}
+        if any(name not in listed for name in kept):
+            kept = {n: k for n, k in kept.items() if n in listed}
+            with contextlib.suppress(OSError, HurrayError):  # pruned at the next scan
+                retention.write(self.dir, kept)
+        return kept
+
+    def retain(self, names: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
+        """Pin (``pin``) and give a lifetime (``ttl_s`` seconds from now) to the segments
+        ``names`` that are stored; ``pin=False, ttl_s=None`` releases them.  Returns those
+        retained; ``PinRefused`` (nothing changed) when the pins would pass
+        ``max_pinned``."""
+        with self.lock(exclusive=True):
+            now = time.time()
+            kept = retention.read(self.dir)
+            present = {}
+            for name in dict.fromkeys([*names, *kept]):  # the record's, to drop the gone
+                try:
+                    st = os.lstat(f"{self._at}{name}{SUFFIX}")
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    present[name] = st.st_size
+            kept = {n: k for n, k in kept.items() if n in present}
+            asked = {n: present[n] for n in names if n in present}
+            retention.write(self.dir, retention.updated(
+                kept, asked, pin=pin, ttl_s=ttl_s, max_pinned=self.max_pinned, now=now))
+        return list(asked)
 
     def drop(self, name: str) -> bool:
         """Remove segment ``name`` as an eviction does (a reader that opened it reads on,

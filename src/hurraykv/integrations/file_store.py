@@ -21,7 +21,7 @@ import numpy as np
 from .. import alloc
 from ..errors import HurrayError
 from ..info import PREFIX, info_member, is_info, parse_info, text_offset
-from ..io import checksums
+from ..io import checksums, retention
 from ..io.atomic import append_lines, create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
 from ..io.hrry_format import kv_text_spans
@@ -221,17 +221,19 @@ class FileChunks(ChunkStore):
     SCHEMES = ("file",)
     FORM = "file:///DIR"
     LOCAL = True
-    OPTIONS = ("max_bytes",)
+    OPTIONS = ("max_bytes", "max_pinned_bytes")
     LOG = "aliases.log"
     LAYOUTS = 32  # structures remembered
     COMPACT_SLACK = 4096  # alias lines beyond twice the live ones before the log is rewritten
     QUARANTINED = 16  # damaged segments kept for inspection, newest
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None,
+                 max_pinned_bytes: int | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.url = self.dir.resolve().as_uri()
-        self.capacity = Capacity(self.dir, max_bytes)
+        self.capacity = Capacity(self.dir, max_bytes, max_pinned_bytes)
+        self._kept: tuple[Any, dict[str, retention.Kept]] = (None, {})
         self.capacity.repair()
         self._aliases: dict[str, str] = {}
         self._lines = 0  # alias lines read from the current log
@@ -283,14 +285,27 @@ class FileChunks(ChunkStore):
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         self._refresh()
+        kept, now = self._retained(), time.time()
         alive: dict[str, bool] = {}
         out: list[str | None] = []
         for key in keys:
             name = self._aliases.get(key)
             if name is not None and name not in alive:
-                alive[name] = _regular(self.path(name))
+                k = kept.get(name)
+                alive[name] = _regular(self.path(name)) and not (k and k.expired(now))
             out.append(name if name is not None and alive[name] else None)
         return out
+
+    def _retained(self) -> dict[str, retention.Kept]:
+        """The pins and lifetimes, read again only when the record changed."""
+        stamp = retention.mtime(self.dir)
+        if stamp != self._kept[0]:
+            self._kept = (stamp, retention.read(self.dir) if stamp else {})
+        return self._kept[1]
+
+    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
+               ) -> list[str]:
+        return self.capacity.retain([check_name(n) for n in names], pin=pin, ttl_s=ttl_s)
 
     def _remember(self, structure: bytes, layout: _FileLayout | None) -> None:
         if layout is None:
@@ -507,7 +522,7 @@ class FileChunks(ChunkStore):
     def catalog(self) -> list[Stored]:
         """Every segment file, its identity read from its info member (small reads of
         its index, not its pages), its modification time as its last use."""
-        out = []
+        out, kept = [], self._retained()
         with os.scandir(self.dir) as entries:
             names = [e.name[:-5] for e in entries if e.name.endswith(".hrry")
                      and SEGMENT_NAME.fullmatch(e.name[:-5])]
@@ -524,8 +539,10 @@ class FileChunks(ChunkStore):
                 identity = _identity(fd, path)
             finally:
                 os.close(fd)
+            k = kept.get(name)
             out.append(Stored(name, st.st_size, identity_key(identity) if identity else None,
-                              identity, used=st.st_mtime))
+                              identity, used=st.st_mtime, pinned=bool(k and k.pinned),
+                              expiry=k.expiry if k else None))
         return out
 
     def remove(self, name: str) -> bool:

@@ -136,10 +136,12 @@ class RedisChunks(ChunkStore):
         for key in keys:
             pipe.object("idletime", key)
             pipe.get(key)
+            pipe.pttl(key)
         pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
         replies = pipe.execute(raise_on_error=False)[1:-1]
         now, out = time.time(), []
-        for key, idle, raw in zip(keys, replies[::2], replies[1::2], strict=True):
+        for key, idle, raw, ttl in zip(keys, replies[::3], replies[1::3], replies[2::3],
+                                       strict=True):
             name = id_of(key, "m").removeprefix(self.prefix)
             if not isinstance(raw, bytes) or not SEGMENT_NAME.fullmatch(name):
                 continue  # gone since the SCAN, or not a segment of this prefix
@@ -154,8 +156,36 @@ class RedisChunks(ChunkStore):
                 name, sum(h.byte_size for desc, _ in items for h in desc.buffers),
                 identity_key(model) if model else None, model,
                 now - generation_age(generation, now) if generation else None,
-                now - idle if isinstance(idle, int) else None))
+                now - idle if isinstance(idle, int) else None,
+                expiry=now + ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None))
         return sorted(out, key=lambda s: s.name)
+
+    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
+               ) -> list[str]:
+        """A lifetime is Redis's own: an ``EXPIRE`` on the segment's manifest (its pages,
+        shared with other segments, go by eviction or ``hurraykv store fsck``).  A pin is
+        refused: under an ``allkeys-*`` policy Redis may evict any key, and hurraykv
+        cannot exempt one."""
+        from ..io.retention import expiry_of
+        from ..store.scripts import manifest_key
+
+        if pin:
+            raise HurrayError(f"{self.url}: Redis evicts by its own maxmemory-policy, which "
+                              "no key can be exempted from: a pin is kept on file:// or "
+                              "hurray:// stores only (nothing was changed)", field="pin",
+                              value=True, rule="pins on file:// and hurray://")
+        expiry_of(ttl_s)  # a positive number of seconds, or None
+        pipe = self.store.client.pipeline(transaction=False)
+        for name in names:
+            key = manifest_key(self.prefix + check_name(name))
+            if ttl_s is None:
+                pipe.persist(key)
+                pipe.exists(key)
+            else:
+                pipe.pexpire(key, max(1, round(ttl_s * 1000)))
+        replies = pipe.execute()
+        held = replies[1::2] if ttl_s is None else replies
+        return [n for n, ok in zip(names, held, strict=True) if ok]
 
     def remove(self, name: str) -> bool:
         from ..errors import StoreError

@@ -79,12 +79,30 @@ class ServerChunks(ChunkStore):
         """The server's segments (LIST) and their identities (the labels, ALIASES); it
         records no times, and a segment stored before labels were written has no
         identity (``cache clear --all`` removes it)."""
-        objects, labels = self._call(lambda c: (c.list_keys(self.prefix),
-                                                c.aliases(LABELS)))
+        objects, labels, kept = self._call(lambda c: (
+            c.list_keys(self.prefix), c.aliases(LABELS), c.retention(self.prefix)))
         of = {target: alias[len(LABELS):].partition("/")[0] for alias, target in labels}
-        return [Stored(key.removeprefix(self.prefix), nbytes, of.get(key))
+        return [Stored(key.removeprefix(self.prefix), nbytes, of.get(key),
+                       pinned=bool(kept.get(key, (False,))[0]),
+                       expiry=kept[key][1] if key in kept else None)
                 for key, nbytes in objects
                 if SEGMENT_NAME.fullmatch(key.removeprefix(self.prefix))]
+
+    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
+               ) -> list[str]:
+        from ..io.retention import PinRefused
+        from ..net.messages import ErrorCode, RemoteError
+
+        keys = [self.prefix + check_name(n) for n in names]
+        try:
+            done = self._call(lambda c: c.retain(keys, pin=pin, ttl_s=ttl_s))
+        except RemoteError as e:
+            if e.code != ErrorCode.STORE_FULL:
+                raise
+            raise PinRefused(f"{self.url}: {e}", field="max_pinned_bytes",
+                             rule="pinned bytes stay within the server's "
+                                  "--max-pinned-bytes") from None
+        return [k.removeprefix(self.prefix) for k in done]
 
     def remove(self, name: str) -> bool:
         from ..net.messages import ErrorCode, RemoteError

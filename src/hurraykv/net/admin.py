@@ -1,5 +1,5 @@
 """The private messages a ``hurraykv serve`` connection answers (floor 4): DELETE, HAS,
-LINK, LOCATE, LIST, ALIASES and STAT (decisions H35, H62).  Each handler takes the
+LINK, LOCATE, LIST, ALIASES, STAT and RETAIN (decisions H35, H62, H93).  Each handler takes the
 connection, the stream and the message's decoded value (``codecs.CODECS``); keys are
 scoped to the connection's tenant.  ``handlers.HANDLERS`` routes the messages here."""
 
@@ -9,6 +9,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from ..errors import HurrayError
+from ..io.retention import PinRefused
 from .aliases import AliasLogError
 from .codecs import frame
 from .keystore import StoreFull
@@ -82,3 +84,42 @@ def stat(c: Connection, stream: int, _: None) -> None:
     mine = c.tenant if c.cfg.tls_ca else None  # a tenant sees its own
     c._write(frame(MessageType.STAT_REPLY, stream, json.dumps(c.server.stats(mine))))
 
+
+
+def retain(c: Connection, stream: int, text: str) -> None:
+    """``{"keys", "pin", "ttl_s"}``: pin and give a lifetime to this tenant's keys;
+    ``{"prefix"}``: what of this tenant's is retained."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise ProtocolError(f"retain payload is not JSON: {e}", field="retain") from None
+    if not isinstance(doc, dict) or not ({"keys"} <= set(doc) <= {"keys", "pin", "ttl_s"}
+                                         or set(doc) == {"prefix"}):
+        raise ProtocolError(f"retain payload {text[:200]!r} is neither {{keys, pin, ttl_s}} "
+                            "nor {prefix}", field="retain", value=text[:200])
+    store = c.server.store
+    if "prefix" in doc:
+        prefix = doc["prefix"]
+        if not isinstance(prefix, str):
+            raise ProtocolError("retain.prefix is not a string", field="retain.prefix")
+        mine = {client_key(c.tenant, k): v for k, v in store.retention_listing().items()}
+        reply = {"kept": {k: [v.pinned, v.expiry, v.nbytes] for k, v in mine.items()
+                          if k is not None and k.startswith(prefix)}}
+        c._write(frame(MessageType.STAT_REPLY, stream, json.dumps(reply)))
+        return
+    keys, pin, ttl = doc["keys"], doc.get("pin", False), doc.get("ttl_s")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ProtocolError("retain.keys is not a list of strings", field="retain.keys")
+    if not isinstance(pin, bool):
+        raise ProtocolError(f"retain.pin is {pin!r}, not true or false", field="retain.pin",
+                            value=pin)
+    try:
+        done = store.retain([c._key(k) for k in keys], pin=pin, ttl_s=ttl)
+    except PinRefused as e:
+        raise ProtocolError(str(e), ErrorCode.STORE_FULL, field="max_pinned_bytes",
+                            value=e.value) from None
+    except HurrayError as e:  # ttl_s not a positive number
+        raise ProtocolError(str(e), field=f"retain.{e.field}", value=e.value) from None
+    log.info("retain %d keys (pin %s, ttl_s %s): %d held", len(keys), pin, ttl, len(done))
+    reply = {"retained": [client_key(c.tenant, k) for k in done]}
+    c._write(frame(MessageType.STAT_REPLY, stream, json.dumps(reply)))

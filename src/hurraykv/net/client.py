@@ -353,6 +353,23 @@ class KVClient:
         see; delete one with ``delete(alias)``."""
         return self._ask(MessageType.ALIASES, prefix, MessageType.ALIASES_REPLY)
 
+    def retain(self, keys: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
+        """Pin (never evicted to make room, within the server's ``--max-pinned-bytes``)
+        and give a lifetime (``ttl_s`` seconds: gone after it) to the stored ``keys``;
+        ``pin=False, ttl_s=None`` releases them.  The keys retained."""
+        text = self._ask(MessageType.RETAIN, json.dumps({"keys": list(keys), "pin": pin,
+                                                         "ttl_s": ttl_s}),
+                         MessageType.STAT_REPLY)
+        return list(_json_object(text, "retain reply").get("retained", []))
+
+    def retention(self, prefix: str = "") -> dict[str, tuple[bool, float | None, int]]:
+        """``key -> (pinned, expiry, bytes)`` of the keys retained (starting with
+        ``prefix``)."""
+        text = self._ask(MessageType.RETAIN, json.dumps({"prefix": prefix}),
+                         MessageType.STAT_REPLY)
+        return {k: tuple(v) for k, v in _json_object(text, "retain reply").get(
+            "kept", {}).items()}
+
     def stat(self) -> dict[str, Any]:
         """The server's counters: objects, bytes, budget, connections, uptime."""
         text = self._ask(MessageType.STAT, None, MessageType.STAT_REPLY)
@@ -388,6 +405,16 @@ class KVClient:
 RECYCLE_BYTES = 1 << 30  # idle receive memory kept for the next pulls (or the largest pull)
 _RECEIVE_POOL: ReceivePool | None = None
 Into = Callable[[TensorDescriptor], list[memoryview] | None] | None
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        out = json.loads(text)
+    except ValueError as e:
+        raise ProtocolError(f"{what} is not JSON: {e}", field=what) from None
+    if not isinstance(out, dict):
+        raise ProtocolError(f"{what} is not a JSON object", field=what)
+    return out
 
 
 def receive_pool() -> ReceivePool:

@@ -24,6 +24,7 @@ LOCATE_REPLY
 HAS_REPLY           ``list[bool]``
 LINK                ``list[(alias, target)]``
 LIST, ALIASES       ``str`` (the key or alias prefix)
+RETAIN              ``str`` (a JSON object)
 LIST_REPLY          ``list[(key, bytes)]``
 ALIASES_REPLY       ``list[(alias, target)]``
 STAT_REPLY          ``str`` (a JSON object)
@@ -131,6 +132,7 @@ CODECS: dict[int, Codec] = {
     T.LOCATE: _keys("locate"),
     T.LOCATE_REPLY: _keys("locate_reply"),
     T.ALIASES: _text("aliases"),
+    T.RETAIN: _text("retain"),
     T.ALIASES_REPLY: Codec("aliases_reply", encode_alias_listing, decode_alias_listing),
 }
 

@@ -63,6 +63,7 @@ HANDLERS: dict[int, Callable[[Connection, int, Any], None]] = {
     T.LIST: admin.listing,
     T.ALIASES: admin.aliases,
     T.STAT: admin.stat,
+    T.RETAIN: admin.retain,
 }
 
 REFUSED: dict[int, str] = {

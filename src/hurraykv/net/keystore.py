@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
 from .. import units
 from ..errors import HurrayError
+from ..io import retention
 from .aliases import AliasTable, cost
 from .persisted import PersistedTier, hrry_size
 from .stored import Items, PersistFull, StoredObject, StoreFull, object_from_items
@@ -39,7 +41,8 @@ class KeyStore(PersistedTier):
 
     def __init__(self, memory_budget: int | None = None, persist: str | os.PathLike | None = None,
                  zero_unused: bool = True, backing: Any = None, pool: Any = None,
-                 persist_budget: int | None = None) -> None:
+                 persist_budget: int | None = None, max_pinned_bytes: int | None = None
+                 ) -> None:
         if persist_budget is not None and not persist:
             raise HurrayError(f"persist_budget {persist_budget}: bounds the --persist "
                               "directory, and none is given", field="persist_budget",
@@ -55,6 +58,13 @@ class KeyStore(PersistedTier):
         self.reserved_bytes = 0
         self._reserved_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
         self.aliases = AliasTable()
+        # pins and lifetimes (RETAIN): pinned objects never leave to make room, within
+        # max_pinned_bytes (a quarter of the smallest budget by default)
+        budgets = [b for b in (memory_budget, persist_budget) if b is not None]
+        self.max_pinned_bytes = max_pinned_bytes if max_pinned_bytes is not None else (
+            min(budgets) // 4 if budgets else None)
+        self.kept: dict[str, retention.Kept] = (
+            retention.read(self.persist) if self.persist else {})
         if self.persist:
             self.aliases = AliasTable(self.persist / ALIASES)
             if memory_budget is not None and self.aliases.nbytes > memory_budget:
@@ -113,14 +123,16 @@ class KeyStore(PersistedTier):
         assert budget is not None
         kept = self._objects[keep].nbytes if keep in self._objects else 0
         aliases = self.aliases.nbytes
-        if self.reserved_bytes + kept + aliases + nbytes > budget:  # not even evicting all
-            raise StoreFull(nbytes, budget, self.reserved_bytes, kept, aliases, field)
+        pinned = sum(o.nbytes for k, o in self._objects.items() if k != keep and self.pinned(k))
+        if self.reserved_bytes + kept + aliases + pinned + nbytes > budget:  # not even
+            raise StoreFull(nbytes, budget, self.reserved_bytes, kept + pinned, aliases,
+                            field)  # evicting every object not pinned
         if self.pool is not None:
             self.pool.trim(max(0, budget - self._used() - nbytes))
         for key in list(self._objects):
             if self._used() + nbytes <= budget:
                 break
-            if key != keep and (lossy or self._objects[key].durable):
+            if key != keep and (lossy or self._objects[key].durable) and not self.pinned(key):
                 self._evict_key(key)
 
     def _add_reserved(self, nbytes: int, owner: str) -> None:
@@ -141,8 +153,53 @@ class KeyStore(PersistedTier):
                 self.aliases.drop_target(key)
 
     def __contains__(self, key: str) -> bool:
+        if key in self.kept and self.kept[key].expired(time.time()):
+            self._expire(key)
+            return False
         return key in self._objects or key in self._files or (
             self.backing is not None and key in self.backing)
+
+    # -- pins and lifetimes (io/retention.py) --------------------------------------------
+    def pinned(self, key: str) -> bool:
+        k = self.kept.get(key)
+        return k is not None and k.pinned and not k.expired(time.time())
+
+    def _expire(self, key: str) -> None:
+        """``key`` is past its lifetime: removed, as a DELETE would."""
+        self.kept.pop(key, None)
+        self.delete(key)
+        log.info("expired %r", key)
+        self._save_kept()
+
+    def _save_kept(self) -> None:
+        if self.persist:
+            try:
+                retention.write(self.persist, self.kept)
+            except (OSError, HurrayError) as e:  # kept in memory; lost at a restart
+                log.warning("cannot record the pins in %s: %s", self.persist, e)
+
+    def _size(self, key: str) -> int | None:
+        obj = self._objects.get(key)
+        if obj is not None:
+            return obj.nbytes
+        with self._disk:
+            return self._sizes.get(key)
+
+    def retain(self, keys: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
+        """Pin and give a lifetime to the objects ``keys`` held (memory or disk); those
+        retained.  ``PinRefused`` (nothing changed) past ``max_pinned_bytes``."""
+        held = [k for k in dict.fromkeys([*keys, *self.kept]) if k in self]  # expires some
+        present = {k: n for k in dict.fromkeys(keys) if k in held
+                   and (n := self._size(k)) is not None}
+        kept = {k: v for k, v in self.kept.items() if k in held}
+        self.kept = retention.updated(kept, present, pin=pin, ttl_s=ttl_s,
+                                      max_pinned=self.max_pinned_bytes, now=time.time())
+        self._save_kept()
+        return list(present)
+
+    def retention_listing(self) -> dict[str, retention.Kept]:
+        now = time.time()
+        return {k: v for k, v in self.kept.items() if not v.expired(now)}
 
     # -- objects -------------------------------------------------------------------------
     def get(self, key: str) -> StoredObject | None:
@@ -205,7 +262,7 @@ class KeyStore(PersistedTier):
         for key in list(self._objects):
             if self._used() <= self.memory_budget:
                 return
-            if key != keep:
+            if key != keep and not self.pinned(key):
                 self._evict_key(key)
 
     # -- aliases -------------------------------------------------------------------------
@@ -285,6 +342,8 @@ class KeyStore(PersistedTier):
         # when the object is gone already: an rm whose aliases could not be recorded as
         # removed (a full disk) is retried this way
         removed = self.aliases.remove([key, *sorted(self.aliases.aliases_of(key))])
+        if self.kept.pop(key, None) is not None:
+            self._save_kept()
         return found or bool(removed)
 
 

@@ -35,6 +35,13 @@ type  name                payload
                           (itself, or an alias's target) as u32 n + utf8, empty if none
 0xFC  ALIASES (private)   u32 n + utf8 alias prefix; answered by 0xFD ALIASES_REPLY: u32
                           count, then per alias u32 n + utf8 alias, u32 n + utf8 target
+0xFE  RETAIN (private)    u32 n + utf8 JSON object: ``{"keys": [...], "pin": bool, "ttl_s":
+                          seconds or null}`` pins and gives a lifetime to stored keys, or
+                          ``{"prefix": "..."}`` lists the keys retained; answered by 0xF5
+                          (STAT_REPLY's form, the last private type being this one): a
+                          JSON object ``{"retained": [keys]}`` or ``{"kept": {key:
+                          [pinned, expiry, bytes]}}``; a pin past the server's
+                          ``--max-pinned-bytes`` is ERROR STORE_FULL
 ====  ==================  ====================================================================
 
 A layout entry is one byte, or for a private tag (0xF0-0xFE) the byte, ``u16 ext_len`` and
@@ -86,6 +93,7 @@ class MessageType(IntEnum):
     LOCATE_REPLY = 0xFB
     ALIASES = 0xFC
     ALIASES_REPLY = 0xFD
+    RETAIN = 0xFE
 
 
 class ErrorCode(IntEnum):

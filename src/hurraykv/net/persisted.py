@@ -137,6 +137,9 @@ class PersistedTier:
                  units.size(self.persisted_bytes))
 
     # -- the disk tier (callers hold _disk) -----------------------------------------------
+    def pinned(self, key: str) -> bool:  # the key store's pins (RETAIN)
+        return False
+
     def _tick(self) -> int:
         """A modification time after every one given before, this run or the last."""
         self._clock = max(time.time_ns(), self._clock + 1)
@@ -177,7 +180,7 @@ class PersistedTier:
         for key in list(self._files):
             if self.persisted_bytes + self.persist_reserved <= room:
                 return
-            if not self._writing[key]:
+            if not self._writing[key] and not self.pinned(key):
                 self._evict_disk(key)
 
     def _reserve_disk(self, nbytes: int, key: str) -> None:
@@ -188,7 +191,8 @@ class PersistedTier:
             if budget is not None:
                 # what cannot leave meanwhile: files being written and the old files of
                 # the keys they replace (this key's goes as its new file is renamed)
-                pinned = sum(self._sizes.get(k, 0) for k in self._writing if k != key)
+                pinned = sum(self._sizes.get(k, 0) for k in self._sizes if k != key and (
+                    self._writing[k] or self.pinned(k)))
                 if pinned + self.persist_reserved + nbytes > budget:
                     raise PersistFull(nbytes, budget, pinned + self.persist_reserved)
                 self._evict_disk_down_to(budget - nbytes + self._sizes.get(key, 0))

@@ -33,6 +33,7 @@ class ServerConfig:
     memory_budget: int | None = None
     persist: str | None = None
     persist_budget: int | None = None  # bytes of .hrry files under persist, LRU beyond
+    max_pinned_bytes: int | None = None  # pinned (RETAIN); default a quarter of a budget
     max_message_size: int = 16 << 20
     read_timeout: float = 30.0  # a message started must keep arriving
     idle_timeout: float = 600.0  # between messages
@@ -117,7 +118,8 @@ class KVServer:
             backing = PageStore.from_url(self.config.store)
         self.store = KeyStore(self.config.memory_budget, self.config.persist,
                               self.config.zero_unused, backing,
-                              persist_budget=self.config.persist_budget)
+                              persist_budget=self.config.persist_budget,
+                              max_pinned_bytes=self.config.max_pinned_bytes)
         self.pool = ReceivePool(self.config.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0

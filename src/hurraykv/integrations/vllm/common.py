@@ -45,6 +45,7 @@ class Transfer:
     groups: list[list[int]] = field(default_factory=list)
     first_block: int = 0  # the request's block index of the transfer's first page
     state: bool = False  # a save of a model with Mamba layers: it holds their end states
+    keep: Any = None  # retention.Keep: what the request asked of its segments' retention
 
     @property
     def segment_id(self) -> str:
@@ -110,6 +111,9 @@ class Counters:
     saves_dropped: int = 0
     evictions: int = 0
     segments_cleared: int = 0  # removed by reset_cache (vLLM's reset_prefix_cache)
+    segments_retained: int = 0  # pinned or given a lifetime as a request asked
+    pins_refused: int = 0  # segments a request asked pinned past max_pinned_bytes
+    retention_refused: int = 0  # requests whose kv_transfer_params ask was malformed
     save_seconds: float = 0.0
     write_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

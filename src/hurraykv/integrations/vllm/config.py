@@ -74,6 +74,10 @@ class ConnectorConfig:
     max_bytes: Size | None = None
     """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
     least recently used segments are evicted.  Default: unbounded (a warning at start)."""
+    max_pinned_bytes: Size | None = None
+    """Of a ``file://`` directory's ``max_bytes``, the most that pinned segments may hold
+    (requests ask pins with ``kv_transfer_params``): a pin past it is refused and the
+    segment stored unpinned.  Default: a quarter of ``max_bytes``."""
     store_dtype: str = "auto"
     """What segments hold: ``"auto"`` (the cache dtype), ``"int8"``, ``"int4"`` or
     ``"fp8"`` (e4m3); part of the cache identity (``store_format.py``)."""
@@ -155,7 +159,7 @@ class ConnectorConfig:
         """The URL's scheme and form now, not when the store first opens (after three
         failed requests); the schemes and what each takes come from the store registry."""
         options = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname",
-                               "max_bytes") if getattr(self, k) is not None]
+                               "max_bytes", "max_pinned_bytes") if getattr(self, k) is not None]
         why = url_problem(self.url, options)
         if why:
             raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",

@@ -49,7 +49,8 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         """A new connection; ``ranked``: to this rank's objects, else to every rank's."""
         return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 and ranked else "",
                           timeout=conf.load_timeout_ms / 1000 + 5,
-                          max_bytes=conf.max_bytes, **tls)
+                          max_bytes=conf.max_bytes, max_pinned_bytes=conf.max_pinned_bytes,
+                          **tls)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
     # unreachable store at start is a miss, not an engine that fails to start.

@@ -115,6 +115,15 @@ METRICS: dict[str, tuple[str, str]] = {
                       "Segments not stored (writer full, store down or failing)."),
     "evictions": ("vllm:hurraykv_evictions",
                   "Segments this engine evicted to stay within max_bytes."),
+    "segments_retained": ("vllm:hurraykv_retained_segments",
+                          "Segments pinned or given a lifetime as a request's "
+                          "kv_transfer_params asked (stored or found by it)."),
+    "pins_refused": ("vllm:hurraykv_refused_pins",
+                     "Segments a request asked pinned that max_pinned_bytes could not hold "
+                     "(stored unpinned)."),
+    "retention_refused": ("vllm:hurraykv_refused_retention",
+                          "Requests whose kv_transfer_params['hurraykv'] was malformed "
+                          "(run without retention; the log names the field)."),
     "segments_cleared": ("vllm:hurraykv_cleared_segments",
                          "Segments of this engine's identity removed from the store by "
                          "reset_cache (vLLM's reset_prefix_cache with reset_connector)."),

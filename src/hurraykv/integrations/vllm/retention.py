@@ -18,6 +18,16 @@ writer thread runs behind the scheduler): it holds KV of the old weights, so it 
 through the reset holds blocks computed before it: nothing more of it is stored.  A
 load already under way reads a segment that is gone and fails; vLLM recomputes it.
 
+*Pins and lifetimes* (``Keep``), asked per request with ``kv_transfer_params`` (the
+OpenAI API's top-level field; vLLM hands it to the connector as ``request
+.kv_transfer_params``, ``vllm/v1/request.py:120``): ``{"hurraykv": {"pin": true, "ttl_s":
+3600}}``.  ``pin``: the segments the request stores, and those its prompt was found in,
+are never evicted to make room (within the store's ``max_pinned_bytes``); ``ttl_s``: they
+are a miss that many seconds after the request (each request asking again renews it).
+The worker retains what it writes (``saves.py``); the hit's segments are retained off the
+scheduler thread (``Retainer``).  A malformed ask is refused with a warning naming the
+field, and counted; the request runs unretained.
+
 *The watch* (``Watch``, with KV events on): the segments announced stored are checked
 on a thread of their own every ``removal_check_s`` with one batched ``exists`` per
 thousand (a stat per file, one pipelined EXISTS per Redis node, one HAS on a server);
@@ -32,14 +42,136 @@ to the scheduler thread, which announces its blocks removed at the next
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from ...errors import HurrayError
 from .common import log
 
 BATCH = 1000  # names per exists call
+PARAMS = "hurraykv"  # the key of kv_transfer_params the connector reads
+KEEP_FIELDS = ("pin", "ttl_s")
+
+
+@dataclass(frozen=True)
+class Keep:
+    """How long a request's segments stay: pinned, and for how many seconds."""
+
+    pin: bool = False
+    ttl_s: float | None = None
+
+
+def keep_of(request: Any) -> Keep | None:
+    """What ``request.kv_transfer_params["hurraykv"]`` asks (None: nothing); a
+    ``HurrayError`` naming the field for a malformed ask."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or PARAMS not in params:
+        return None
+    ours = params[PARAMS]
+    if not isinstance(ours, dict):
+        raise HurrayError(f"kv_transfer_params[{PARAMS!r}] is a {type(ours).__name__}; it "
+                          f"is an object with {' and '.join(KEEP_FIELDS)}",
+                          field=f"kv_transfer_params.{PARAMS}", value=type(ours).__name__,
+                          rule="a JSON object")
+    unknown = sorted(set(ours) - set(KEEP_FIELDS), key=repr)
+    if unknown:
+        raise HurrayError(f"kv_transfer_params[{PARAMS!r}] has unknown key(s) {unknown}; "
+                          f"known: {', '.join(KEEP_FIELDS)}",
+                          field=f"kv_transfer_params.{PARAMS}", value=unknown,
+                          rule="pin and ttl_s only")
+    pin, ttl = ours.get("pin", False), ours.get("ttl_s")
+    if not isinstance(pin, bool):
+        raise HurrayError(f"kv_transfer_params[{PARAMS!r}]['pin'] is {pin!r}; it is true "
+                          "or false", field=f"kv_transfer_params.{PARAMS}.pin", value=pin,
+                          rule="a boolean")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                            or not 0 < ttl < math.inf):
+        raise HurrayError(f"kv_transfer_params[{PARAMS!r}]['ttl_s'] is {ttl!r}; it is a "
+                          "positive number of seconds", value=ttl,
+                          field=f"kv_transfer_params.{PARAMS}.ttl_s", rule="seconds > 0")
+    return Keep(pin, None if ttl is None else float(ttl)) if pin or ttl is not None else None
+
+
+def retain(store: Any, names: list[str], keep: Keep, stats: Any) -> None:
+    """``store.retain`` as ``keep`` asks, counted; a refused one (past the pinned budget,
+    a store that cannot pin) is logged (first, then every 100th) and changes nothing; a
+    store that fails raises."""
+    try:
+        done = store.retain(names, pin=keep.pin, ttl_s=keep.ttl_s)
+    except HurrayError as e:  # past max_pinned_bytes, or a store that cannot pin
+        stats.add(pins_refused=len(names))
+        if stats.pins_refused <= len(names) or stats.pins_refused % 100 < len(names):
+            log.warning("retention refused (%d segments so far): %s", stats.pins_refused, e)
+        return
+    stats.add(segments_retained=len(done))
+
+
+class Retainer:
+    """Retains the segments a hit was found in, on a thread of its own (a store call
+    never on vLLM's scheduler thread), over a connection to every rank's objects."""
+
+    def __init__(self, open_store: Callable[[], Any], ranks: int, stats: Any) -> None:
+        self._open, self.ranks, self.stats = open_store, ranks, stats
+        self._queue: list[tuple[list[str], Keep]] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def ask(self, names: Iterable[str], keep: Keep) -> None:
+        named = [r for n in dict.fromkeys(names) for r in rank_names(n, self.ranks)]
+        if not named:
+            return
+        with self._cv:
+            self._queue.append((named, keep))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="hurraykv-retain")
+                self._thread.start()
+            self._cv.notify()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until everything asked is done (tests)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    _busy = False
+
+    def _run(self) -> None:
+        store = None
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    break
+                batch, self._queue = self._queue, []
+                self._busy = True
+            try:
+                if store is None:
+                    store = self._open()
+                for names, keep in batch:
+                    retain(store, names, keep, self.stats)
+            except Exception as e:  # the store down: the next hit asks again
+                log.warning("retaining the segments of a hit failed (%s: %s)",
+                            type(e).__name__, e)
+                with contextlib.suppress(Exception):
+                    if store is not None:
+                        store.close()
+                store = None
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.close()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 def rank_names(name: str, ranks: int) -> list[str]:
@@ -135,4 +267,4 @@ class Watch:
             self._thread.join(timeout=5)
 
 
-__all__ = ["Watch", "rank_names"]
+__all__ = ["PARAMS", "Keep", "Retainer", "Watch", "keep_of", "rank_names", "retain"]

@@ -29,10 +29,12 @@ from ...adapters.vllm import LayerView, pages_to_numpy
 from ...errors import HurrayError
 from ...io import checksums
 from ...snapshot import KVCacheSnapshot
+from ..chunks import segment_name
 from . import hybrid
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments
 from .groups import NULL_BLOCK, KVGroup
+from .retention import retain
 from .store_format import StoreFormat
 
 
@@ -212,6 +214,9 @@ class Saver:
                           {"vllm.identity": ctx.identity})
             finally:
                 evicted[0] = store.evictions - before
+            if save.keep is not None:  # as its request asked (retention.py)
+                retain(store, [segment_name(save.keys, save.first_chunk)], save.keep,
+                       ctx.stats)
             return "stored"
 
         done = ctx.saves.call("put", put, None)

@@ -35,7 +35,7 @@ from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
 from .request_keys import passed_through, request_seed
-from .retention import Watch, rank_names
+from .retention import Retainer, Watch, keep_of, rank_names
 
 
 @dataclass
@@ -58,6 +58,7 @@ class RequestState:
     counted: bool = False  # its lookup's outcome is counted
     async_load: bool = False  # the tokens matched are loaded across steps
     load_failed: bool = False  # a load of it failed: it is not offered one again
+    keep: Any = None  # retention.Keep: its kv_transfer_params' pin and ttl_s
 
 
 class SchedulerSide:
@@ -88,6 +89,7 @@ class SchedulerSide:
         self.stale: OrderedDict[str, str] = OrderedDict()
         self.watch = Watch(ctx.open or (lambda: None), ctx.config.removal_check_s
                            if events.enabled and ctx.open else 0.0, events.max_tracked)
+        self.retainer = Retainer(lambda: ctx.open(ranked=False), events.ranks, ctx.stats)
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -96,6 +98,11 @@ class SchedulerSide:
             st = RequestState(request, ChunkKeys(request_seed(self.ctx.seed, request), size),
                               others=[ChunkKeys(request_seed(seed, request), size)
                                       for seed in self.ctx.other_seeds])
+            try:
+                st.keep = keep_of(request)
+            except HurrayError as e:
+                self.ctx.stats.add(retention_refused=1)
+                log.warning("request %s runs without retention: %s", request.request_id, e)
             self.requests[request.request_id] = st
         return st
 
@@ -144,6 +151,8 @@ class SchedulerSide:
         if not st.counted:  # once per lookup, however often vLLM asks
             st.counted = True
             stats.add(lookups=1, lookup_hits=int(new > 0), lookup_misses=int(new == 0))
+            if st.keep is not None and st.located and ctx.open is not None:
+                self.retainer.ask(st.located, st.keep)  # what it found stays too
         st.async_load = new > 0 and self._async(new)
         return new, st.async_load
 
@@ -340,6 +349,7 @@ class SchedulerSide:
         while len(self.saving) > self.MAX_PLANNED:
             self.saving.pop(next(iter(self.saving)))
         for t in out:  # announced to routers once the workers say it is stored
+            t.keep = st.keep
             self.saving[t.segment_id] = (t.first_chunk, list(t.keys))
             self.events.expect(t.segment_id, request, t.first_chunk, len(t.keys),
                                segment_name(t.keys, t.first_chunk))
@@ -491,6 +501,7 @@ class SchedulerSide:
     def close(self) -> None:
         self.lookups.close()
         self.watch.close()
+        self.retainer.close()
 
 
 __all__ = ["RequestState", "SchedulerSide"]
