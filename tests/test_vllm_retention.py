@@ -183,3 +183,18 @@ def test_a_pinned_request_pins_what_it_finds_and_carries_the_pin_to_its_saves(tm
     assert sched.ctx.stats["retention_refused"] == 1
     sched.close()
     gen.close()
+
+
+def test_saves_carry_their_requests_tenant_as_a_digest_of_its_salt(side):
+    from hurraykv.integrations.vllm.request_keys import tenant_of
+
+    sched, _ = side
+    for req_id, salt in (("s", "tenant-7"), ("u", None)):
+        req = request(req_id, PROMPT, salt=salt)
+        assert match(sched, req) == (0, False)
+        alloc(sched, req, 0)
+        save, = sched.plan(step(new=[(req_id, range(7), 0)], scheduled={req_id: 100})).saves
+        assert save.tenant == tenant_of(req)
+    assert len(tenant_of(request("s", PROMPT, salt="tenant-7"))) == 16
+    assert tenant_of(request("u", PROMPT)) == ""
+    assert "tenant-7" not in tenant_of(request("s", PROMPT, salt="tenant-7"))

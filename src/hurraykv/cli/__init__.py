@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--persist", metavar="DIR",
                     help="keep each committed snapshot as a .hrry file in DIR (kept across "
                     "restarts); default: memory only")
+    sv.add_argument("--max-bytes-per-tenant", type=_size, default=None, metavar="SIZE",
+                    help="with --tls-ca: most bytes of one client identity's (tenant's) "
+                    "objects in memory; past it that tenant's own least recently used "
+                    "objects leave memory, never another's, and a push that still cannot "
+                    "fit is refused with STORE_FULL; default: no quota")
     sv.add_argument("--max-pinned-bytes", type=_size, default=None, metavar="SIZE",
                     help="most bytes of objects pinned (RETAIN: never evicted to make "
                     "room); a pin past it is refused with STORE_FULL; default: a quarter "

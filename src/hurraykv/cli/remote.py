@@ -46,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(listen=args.listen, memory_budget=args.memory_budget,
                           persist=args.persist, persist_budget=args.persist_budget,
                           max_pinned_bytes=args.max_pinned_bytes,
+                          max_bytes_per_tenant=args.max_bytes_per_tenant,
                           max_message_size=args.max_message_size,
                           read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                           max_connections=args.max_connections, store=args.store,

@@ -72,6 +72,7 @@ from pathlib import Path
 from ..errors import HurrayError
 from ..io import retention
 from ..io.atomic import STALE_SECONDS, remove_stale, write_pieces
+from .file_tenants import TenantLog
 
 SUFFIX = ".hrry"
 LOCK = ".lock"
@@ -124,8 +125,11 @@ class Capacity:
     RECORD = 64  # bytes of the usage record, padded: rewritten in place
 
     def __init__(self, directory: Path, max_bytes: int | None,
-                 max_pinned_bytes: int | None = None) -> None:
+                 max_pinned_bytes: int | None = None,
+                 max_bytes_per_tenant: int | None = None) -> None:
         self.dir, self.max_bytes = directory, max_bytes
+        self.tenant_max = max_bytes_per_tenant
+        self.tenants = TenantLog(directory)
         # pins never fill the store: a quarter of it by default (io/retention.py)
         self.max_pinned = max_pinned_bytes if max_pinned_bytes is not None else (
             max_bytes // 4 if max_bytes is not None else None)
@@ -197,17 +201,25 @@ class Capacity:
             raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
                               f"{self.max_bytes}: not stored", field="max_bytes",
                               value=nbytes, rule="a segment fits in max_bytes")
+        if self.tenant_max is not None and nbytes > self.tenant_max:
+            raise HurrayError(f"segment {name} of {nbytes} bytes is larger than "
+                              f"max_bytes_per_tenant {self.tenant_max}: not stored",
+                              field="max_bytes_per_tenant", value=nbytes,
+                              rule="a segment fits in max_bytes_per_tenant")
 
     def admit(self, nbytes: int, keep: str, written: bool,
-              then: Callable[[list[Entry]], None] | None = None) -> Reservation:
+              then: Callable[[list[Entry]], None] | None = None, tenant: str = ""
+              ) -> Reservation:
         """Account for segment ``keep`` of ``nbytes``, about to be written (or ``written``
         already, so a scan lists it), evicting the least recently used others when the
         directory would pass the budget.  The answer holds the room (``release`` it once
         the segment is in place, under the shared lock) and lists the entries evicted.
         ``then(remaining)`` runs under the exclusive lock after an eviction (alias
         compaction).  Room that writes in progress hold is waited for up to
-        ``LOCK_SECONDS``, then the segment is refused (a HurrayError)."""
-        if self.max_bytes is None:
+        ``LOCK_SECONDS``, then the segment is refused (a HurrayError).  With
+        ``max_bytes_per_tenant``, ``tenant``'s own least recently used segments make room
+        for it first, so that its segments never pass its quota (``file_tenants.py``)."""
+        if self.max_bytes is None and self.tenant_max is None:
             return Reservation(None, None, [])
         evicted: list[Entry] = []
         deadline = time.monotonic() + self.LOCK_SECONDS
@@ -217,7 +229,7 @@ class Capacity:
                 trash: list[Path] = []
                 with self.lock(exclusive=True):
                     held, total, reserved = self._admit(nbytes, keep, written, then, evicted,
-                                                        trash)
+                                                        trash, tenant)
                 self._remove(trash)  # out of the store already: removed after the lock
                 if held is not None:
                     return held
@@ -238,14 +250,15 @@ class Capacity:
 
     def _admit(self, nbytes: int, keep: str, written: bool,
                then: Callable[[list[Entry]], None] | None, evicted: list[Entry],
-               trash: list[Path]) -> tuple[Reservation | None, int, int]:
+               trash: list[Path], tenant: str = "") -> tuple[Reservation | None, int, int]:
         """One try of ``admit`` (under the exclusive lock): the reservation, or None and
         the total and reserved bytes that left no room; the segments it evicted are
         renamed out of the store, their files added to ``trash`` for the caller to
         remove."""
-        assert self.max_bytes is not None
+        limit = self.max_bytes if self.max_bytes is not None else 1 << 62
         total, scanned = self._usage()
-        if total + nbytes <= self.max_bytes and time.time() - scanned < self.RESCAN_SECONDS:
+        if total + nbytes <= limit and time.time() - scanned < self.RESCAN_SECONDS and (
+                self.tenant_max is None):  # a quota counts its tenant's segments: a scan
             held = self._reserve(nbytes, keep, written, evicted)
             self._record(total + nbytes, scanned)
             return held, total + nbytes, 0
@@ -260,14 +273,16 @@ class Capacity:
                 if gone is not None:
                     trash.append(gone)
                     done.append(entry)
+        if self.tenant_max is not None:
+            done += self._within_quota(entries, kept, nbytes, keep, tenant, trash)
         if done:
             entries = [e for e in entries if e not in done]
         # a segment stored again under its name replaces the old file: the reservation
         # stands for both
         total = reserved + sum(e.nbytes for e in entries if written or e.name != keep) + \
             (0 if written else nbytes)
-        if total > self.max_bytes:
-            target = int(self.max_bytes * self.LOW_WATER)
+        if total > limit:
+            target = int(limit * self.LOW_WATER)
             for entry in entries:
                 if total <= target:
                     break
@@ -281,7 +296,7 @@ class Capacity:
                     done.append(entry)
         evicted += done
         held = self._reserve(nbytes, keep, written, evicted) \
-            if total <= self.max_bytes else None
+            if total <= limit else None
         # refused: the segment is not written (or the caller removes it)
         self._record(total if held is not None else total - nbytes, time.time())
         if done and then is not None:
@@ -463,6 +478,36 @@ class Capacity:
                 os.unlink(self.dir / USAGE)
         finally:
             os.close(fd)
+
+    def _within_quota(self, entries: list[Entry], kept: dict[str, retention.Kept],
+                      nbytes: int, keep: str, tenant: str, trash: list[Path]) -> list[Entry]:
+        """Evict ``tenant``'s own least recently used segments (not pinned) until its
+        segments and this one fit in its quota (under the exclusive lock); those evicted.
+        A HurrayError when its pinned segments leave no room."""
+        assert self.tenant_max is not None
+        owners = self.tenants.owners({e.name for e in entries})
+        mine = [e for e in entries if owners.get(e.name, "") == tenant and e.name != keep]
+        used = nbytes + sum(e.nbytes for e in mine)
+        done = []
+        for entry in mine:  # oldest use first
+            if used <= self.tenant_max:
+                break
+            k = kept.get(entry.name)
+            if k is not None and k.pinned:
+                continue
+            gone = self._take(entry)
+            if gone is not None:
+                trash.append(gone)
+                done.append(entry)
+                used -= entry.nbytes
+        if used > self.tenant_max:
+            raise HurrayError(
+                f"segment {keep} of {nbytes} bytes: tenant {tenant or '(no cache_salt)'} "
+                f"would hold {used} bytes, over max_bytes_per_tenant {self.tenant_max}, "
+                "with its pinned segments and writes in progress; not stored",
+                field="max_bytes_per_tenant", value=used,
+                rule="a tenant's segments fit in max_bytes_per_tenant")
+        return done
 
     def _kept(self, entries: list[Entry]) -> dict[str, retention.Kept]:
         """The pins and lifetimes (under the exclusive lock), those of segments no longer

@@ -39,6 +39,9 @@ from .chunks import (
     segment_name,
 )
 from .file_capacity import Capacity, Entry, Reservation
+from .file_tenants import TENANT
+
+TENANT_KEY = "vllm.tenant"  # put's metadata: who stored it (max_bytes_per_tenant)
 
 
 @dataclass
@@ -221,18 +224,19 @@ class FileChunks(ChunkStore):
     SCHEMES = ("file",)
     FORM = "file:///DIR"
     LOCAL = True
-    OPTIONS = ("max_bytes", "max_pinned_bytes")
+    OPTIONS = ("max_bytes", "max_pinned_bytes", "max_bytes_per_tenant")
     LOG = "aliases.log"
     LAYOUTS = 32  # structures remembered
     COMPACT_SLACK = 4096  # alias lines beyond twice the live ones before the log is rewritten
     QUARANTINED = 16  # damaged segments kept for inspection, newest
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None,
-                 max_pinned_bytes: int | None = None) -> None:
+                 max_pinned_bytes: int | None = None,
+                 max_bytes_per_tenant: int | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.url = self.dir.resolve().as_uri()
-        self.capacity = Capacity(self.dir, max_bytes, max_pinned_bytes)
+        self.capacity = Capacity(self.dir, max_bytes, max_pinned_bytes, max_bytes_per_tenant)
         self._kept: tuple[Any, dict[str, retention.Kept]] = (None, {})
         self.capacity.repair()
         self._aliases: dict[str, str] = {}
@@ -321,14 +325,20 @@ class FileChunks(ChunkStore):
         # No fsync: a segment lost in a crash is a future cache miss, and the atomic
         # rename still means a reader sees a whole file or none.
         name = check_name(segment_name(keys, first))
+        tenant = str(metadata.get(TENANT_KEY, ""))
+        if tenant and TENANT.fullmatch(tenant) is None:
+            raise HurrayError(f"segment {name}: tenant {tenant[:40]!r} is not 1-32 hex "
+                              "digits", field=TENANT_KEY, value=tenant[:40],
+                              rule="a tenant digest")
         self.dir.mkdir(parents=True, exist_ok=True)  # an operator may have removed it
         structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
         layout = self._by_structure.get(structure)
         if layout is None:
-            held = self._put_first(name, structure, snapshot, metadata)
+            held = self._put_first(name, structure, snapshot, metadata, tenant)
         else:  # room held first: the directory does not pass its capacity even briefly
             self.capacity.check(layout.size, name)
-            held = self.capacity.admit(layout.size, name, written=False, then=self._compact)
+            held = self.capacity.admit(layout.size, name, written=False, then=self._compact,
+                                       tenant=tenant)
             try:
                 write_pieces(self.path(name), layout.pieces(snapshot), layout.size)
             except BaseException:
@@ -342,6 +352,8 @@ class FileChunks(ChunkStore):
                 # is no longer needed
                 held.release()
                 self._append_log(lines)
+                if tenant:
+                    self.capacity.tenants.append(name, tenant)
         except (OSError, HurrayError) as e:
             # a segment no alias names is only room taken: removed, the put refused
             with contextlib.suppress(OSError):
@@ -363,7 +375,7 @@ class FileChunks(ChunkStore):
             os.close(fd)
 
     def _put_first(self, name: str, structure: bytes, snapshot: KVCacheSnapshot,
-                   metadata: dict[str, Any]) -> Reservation:
+                   metadata: dict[str, Any], tenant: str = "") -> Reservation:
         """Store the first segment of its structure (its size known only once written):
         written as a writer's temporary file (not a segment, so not counted; locked, so
         never taken for a dead writer's) that becomes the segment once admitted, so that
@@ -383,7 +395,8 @@ class FileChunks(ChunkStore):
                 layout = _FileLayout.learn(data, snapshot_from_file(f), f)
                 if layout is not None:
                     self._remember(structure, layout)
-                held = self.capacity.admit(len(data), name, written=False, then=self._compact)
+                held = self.capacity.admit(len(data), name, written=False,
+                                           then=self._compact, tenant=tenant)
                 try:
                     os.replace(tmp, path)  # still locked: nobody takes it for a dead writer's
                 except BaseException:

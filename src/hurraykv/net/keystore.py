@@ -22,7 +22,7 @@ from ..errors import HurrayError
 from ..io import retention
 from .aliases import AliasTable, cost
 from .persisted import PersistedTier, hrry_size
-from .stored import Items, PersistFull, StoredObject, StoreFull, object_from_items
+from .stored import Items, PersistFull, StoredObject, StoreFull, TenantFull, object_from_items
 from .tenants import SEPARATOR
 
 log = logging.getLogger("hurraykv.server")
@@ -41,14 +41,15 @@ class KeyStore(PersistedTier):
 
     def __init__(self, memory_budget: int | None = None, persist: str | os.PathLike | None = None,
                  zero_unused: bool = True, backing: Any = None, pool: Any = None,
-                 persist_budget: int | None = None, max_pinned_bytes: int | None = None
-                 ) -> None:
+                 persist_budget: int | None = None, max_pinned_bytes: int | None = None,
+                 max_bytes_per_tenant: int | None = None) -> None:
         if persist_budget is not None and not persist:
             raise HurrayError(f"persist_budget {persist_budget}: bounds the --persist "
                               "directory, and none is given", field="persist_budget",
                               value=persist_budget, rule="--persist-budget needs --persist")
         self.backing = backing  # a hurraykv.store.PageStore: snapshots beyond this machine
         self.memory_budget = memory_budget
+        self.tenant_max = max_bytes_per_tenant  # memory per mutual-TLS tenant
         self.zero_unused = zero_unused
         self.pool = pool  # a ReceivePool whose idle bytes count against the budget
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()
@@ -106,12 +107,33 @@ class KeyStore(PersistedTier):
         store leave memory; objects that would be lost are evicted only once the group's
         last member shows the whole group fits, so a group refused midway loses nobody
         else's key (meanwhile memory may pass the budget by at most the group's bytes)."""
+        if self.tenant_max is not None and owner:
+            self._within_quota(nbytes, keep, lossy, owner)
         budget = self.memory_budget
         if budget is None:
             self._add_reserved(nbytes, owner)
             return
         self._make_room(nbytes, keep, lossy)
         self._add_reserved(nbytes, owner)
+
+    def _within_quota(self, nbytes: int, keep: str | None, lossy: bool, tenant: str
+                      ) -> None:
+        """Room for ``nbytes`` more of ``tenant``'s under ``--max-bytes-per-tenant``: its
+        own least recently used objects leave memory (never another tenant's), or
+        ``TenantFull`` (decided before anything is evicted)."""
+        quota, prefix = self.tenant_max, tenant + SEPARATOR
+        assert quota is not None
+        mine = [k for k in self._objects if k.startswith(prefix)]
+        fixed = sum(self._objects[k].nbytes for k in mine if k == keep or self.pinned(k))
+        if self._reserved_by[tenant] + fixed + nbytes > quota:
+            raise TenantFull(nbytes, quota, self._reserved_by[tenant], fixed)
+        used = self._reserved_by[tenant] + sum(self._objects[k].nbytes for k in mine)
+        for key in mine:  # oldest use first
+            if used + nbytes <= quota:
+                break
+            if key != keep and (lossy or self._objects[key].durable) and not self.pinned(key):
+                used -= self._objects[key].nbytes
+                self._evict_key(key)
 
     def _make_room(self, nbytes: int, keep: str | None, lossy: bool,
                    field: str = "total_data_bytes") -> None:

@@ -34,6 +34,7 @@ class ServerConfig:
     persist: str | None = None
     persist_budget: int | None = None  # bytes of .hrry files under persist, LRU beyond
     max_pinned_bytes: int | None = None  # pinned (RETAIN); default a quarter of a budget
+    max_bytes_per_tenant: int | None = None  # memory per mutual-TLS tenant, LRU within
     max_message_size: int = 16 << 20
     read_timeout: float = 30.0  # a message started must keep arriving
     idle_timeout: float = 600.0  # between messages
@@ -119,7 +120,8 @@ class KVServer:
         self.store = KeyStore(self.config.memory_budget, self.config.persist,
                               self.config.zero_unused, backing,
                               persist_budget=self.config.persist_budget,
-                              max_pinned_bytes=self.config.max_pinned_bytes)
+                              max_pinned_bytes=self.config.max_pinned_bytes,
+                              max_bytes_per_tenant=self.config.max_bytes_per_tenant)
         self.pool = ReceivePool(self.config.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0

@@ -47,6 +47,20 @@ class StoreFull(HurrayError):
                 f"the key's current value{held}")
 
 
+class TenantFull(StoreFull):
+    """A PUT past its tenant's ``--max-bytes-per-tenant`` once that tenant's own least
+    recently used objects are evicted; answered with ERROR STORE_FULL."""
+
+    def __init__(self, nbytes: int, quota: int, in_flight: int, kept: int) -> None:
+        super().__init__(nbytes, quota, in_flight, kept, field="max_bytes_per_tenant")
+
+    def needs(self, nbytes: int) -> str:
+        return (f"needs {nbytes} bytes but this tenant's quota (--max-bytes-per-tenant) is "
+                f"{self.budget} bytes, of which {self.in_flight} are reserved by its other "
+                f"PUTs in flight and {self.kept} held by its pinned objects and the key's "
+                "current value")
+
+
 class PersistFull(HurrayError):
     """An object whose .hrry file the persist budget cannot hold; answered with ERROR
     STORE_FULL (decided before anything is written or evicted)."""

@@ -46,6 +46,7 @@ class Transfer:
     first_block: int = 0  # the request's block index of the transfer's first page
     state: bool = False  # a save of a model with Mamba layers: it holds their end states
     keep: Any = None  # retention.Keep: what the request asked of its segments' retention
+    tenant: str = ""  # a save's: its request's cache_salt, as a digest (request_keys.py)
 
     @property
     def segment_id(self) -> str:

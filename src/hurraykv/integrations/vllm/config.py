@@ -74,6 +74,11 @@ class ConnectorConfig:
     max_bytes: Size | None = None
     """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
     least recently used segments are evicted.  Default: unbounded (a warning at start)."""
+    max_bytes_per_tenant: Size | None = None
+    """Of a ``file://`` directory, the most that one tenant's segments may hold (a tenant:
+    the requests of one ``cache_salt``; those without one are a tenant too): past it the
+    tenant's own least recently used segments are evicted, never another's.  Default:
+    no quota."""
     max_pinned_bytes: Size | None = None
     """Of a ``file://`` directory's ``max_bytes``, the most that pinned segments may hold
     (requests ask pins with ``kv_transfer_params``): a pin past it is refused and the
@@ -159,7 +164,8 @@ class ConnectorConfig:
         """The URL's scheme and form now, not when the store first opens (after three
         failed requests); the schemes and what each takes come from the store registry."""
         options = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname",
-                               "max_bytes", "max_pinned_bytes") if getattr(self, k) is not None]
+                               "max_bytes", "max_pinned_bytes", "max_bytes_per_tenant")
+                   if getattr(self, k) is not None]
         why = url_problem(self.url, options)
         if why:
             raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",

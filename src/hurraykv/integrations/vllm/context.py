@@ -50,7 +50,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 and ranked else "",
                           timeout=conf.load_timeout_ms / 1000 + 5,
                           max_bytes=conf.max_bytes, max_pinned_bytes=conf.max_pinned_bytes,
-                          **tls)
+                          max_bytes_per_tenant=conf.max_bytes_per_tenant, **tls)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
     # unreachable store at start is a miss, not an engine that fails to start.

@@ -51,6 +51,13 @@ def request_seed(seed: bytes, request: Any) -> bytes:
     return h.digest()
 
 
+def tenant_of(request: Any) -> str:
+    """The tenant a request stores for (``max_bytes_per_tenant``): a 64-bit digest of its
+    ``cache_salt`` (the salt itself never leaves the engine); "" without one."""
+    salt = getattr(request, "cache_salt", None)
+    return hashlib.blake2b(str(salt).encode(), digest_size=8).hexdigest() if salt else ""
+
+
 @lru_cache(maxsize=256)
 def _weights_digest(path: str) -> bytes:
     """BLAKE2b of an adapter directory's weight files (names and bytes), b"" when it

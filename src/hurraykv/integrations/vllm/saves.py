@@ -211,7 +211,8 @@ class Saver:
             before = store.evictions
             try:  # checksummed here, on the writer's thread: off the forward pass
                 store.put(save.keys, save.first_chunk, checksums.with_checksums(segment),
-                          {"vllm.identity": ctx.identity})
+                          {"vllm.identity": ctx.identity, "vllm.tenant": save.tenant}
+                          if save.tenant else {"vllm.identity": ctx.identity})
             finally:
                 evicted[0] = store.evictions - before
             if save.keep is not None:  # as its request asked (retention.py)

@@ -34,7 +34,7 @@ from .admission import Admission
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
-from .request_keys import passed_through, request_seed
+from .request_keys import passed_through, request_seed, tenant_of
 from .retention import Retainer, Watch, keep_of, rank_names
 
 
@@ -349,7 +349,7 @@ class SchedulerSide:
         while len(self.saving) > self.MAX_PLANNED:
             self.saving.pop(next(iter(self.saving)))
         for t in out:  # announced to routers once the workers say it is stored
-            t.keep = st.keep
+            t.keep, t.tenant = st.keep, tenant_of(request)
             self.saving[t.segment_id] = (t.first_chunk, list(t.keys))
             self.events.expect(t.segment_id, request, t.first_chunk, len(t.keys),
                                segment_name(t.keys, t.first_chunk))
