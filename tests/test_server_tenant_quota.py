@@ -15,10 +15,9 @@ from tests.store_contract import segment
 def test_a_noisy_tenant_evicts_only_its_own_objects(tmp_path):
     pki = PKI(tmp_path)
     server, key = pki.pair("server")
-    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:  # an object's bytes
-        with KVClient(st.address) as c:
-            c.push("probe", segment(16, 0))
-            size = c.stat()["memory_bytes"]
+    with client_of() as c:  # an object's bytes
+        c.push("probe", segment(16, 0))
+        size = c.stat()["memory_bytes"]
     with KVServer(listen="127.0.0.1:0", tls_cert=server, tls_key=key, tls_ca=pki.ca_pem,
                   max_bytes_per_tenant=3 * size).run_in_thread() as st:
         def connect(label: str) -> KVClient:
