@@ -10,6 +10,7 @@ from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
 from tests.certs import PKI, name
 from tests.store_contract import segment
+from tests.test_server_retention import client_of
 
 
 def test_a_noisy_tenant_evicts_only_its_own_objects(tmp_path):
