@@ -11,7 +11,8 @@ token ids), ``max_tokens``, ``connector`` (None, or ``{"url", "role", "extra",
 "name", "module"}``), ``block_size``, ``rounds`` (generate the prompts this many
 times, one request at a time, timing each), ``env``, ``tensor_parallel_size`` and
 ``distributed_executor_backend``, ``max_num_batched_tokens``,
-``disable_hybrid_kv_cache_manager``, ``num_blocks`` (None: as much as
+``disable_hybrid_kv_cache_manager``, ``cache_salts`` and ``kv_transfer_params`` (per
+prompt, None for none), ``num_blocks`` (None: as much as
 ``VLLM_CPU_KVCACHE_SPACE`` holds), ``time_connector`` (also time the
 connector's own calls in each request: ``connector_times``), ``logprobs`` (each output's
 ``logprobs``: per generated token, the top N log-probabilities and the chosen token's)."""
@@ -210,12 +211,21 @@ def main() -> int:
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8),
                             detokenize=False, ignore_eos=True, logprobs=spec.get("logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    for p, salt in zip(prompts, spec.get("cache_salts") or (), strict=False):
+        if salt:
+            p["cache_salt"] = salt
+    # per prompt, as the OpenAI server passes its top-level field (extra_args)
+    asks = spec.get("kv_transfer_params") or [None] * len(prompts)
+    each = [params if ask is None else SamplingParams(
+        temperature=0, max_tokens=spec.get("max_tokens", 8), detokenize=False,
+        ignore_eos=True, logprobs=spec.get("logprobs"),
+        extra_args={"kv_transfer_params": ask}) for ask in asks]
     outputs, times, round_stats = [], [], []
     if spec.get("rounds"):
         for _ in range(spec["rounds"]):
-            for p in prompts:
+            for p, sampling in zip(prompts, each, strict=True):
                 t0, c0 = time.perf_counter(), spent[0] if spent else 0.0
-                out = llm.generate([p], params, use_tqdm=False)[0]
+                out = llm.generate([p], sampling, use_tqdm=False)[0]
                 times.append(time.perf_counter() - t0)
                 if spent:
                     connector_times.append(spent[0] - c0)
@@ -223,7 +233,7 @@ def main() -> int:
             if spec.get("round_stats"):  # the counters after each round (cumulative)
                 round_stats.append(connector_stats())
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, each, use_tqdm=False)
     result = {"outputs": [{"tokens": list(o.outputs[0].token_ids),
                            "num_cached_tokens": o.num_cached_tokens,
                            "logprobs": _logprobs(o)} for o in outputs],
