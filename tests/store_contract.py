@@ -225,6 +225,23 @@ class ChunkStoreContract:
         assert store.get_verified(store.locate(k)[0]).equal(snap)
         time.sleep(1.2)
         assert store.locate(k) == [None, None]
+        store.put(k, 0, snap, {})  # stored again: a new segment, not one past its lifetime
+        assert store.get_verified(store.locate(k)[0]).equal(snap)
+
+    def test_a_requests_lifetime_never_undoes_a_pin(self, store):
+        if not self.PINS:
+            pytest.skip("no pins on this backend (see its test class)")
+        k = keys(1)
+        store.put(k, 0, segment(1, 21), {})
+        name = store.locate(k)[0]
+        assert store.retain([name], pin=True, ttl_s=None) == [name]  # an operator's
+        store.retain([name], pin=None, ttl_s=0.3, extend=True)  # a request's ask
+        kept = {s.name: s for s in store.catalog()}[name]
+        assert kept.pinned and kept.expiry is None
+        time.sleep(0.5)
+        assert store.locate(k)[0] == name
+        assert store.retain([name], pin=False, ttl_s=None) == [name]  # released
+        assert not {s.name: s for s in store.catalog()}[name].pinned
 
     def test_a_pinned_segment_outlives_a_flood_until_released(self, capped):
         if capped is None or not self.PINS:

@@ -47,6 +47,22 @@ def test_a_noisy_tenant_evicts_only_its_own_segments(tmp_path):
         store.put(keys(4), 0, segment(16, 51), {TENANT_KEY: "b0b"})
     assert e.value.field == "max_bytes_per_tenant"
     assert all(store.locate(k)[0] is not None for k in (*quiet, fourth))
+    store.close()
+    left = [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith(".evict.")]
+    assert left == []  # a refused save evicted nothing, left nothing behind
+
+
+def test_a_refused_save_evicts_nothing_of_its_tenant(tmp_path):
+    size = size_of(tmp_path)
+    store = open_store((tmp_path / "kv").as_uri(), max_bytes_per_tenant=2 * size + 1000)
+    pinned, loose = keys(4), keys(4)
+    store.put(pinned, 0, segment(16, 1), {TENANT_KEY: "c"})
+    store.retain(store.locate(pinned), pin=True, ttl_s=None)
+    store.put(loose, 0, segment(16, 2), {TENANT_KEY: "c"})
+    big = segment(32, 3)  # two segments' worth: with the pinned one, past the quota
+    with pytest.raises(HurrayError, match=r"holds .* bytes pinned"):
+        store.put(keys(8), 0, big, {TENANT_KEY: "c"})
+    assert store.locate(loose)[0] is not None  # decided before evicting
 
 
 def test_a_tenant_that_is_not_a_digest_is_refused(tmp_path):

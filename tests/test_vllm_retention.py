@@ -70,9 +70,13 @@ def test_a_segment_planned_before_a_reset_and_written_after_it_is_removed(side):
     assert sched.reset() is True
     store.put(save.keys, save.first_chunk, segment_of(IDENTITY, len(save.keys)), {})
     assert store.locate(save.keys)[0] is not None  # written after the reset
+    # before its write is reported, a lookup finding it is a miss: the old weights' KV
+    assert match(sched, request("c", PROMPT)) == (0, False)
     sched.output(type("Out", (), {"kv_cache_events": SavedSegments([save.segment_id]),
                                   "invalid_block_ids": set(), "failed_recving": set()})())
+    assert sched.retainer.wait_idle(5)  # removed off the scheduler thread
     assert store.locate(save.keys) == [None] * len(save.keys)
+    assert sched._stale_names() == set()  # and no longer a miss once stored again
     # and the request, whose blocks were computed before the reset, stores nothing more
     req.all_token_ids += list(range(500, 560))  # decoded since
     assert sched.plan(step(cached=[("a", [7, 8], 100)], scheduled={"a": 28})).saves == []
@@ -198,3 +202,20 @@ def test_saves_carry_their_requests_tenant_as_a_digest_of_its_salt(side):
     assert len(tenant_of(request("s", PROMPT, salt="tenant-7"))) == 16
     assert tenant_of(request("u", PROMPT)) == ""
     assert "tenant-7" not in tenant_of(request("s", PROMPT, salt="tenant-7"))
+
+
+def test_a_segment_stored_again_during_a_check_is_not_announced_gone():
+    """The watch found X gone, but X was stored again (and watched again) while the
+    check ran: X is not reported."""
+    watch = Watch(lambda: None, every=0.0)
+    watch.every = 1.0  # watched, never started: checks run by hand
+    watch._stop.set()
+
+    class Store:
+        def exists(self, names):
+            watch.watch(["x" * 32 + "-0"])  # stored again meanwhile
+            return [False] * len(names)
+
+    watch.watch(["x" * 32 + "-0", "y" * 32 + "-0"])
+    watch.check(Store())
+    assert watch.take_gone() == ["y" * 32 + "-0"]

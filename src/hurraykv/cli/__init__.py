@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "persist_budget", None) is not None and not args.persist:
         parser.error("--persist-budget bounds the --persist directory: give --persist DIR")
+    if getattr(args, "max_bytes_per_tenant", None) is not None and not args.tls_ca:
+        parser.error("--max-bytes-per-tenant bounds each client identity of mutual TLS: "
+                     "give --tls-ca (and --tls-cert, --tls-key)")
     args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
                     or getattr(args, "address", None) or getattr(args, "url", ""))
     try:

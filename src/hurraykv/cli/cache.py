@@ -220,7 +220,7 @@ def cmd_cache_pin(args: argparse.Namespace) -> int:
         if not names:
             raise HurrayError("no segment of that prefix is stored (nothing pinned)",
                               field="tokens", rule="a stored prefix")
-        done = store.retain(names, pin=not args.unpin, ttl_s=args.ttl)
+        done = store.retain(names, pin=not args.unpin, ttl_s=args.ttl)  # set, not merged
     finally:
         store.close()
     missing = [n for n in names if n not in done]

@@ -135,6 +135,7 @@ class Stored:
     used: float | None = None
     pinned: bool = False  # never evicted to make room (``ChunkStore.retain``)
     expiry: float | None = None  # a miss from then on (Unix seconds)
+    version: Any = None  # tells this object from one stored again under its name
 
 
 def identity_key(identity: str) -> str:
@@ -229,30 +230,31 @@ class ChunkStore(ABC):
         raise HurrayError(f"a {self.FORM} store cannot tell what it holds", field="url",
                           value=getattr(self, "url", None), rule="a store that lists")
 
-    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
-               ) -> list[str]:
-        """Pin the segments ``names`` (``pin``: never evicted to make room, within the
-        store's pinned-bytes budget) and give them a lifetime (``ttl_s`` seconds from now:
-        a miss after it; None: none); ``pin=False, ttl_s=None`` releases them.  Returns
-        the names retained (those stored); a pin past the budget raises ``PinRefused``
-        and changes nothing."""
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        """Pin the segments ``names`` (never evicted to make room, within the store's
+        pinned-bytes budget) and give them a lifetime (``ttl_s`` seconds from now: a miss
+        after it), as ``io.retention.merged`` says: set (an operator's: ``pin`` True or
+        False, None leaves it; ``ttl_s`` None: no lifetime) or, ``extend``, a request's
+        ask (a pin only added, a lifetime only made later).  Returns the names retained
+        (those stored); a pin past the budget raises ``PinRefused`` and changes nothing."""
         raise HurrayError(f"a {self.FORM} store cannot pin or expire segments",
                           field="url", value=getattr(self, "url", None),
                           rule="a store that retains")
 
     def clear(self, identity: str | None) -> list[Stored]:
         """Remove every segment of ``identity`` (an ``identity_key``; None: every
-        segment), then list the store again: a ``HurrayError`` names what is still there
-        (a removal that failed; a segment stored again meanwhile is one of a later
-        engine's and survives).  Returns what was removed."""
+        segment), then list the store again: a ``HurrayError`` names a segment listed
+        before that is still there, the same object (a segment stored again meanwhile,
+        another version, is a later engine's and survives; a store that gives no version
+        acknowledged each removal).  Returns what was removed."""
         def chosen(s: Stored) -> bool:
             return identity is None or s.identity_key == identity
 
         listed = {s.name: s for s in self.catalog() if chosen(s)}
         removed = [s for s in listed.values() if self.remove(s.name)]
-        # still there: the very segment listed (stored again since, it is a new one)
-        left = [s.name for s in self.catalog() if s.name in listed and (
-            s.created is None or s.created == listed[s.name].created)]
+        left = [s.name for s in self.catalog() if s.name in listed
+                and s.version is not None and s.version == listed[s.name].version]
         if left:
             raise HurrayError(f"{len(left)} segments of {identity or 'any identity'} are "
                               f"still in {self.url} after their removal, e.g. {left[0]}",
@@ -429,9 +431,10 @@ class Suffixed(ChunkStore):
     def exists(self, names: Sequence[str]) -> list[bool]:
         return self.inner.exists([self._named(n) for n in names])
 
-    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
-               ) -> list[str]:
-        done = self.inner.retain([self._named(n) for n in names], pin=pin, ttl_s=ttl_s)
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        done = self.inner.retain([self._named(n) for n in names], pin=pin, ttl_s=ttl_s,
+                                 extend=extend)
         return [self._plain(n) for n in done]
 
     def discard(self, name: str) -> None:

@@ -227,10 +227,12 @@ class Capacity:
         try:
             while True:
                 trash: list[Path] = []
-                with self.lock(exclusive=True):
-                    held, total, reserved = self._admit(nbytes, keep, written, then, evicted,
-                                                        trash, tenant)
-                self._remove(trash)  # out of the store already: removed after the lock
+                try:
+                    with self.lock(exclusive=True):
+                        held, total, reserved = self._admit(nbytes, keep, written, then,
+                                                            evicted, trash, tenant)
+                finally:
+                    self._remove(trash)  # out of the store already: removed after the lock
                 if held is not None:
                     return held
                 if time.monotonic() > deadline:
@@ -297,6 +299,9 @@ class Capacity:
         evicted += done
         held = self._reserve(nbytes, keep, written, evicted) \
             if total <= limit else None
+        if held is not None and tenant and self.tenant_max is not None:
+            # recorded before the segment is in place: no scan counts it as another's
+            self.tenants.append(keep, tenant)
         # refused: the segment is not written (or the caller removes it)
         self._record(total if held is not None else total - nbytes, time.time())
         if done and then is not None:
@@ -488,6 +493,14 @@ class Capacity:
         owners = self.tenants.owners({e.name for e in entries})
         mine = [e for e in entries if owners.get(e.name, "") == tenant and e.name != keep]
         used = nbytes + sum(e.nbytes for e in mine)
+        fixed = nbytes + sum(e.nbytes for e in mine if e.name in kept and kept[e.name].pinned)
+        if fixed > self.tenant_max:  # decided before anything is evicted
+            raise HurrayError(
+                f"segment {keep} of {nbytes} bytes: tenant {tenant or '(no cache_salt)'} "
+                f"holds {fixed - nbytes} bytes pinned, and with this segment would pass "
+                f"max_bytes_per_tenant {self.tenant_max}; not stored",
+                field="max_bytes_per_tenant", value=fixed,
+                rule="a tenant's pinned segments and a new one fit in max_bytes_per_tenant")
         done = []
         for entry in mine:  # oldest use first
             if used <= self.tenant_max:
@@ -500,13 +513,6 @@ class Capacity:
                 trash.append(gone)
                 done.append(entry)
                 used -= entry.nbytes
-        if used > self.tenant_max:
-            raise HurrayError(
-                f"segment {keep} of {nbytes} bytes: tenant {tenant or '(no cache_salt)'} "
-                f"would hold {used} bytes, over max_bytes_per_tenant {self.tenant_max}, "
-                "with its pinned segments and writes in progress; not stored",
-                field="max_bytes_per_tenant", value=used,
-                rule="a tenant's segments fit in max_bytes_per_tenant")
         return done
 
     def _kept(self, entries: list[Entry]) -> dict[str, retention.Kept]:
@@ -517,30 +523,45 @@ class Capacity:
         if any(name not in listed for name in kept):
             kept = {n: k for n, k in kept.items() if n in listed}
             with contextlib.suppress(OSError, HurrayError):  # pruned at the next scan
-                retention.write(self.dir, kept)
+                self._write_kept(kept)
         return kept
 
-    def retain(self, names: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
-        """Pin (``pin``) and give a lifetime (``ttl_s`` seconds from now) to the segments
-        ``names`` that are stored; ``pin=False, ttl_s=None`` releases them.  Returns those
-        retained; ``PinRefused`` (nothing changed) when the pins would pass
-        ``max_pinned``."""
+    def retain(self, names: list[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        """Pin and give a lifetime to the segments ``names`` that are stored
+        (``io.retention.updated``); those retained.  ``PinRefused`` (nothing changed) when
+        the pins would pass ``max_pinned`` (this process's, else the one the record
+        holds)."""
         with self.lock(exclusive=True):
             now = time.time()
             kept = retention.read(self.dir)
             present = {}
-            for name in dict.fromkeys([*names, *kept]):  # the record's, to drop the gone
+            for name in dict.fromkeys(names):  # only those asked: a scan prunes the rest
                 try:
                     st = os.lstat(f"{self._at}{name}{SUFFIX}")
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode):
                     present[name] = st.st_size
-            kept = {n: k for n, k in kept.items() if n in present}
-            asked = {n: present[n] for n in names if n in present}
-            retention.write(self.dir, retention.updated(
-                kept, asked, pin=pin, ttl_s=ttl_s, max_pinned=self.max_pinned, now=now))
-        return list(asked)
+            self._write_kept(retention.updated(
+                kept, present, pin=pin, ttl_s=ttl_s, max_pinned=self._budget(), now=now,
+                extend=extend))
+        return list(present)
+
+    def _budget(self) -> int | None:
+        """The pinned budget: this process's, else the one the record holds."""
+        return self.max_pinned if self.max_pinned is not None else \
+            retention.recorded_budget(self.dir)
+
+    def _write_kept(self, kept: dict[str, retention.Kept]) -> None:
+        retention.write(self.dir, kept, self._budget())
+
+    def forget(self, name: str) -> None:
+        """Drop ``name``'s pin and lifetime (it was removed, or stored again)."""
+        with self.lock(exclusive=True):
+            kept = retention.read(self.dir)
+            if kept.pop(name, None) is not None:
+                self._write_kept(kept)
 
     def drop(self, name: str) -> bool:
         """Remove segment ``name`` as an eviction does (a reader that opened it reads on,
@@ -562,6 +583,9 @@ class Capacity:
             total, scanned = self._usage()
             if scanned:
                 self._record(max(0, total - st.st_size), scanned)
+            kept = retention.read(self.dir)
+            if kept.pop(name, None) is not None:  # a segment stored again starts afresh
+                self._write_kept(kept)
         self._discard(trash)
         return True
 

@@ -307,9 +307,10 @@ class FileChunks(ChunkStore):
             self._kept = (stamp, retention.read(self.dir) if stamp else {})
         return self._kept[1]
 
-    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
-               ) -> list[str]:
-        return self.capacity.retain([check_name(n) for n in names], pin=pin, ttl_s=ttl_s)
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        return self.capacity.retain([check_name(n) for n in names], pin=pin, ttl_s=ttl_s,
+                                    extend=extend)
 
     def _remember(self, structure: bytes, layout: _FileLayout | None) -> None:
         if layout is None:
@@ -331,6 +332,9 @@ class FileChunks(ChunkStore):
                               "digits", field=TENANT_KEY, value=tenant[:40],
                               rule="a tenant digest")
         self.dir.mkdir(parents=True, exist_ok=True)  # an operator may have removed it
+        old = self._retained().get(name)
+        if old is not None and old.expired(time.time()):  # stored again: a new segment,
+            self.capacity.forget(name)                    # not one past its lifetime
         structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
         layout = self._by_structure.get(structure)
         if layout is None:
@@ -352,8 +356,6 @@ class FileChunks(ChunkStore):
                 # is no longer needed
                 held.release()
                 self._append_log(lines)
-                if tenant:
-                    self.capacity.tenants.append(name, tenant)
         except (OSError, HurrayError) as e:
             # a segment no alias names is only room taken: removed, the put refused
             with contextlib.suppress(OSError):
@@ -555,14 +557,17 @@ class FileChunks(ChunkStore):
             k = kept.get(name)
             out.append(Stored(name, st.st_size, identity_key(identity) if identity else None,
                               identity, used=st.st_mtime, pinned=bool(k and k.pinned),
-                              expiry=k.expiry if k else None))
+                              expiry=k.expiry if k else None,
+                              version=(st.st_ino, st.st_mtime_ns)))
         return out
 
     def remove(self, name: str) -> bool:
         return self.capacity.drop(check_name(name))
 
     def exists(self, names: Sequence[str]) -> list[bool]:
-        return [_regular(self.path(check_name(n))) for n in names]
+        kept, now = self._retained(), time.time()  # past its lifetime: gone, file or not
+        return [_regular(self.path(check_name(n))) and not (
+            n in kept and kept[n].expired(now)) for n in names]
 
     def discard(self, name: str) -> None:
         """Moved to ``DIR/quarantine/`` (kept for inspection, never read by a lookup)."""

@@ -157,15 +157,16 @@ class RedisChunks(ChunkStore):
                 identity_key(model) if model else None, model,
                 now - generation_age(generation, now) if generation else None,
                 now - idle if isinstance(idle, int) else None,
-                expiry=now + ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None))
+                expiry=now + ttl / 1000 if isinstance(ttl, int) and ttl >= 0 else None,
+                version=generation.hex() if generation else None))
         return sorted(out, key=lambda s: s.name)
 
-    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
-               ) -> list[str]:
-        """A lifetime is Redis's own: an ``EXPIRE`` on the segment's manifest (its pages,
-        shared with other segments, go by eviction or ``hurraykv store fsck``).  A pin is
-        refused: under an ``allkeys-*`` policy Redis may evict any key, and hurraykv
-        cannot exempt one."""
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        """A lifetime is Redis's own: an ``EXPIRE`` on the segment's manifest (``extend``:
+        set where it has none, else only made later); its pages, shared with other
+        segments, go by eviction or ``hurraykv store fsck``.  A pin is refused: under an
+        ``allkeys-*`` policy Redis may evict any key, and hurraykv cannot exempt one."""
         from ..io.retention import expiry_of
         from ..store.scripts import manifest_key
 
@@ -175,17 +176,22 @@ class RedisChunks(ChunkStore):
                               "hurray:// stores only (nothing was changed)", field="pin",
                               value=True, rule="pins on file:// and hurray://")
         expiry_of(ttl_s)  # a positive number of seconds, or None
+        keys = [manifest_key(self.prefix + check_name(n)) for n in names]
         pipe = self.store.client.pipeline(transaction=False)
-        for name in names:
-            key = manifest_key(self.prefix + check_name(name))
-            if ttl_s is None:
+        for key in keys:
+            if ttl_s is not None:
+                ms = max(1, round(ttl_s * 1000))
+                if extend:
+                    pipe.pexpire(key, ms, nx=True)  # none yet
+                    pipe.pexpire(key, ms, gt=True)  # or later than it was
+                else:
+                    pipe.pexpire(key, ms)
+            elif not extend:
                 pipe.persist(key)
-                pipe.exists(key)
-            else:
-                pipe.pexpire(key, max(1, round(ttl_s * 1000)))
-        replies = pipe.execute()
-        held = replies[1::2] if ttl_s is None else replies
-        return [n for n, ok in zip(names, held, strict=True) if ok]
+            pipe.exists(key)
+        held = [r for r in pipe.execute() if isinstance(r, int)]
+        per = len(held) // max(len(keys), 1)
+        return [n for i, n in enumerate(names) if held[i * per + per - 1]]
 
     def remove(self, name: str) -> bool:
         from ..errors import StoreError

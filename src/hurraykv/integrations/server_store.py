@@ -88,14 +88,14 @@ class ServerChunks(ChunkStore):
                 for key, nbytes in objects
                 if SEGMENT_NAME.fullmatch(key.removeprefix(self.prefix))]
 
-    def retain(self, names: Sequence[str], *, pin: bool, ttl_s: float | None
-               ) -> list[str]:
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
         from ..io.retention import PinRefused
         from ..net.messages import ErrorCode, RemoteError
 
         keys = [self.prefix + check_name(n) for n in names]
         try:
-            done = self._call(lambda c: c.retain(keys, pin=pin, ttl_s=ttl_s))
+            done = self._call(lambda c: c.retain(keys, pin=pin, ttl_s=ttl_s, extend=extend))
         except RemoteError as e:
             if e.code != ErrorCode.STORE_FULL:
                 raise

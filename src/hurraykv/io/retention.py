@@ -46,28 +46,44 @@ class Kept:
 
 def read(directory: Path) -> dict[str, Kept]:
     """The record (empty when there is none, or it does not parse)."""
+    return _read(directory)[0]
+
+
+def recorded_budget(directory: Path) -> int | None:
+    """The pinned budget the engines writing the record gave (for a process that has
+    none of its own: ``hurraykv cache pin``)."""
+    return _read(directory)[1]
+
+
+def _read(directory: Path) -> tuple[dict[str, Kept], int | None]:
     try:
         raw = (directory / RECORD).read_bytes()
     except FileNotFoundError:
-        return {}
+        return {}, None
     except OSError as e:
         log.warning("%s: cannot read the pins (%s): none honoured", directory / RECORD,
                     e.strerror)
-        return {}
+        return {}, None
     try:
         doc = json.loads(raw)
-        return {str(name): Kept(bool(p), None if e is None else float(e), int(n))
-                for name, (p, e, n) in doc["segments"].items()}
+        budget = doc.get("max_pinned_bytes")
+        return ({str(name): Kept(bool(p), None if e is None else float(e), int(n))
+                 for name, (p, e, n) in doc["segments"].items()},
+                int(budget) if budget is not None else None)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         log.warning("%s does not parse (%s): no pin is honoured until it is rewritten",
                     directory / RECORD, e)
-        return {}
+        return {}, None
 
 
-def write(directory: Path, kept: dict[str, Kept]) -> None:
-    """Replace the record (under the exclusive lock)."""
-    text = json.dumps({"version": 1, "segments": {
-        name: [k.pinned, k.expiry, k.nbytes] for name, k in sorted(kept.items())}}).encode()
+def write(directory: Path, kept: dict[str, Kept], budget: int | None = None) -> None:
+    """Replace the record (under the exclusive lock); ``budget``: the pinned budget to
+    record for processes without one."""
+    doc: dict = {"version": 1, "segments": {
+        name: [k.pinned, k.expiry, k.nbytes] for name, k in sorted(kept.items())}}
+    if budget is not None:
+        doc["max_pinned_bytes"] = budget
+    text = json.dumps(doc).encode()
     write_pieces(directory / RECORD, [text], len(text))
 
 
@@ -85,27 +101,47 @@ def pinned_bytes(kept: dict[str, Kept], now: float) -> int:
     return sum(k.nbytes for k in kept.values() if k.pinned and not k.expired(now))
 
 
-def updated(kept: dict[str, Kept], present: dict[str, int], *, pin: bool,
-            ttl_s: float | None, max_pinned: int | None, now: float) -> dict[str, Kept]:
-    """``kept`` with the segments ``present`` (name -> bytes) retained as asked, and the
-    entries of segments gone or expired dropped; ``PinRefused`` when the pins would pass
-    ``max_pinned``.  ``pin=False, ttl_s=None`` releases them."""
-    out = {n: k for n, k in kept.items() if n in present or not k.expired(now)}
+def merged(old: Kept | None, nbytes: int, *, pin: bool | None, expiry: float | None,
+           extend: bool) -> Kept | None:
+    """What a segment keeps once asked (None: nothing).  *Set* (``extend`` False, an
+    operator's): pinned as ``pin`` says (None: as it was), the lifetime ``expiry`` (None:
+    none).  *Extend* (a request's ask): a pin is only added, a lifetime only moves later
+    (a segment pinned without one keeps none; one never retained gets ``expiry``)."""
+    if extend:
+        pinned = bool(old and old.pinned) or pin is True
+        if old is not None and (old.expiry is None or expiry is None):
+            expiry = old.expiry  # kept for good, or no lifetime asked: as it was
+        elif old is not None:
+            expiry = max(expiry, old.expiry)
+    else:
+        pinned = bool(old and old.pinned) if pin is None else pin
+    return Kept(pinned, expiry, nbytes) if pinned or expiry is not None else None
+
+
+def updated(kept: dict[str, Kept], present: dict[str, int], *, pin: bool | None,
+            ttl_s: float | None, max_pinned: int | None, now: float, extend: bool = False
+            ) -> dict[str, Kept]:
+    """``kept`` with the segments ``present`` (name -> bytes) retained as asked
+    (``merged``), the entries of segments expired dropped (an expired entry of a segment
+    stored again counts as none); ``PinRefused`` when pins added would pass
+    ``max_pinned``."""
+    out = {n: k for n, k in kept.items() if not k.expired(now)}
+    before = pinned_bytes(out, now)
     expiry = expiry_of(ttl_s, now)
     for name, nbytes in present.items():
-        if pin or expiry is not None:
-            out[name] = Kept(pin, expiry, nbytes)
-        else:
+        k = merged(out.get(name), nbytes, pin=pin, expiry=expiry, extend=extend)
+        if k is None:
             out.pop(name, None)
-    if pin and max_pinned is not None:
-        total = pinned_bytes(out, now)
-        if total > max_pinned:
-            asked = sum(present.values())
-            raise PinRefused(
-                f"pinning {len(present)} segments ({asked} bytes) would pin {total} bytes, "
-                f"over max_pinned_bytes {max_pinned}: not pinned (unpin others, or raise "
-                "max_pinned_bytes)", field="max_pinned_bytes", value=total,
-                rule="pinned bytes stay within max_pinned_bytes")
+        else:
+            out[name] = k
+    total = pinned_bytes(out, now)
+    if max_pinned is not None and total > max(before, max_pinned):
+        asked = sum(present.values())
+        raise PinRefused(
+            f"pinning {len(present)} segments ({asked} bytes) would pin {total} bytes, over "
+            f"max_pinned_bytes {max_pinned}: not pinned (unpin others, or raise "
+            "max_pinned_bytes)", field="max_pinned_bytes", value=total,
+            rule="pinned bytes stay within max_pinned_bytes")
     return out
 
 
@@ -118,5 +154,5 @@ def mtime(directory: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
-__all__ = ["RECORD", "Kept", "PinRefused", "expiry_of", "pinned_bytes", "read", "updated",
-           "write"]
+__all__ = ["RECORD", "Kept", "PinRefused", "expiry_of", "merged", "pinned_bytes", "read",
+           "recorded_budget", "updated", "write"]

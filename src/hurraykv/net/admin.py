@@ -93,10 +93,11 @@ def retain(c: Connection, stream: int, text: str) -> None:
         doc = json.loads(text)
     except ValueError as e:
         raise ProtocolError(f"retain payload is not JSON: {e}", field="retain") from None
-    if not isinstance(doc, dict) or not ({"keys"} <= set(doc) <= {"keys", "pin", "ttl_s"}
+    fields = {"keys", "pin", "ttl_s", "extend"}
+    if not isinstance(doc, dict) or not ({"keys"} <= set(doc) <= fields
                                          or set(doc) == {"prefix"}):
-        raise ProtocolError(f"retain payload {text[:200]!r} is neither {{keys, pin, ttl_s}} "
-                            "nor {prefix}", field="retain", value=text[:200])
+        raise ProtocolError(f"retain payload {text[:200]!r} is neither {{keys, pin, ttl_s, "
+                            "extend}} nor {prefix}", field="retain", value=text[:200])
     store = c.server.store
     if "prefix" in doc:
         prefix = doc["prefix"]
@@ -107,14 +108,17 @@ def retain(c: Connection, stream: int, text: str) -> None:
                           if k is not None and k.startswith(prefix)}}
         c._write(frame(MessageType.STAT_REPLY, stream, json.dumps(reply)))
         return
-    keys, pin, ttl = doc["keys"], doc.get("pin", False), doc.get("ttl_s")
+    keys, pin, ttl = doc["keys"], doc.get("pin"), doc.get("ttl_s")
+    extend = doc.get("extend", False)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ProtocolError("retain.keys is not a list of strings", field="retain.keys")
-    if not isinstance(pin, bool):
-        raise ProtocolError(f"retain.pin is {pin!r}, not true or false", field="retain.pin",
-                            value=pin)
+    for name, value in (("pin", pin), ("extend", extend)):
+        if value is not None and not isinstance(value, bool):
+            raise ProtocolError(f"retain.{name} is {value!r}, not true, false or null",
+                                field=f"retain.{name}", value=value)
     try:
-        done = store.retain([c._key(k) for k in keys], pin=pin, ttl_s=ttl)
+        done = store.retain([c._key(k) for k in keys], pin=pin, ttl_s=ttl,
+                            extend=bool(extend))
     except PinRefused as e:
         raise ProtocolError(str(e), ErrorCode.STORE_FULL, field="max_pinned_bytes",
                             value=e.value) from None

@@ -353,13 +353,15 @@ class KVClient:
         see; delete one with ``delete(alias)``."""
         return self._ask(MessageType.ALIASES, prefix, MessageType.ALIASES_REPLY)
 
-    def retain(self, keys: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
+    def retain(self, keys: list[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
         """Pin (never evicted to make room, within the server's ``--max-pinned-bytes``)
-        and give a lifetime (``ttl_s`` seconds: gone after it) to the stored ``keys``;
-        ``pin=False, ttl_s=None`` releases them.  The keys retained."""
-        text = self._ask(MessageType.RETAIN, json.dumps({"keys": list(keys), "pin": pin,
-                                                         "ttl_s": ttl_s}),
-                         MessageType.STAT_REPLY)
+        and give a lifetime (``ttl_s`` seconds: gone after it) to the stored ``keys``,
+        set or (``extend``) merged as ``io.retention.merged`` says: ``pin=False,
+        ttl_s=None`` releases them.  The keys retained."""
+        text = self._ask(MessageType.RETAIN, json.dumps({
+            "keys": list(keys), "pin": pin, "ttl_s": ttl_s, "extend": extend}),
+            MessageType.STAT_REPLY)
         return list(_json_object(text, "retain reply").get("retained", []))
 
     def retention(self, prefix: str = "") -> dict[str, tuple[bool, float | None, int]]:

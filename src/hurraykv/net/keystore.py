@@ -207,15 +207,16 @@ class KeyStore(PersistedTier):
         with self._disk:
             return self._sizes.get(key)
 
-    def retain(self, keys: list[str], *, pin: bool, ttl_s: float | None) -> list[str]:
-        """Pin and give a lifetime to the objects ``keys`` held (memory or disk); those
-        retained.  ``PinRefused`` (nothing changed) past ``max_pinned_bytes``."""
-        held = [k for k in dict.fromkeys([*keys, *self.kept]) if k in self]  # expires some
-        present = {k: n for k in dict.fromkeys(keys) if k in held
-                   and (n := self._size(k)) is not None}
-        kept = {k: v for k, v in self.kept.items() if k in held}
-        self.kept = retention.updated(kept, present, pin=pin, ttl_s=ttl_s,
-                                      max_pinned=self.max_pinned_bytes, now=time.time())
+    def retain(self, keys: list[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        """Pin and give a lifetime to the objects ``keys`` held (memory or disk), as
+        ``io.retention.updated`` says; those retained.  ``PinRefused`` (nothing changed)
+        past ``max_pinned_bytes``."""
+        present = {k: n for k in dict.fromkeys(keys)
+                   if k in self and (n := self._size(k)) is not None}  # expires some
+        self.kept = retention.updated(self.kept, present, pin=pin, ttl_s=ttl_s,
+                                      max_pinned=self.max_pinned_bytes, now=time.time(),
+                                      extend=extend)
         self._save_kept()
         return list(present)
 
@@ -250,6 +251,10 @@ class KeyStore(PersistedTier):
     def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0,
                owner: str = "") -> None:
         """Make ``obj`` the value of ``key`` (its ``reserved`` bytes become held bytes)."""
+        old = self.kept.get(key)
+        if old is not None and old.expired(time.time()):  # a new object, not an old one
+            del self.kept[key]                             # past its lifetime
+            self._save_kept()
         self._drop_memory(key)
         self.release(reserved, owner)
         if path is not None:
@@ -316,7 +321,9 @@ class KeyStore(PersistedTier):
             sizes = {key: obj.nbytes for key, obj in {**self._mapped, **self._objects}.items()}
             for key, nbytes in self._sizes.items():
                 sizes.setdefault(key, nbytes)
-        return sorted(sizes.items())
+        now = time.time()  # past their lifetime: gone, though removed when next asked for
+        return sorted((k, n) for k, n in sizes.items()
+                      if not (k in self.kept and self.kept[k].expired(now)))
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Server-wide counts, or (``tenant``) that tenant's own: its objects and bytes,

@@ -117,6 +117,12 @@ class KVServer:
             from ..store import PageStore
 
             backing = PageStore.from_url(self.config.store)
+        if self.config.max_bytes_per_tenant is not None and not self.config.tls_ca:
+            raise HurrayError(
+                f"max_bytes_per_tenant {self.config.max_bytes_per_tenant}: tenants are the "
+                "client identities of mutual TLS, and no --tls-ca is given",
+                field="max_bytes_per_tenant", value=self.config.max_bytes_per_tenant,
+                rule="--max-bytes-per-tenant needs --tls-ca")
         self.store = KeyStore(self.config.memory_budget, self.config.persist,
                               self.config.zero_unused, backing,
                               persist_budget=self.config.persist_budget,

@@ -97,36 +97,63 @@ def keep_of(request: Any) -> Keep | None:
 
 
 def retain(store: Any, names: list[str], keep: Keep, stats: Any) -> None:
-    """``store.retain`` as ``keep`` asks, counted; a refused one (past the pinned budget,
-    a store that cannot pin) is logged (first, then every 100th) and changes nothing; a
-    store that fails raises."""
+    """``store.retain`` as a request's ``keep`` asks (merged with what the segments keep:
+    a pin only added, a lifetime only made later), counted.  A pin refused (past the
+    pinned budget, or a store that cannot pin) still gives the lifetime asked; it is
+    logged (first, then every 100th).  A store that fails raises."""
     try:
-        done = store.retain(names, pin=keep.pin, ttl_s=keep.ttl_s)
+        done = store.retain(names, pin=True if keep.pin else None, ttl_s=keep.ttl_s,
+                            extend=True)
     except HurrayError as e:  # past max_pinned_bytes, or a store that cannot pin
+        if not keep.pin or e.field not in ("max_pinned_bytes", "pin"):
+            raise
         stats.add(pins_refused=len(names))
         if stats.pins_refused <= len(names) or stats.pins_refused % 100 < len(names):
-            log.warning("retention refused (%d segments so far): %s", stats.pins_refused, e)
-        return
+            log.warning("pin refused (%d segments so far): %s", stats.pins_refused, e)
+        if keep.ttl_s is None:
+            return
+        done = store.retain(names, pin=None, ttl_s=keep.ttl_s, extend=True)
     stats.add(segments_retained=len(done))
 
 
 class Retainer:
-    """Retains the segments a hit was found in, on a thread of its own (a store call
-    never on vLLM's scheduler thread), over a connection to every rank's objects."""
+    """Store work off vLLM's scheduler thread, in order, on a thread of its own over a
+    connection to every rank's objects: the segments a hit was found in retained
+    (``ask``), the segments written after a reset removed (``remove``: their segment ids
+    come back through ``take_removed``)."""
 
     def __init__(self, open_store: Callable[[], Any], ranks: int, stats: Any) -> None:
         self._open, self.ranks, self.stats = open_store, ranks, stats
-        self._queue: list[tuple[list[str], Keep]] = []
+        self._queue: list[Callable[[Any], None]] = []
+        self._removed: list[str] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._busy = False
 
     def ask(self, names: Iterable[str], keep: Keep) -> None:
         named = [r for n in dict.fromkeys(names) for r in rank_names(n, self.ranks)]
-        if not named:
-            return
+        if named:
+            self._submit(lambda store: retain(store, named, keep, self.stats))
+
+    def remove(self, segment: str, name: str) -> None:
+        """Remove every rank's ``name``; ``segment`` is then handed to ``take_removed``."""
+        def work(store: Any) -> None:
+            for r in rank_names(name, self.ranks):
+                store.remove(r)
+            with self._cv:
+                self._removed.append(segment)
+
+        self._submit(work)
+
+    def take_removed(self) -> list[str]:
         with self._cv:
-            self._queue.append((named, keep))
+            out, self._removed = self._removed, []
+        return out
+
+    def _submit(self, work: Callable[[Any], None]) -> None:
+        with self._cv:
+            self._queue.append(work)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="hurraykv-retain")
@@ -138,8 +165,6 @@ class Retainer:
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
-    _busy = False
-
     def _run(self) -> None:
         store = None
         while True:
@@ -147,15 +172,14 @@ class Retainer:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if self._closed:
                     break
-                batch, self._queue = self._queue, []
+                work = self._queue.pop(0)
                 self._busy = True
             try:
                 if store is None:
                     store = self._open()
-                for names, keep in batch:
-                    retain(store, names, keep, self.stats)
-            except Exception as e:  # the store down: the next hit asks again
-                log.warning("retaining the segments of a hit failed (%s: %s)",
+                work(store)
+            except Exception as e:  # the store down: a later ask tries again
+                log.warning("store work off the scheduler thread failed (%s: %s)",
                             type(e).__name__, e)
                 with contextlib.suppress(Exception):
                     if store is not None:
@@ -189,7 +213,9 @@ class Watch:
     def __init__(self, open_store: Callable[[], Any], every: float,
                  limit: int = 100_000) -> None:
         self._open, self.every, self.limit = open_store, every, limit
-        self._names: OrderedDict[str, None] = OrderedDict()
+        # name -> how many times it was watched: a name watched again while a check runs
+        # (stored again) is not the one the check found gone
+        self._names: OrderedDict[str, int] = OrderedDict()
         self._gone: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -202,7 +228,7 @@ class Watch:
             return
         with self._lock:
             for name in names:
-                self._names[name] = None
+                self._names[name] = self._names.get(name, 0) + 1
                 self._names.move_to_end(name)
             while len(self._names) > self.limit:
                 self._names.popitem(last=False)
@@ -226,7 +252,8 @@ class Watch:
     def check(self, store: Any) -> None:
         """One pass: every name watched asked about, those gone moved to ``take_gone``."""
         with self._lock:
-            names = list(self._names)
+            seen = dict(self._names)
+        names = list(seen)
         gone: list[str] = []
         for at in range(0, len(names), BATCH):
             batch = names[at:at + BATCH]
@@ -234,7 +261,9 @@ class Watch:
                      if not alive]
         with self._lock:
             for name in gone:
-                if self._names.pop(name, 0) is None:  # not forgotten meanwhile
+                # neither forgotten nor watched again (stored again) meanwhile
+                if self._names.get(name) == seen[name]:
+                    del self._names[name]
                     self._gone.append(name)
         self.checks += 1
 

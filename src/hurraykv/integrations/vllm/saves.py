@@ -215,9 +215,6 @@ class Saver:
                           if save.tenant else {"vllm.identity": ctx.identity})
             finally:
                 evicted[0] = store.evictions - before
-            if save.keep is not None:  # as its request asked (retention.py)
-                retain(store, [segment_name(save.keys, save.first_chunk)], save.keep,
-                       ctx.stats)
             return "stored"
 
         done = ctx.saves.call("put", put, None)
@@ -225,6 +222,10 @@ class Saver:
             ctx.stats.add(evictions=evicted[0], saves_dropped=1)
             self.saved.dropped(save.segment_id)
             return
+        if done == "stored" and save.keep is not None:  # as its request asked, under a
+            name = segment_name(save.keys, save.first_chunk)  # deadline of its own
+            ctx.saves.call("retain", lambda store: retain(store, [name], save.keep,
+                                                          ctx.stats), None)
         if done == "present":
             ctx.stats.add(saves_present=1)
         else:

@@ -35,7 +35,7 @@ from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
 from .request_keys import passed_through, request_seed, tenant_of
-from .retention import Retainer, Watch, keep_of, rank_names
+from .retention import Retainer, Watch, keep_of
 
 
 @dataclass
@@ -128,12 +128,15 @@ class SchedulerSide:
                 st.counted = True
                 stats.add(lookups=1, lookups_missed=1)
             return 0, False
-        # a chunk counts only behind a well-formed name whose first chunk is not after it;
-        # the longest run from the start wins, this engine's own format on a tie
+        # a chunk counts only behind a well-formed name whose first chunk is not after it,
+        # and not written after a reset before it is removed (the old weights' KV); the
+        # longest run from the start wins, this engine's own format on a tie
+        stale = self._stale_names()
         found, best = 0, 0
         for at in range(0, len(located), max(chunks, 1)):
             run = located[at:at + chunks]
-            n = next((i for i, name in enumerate(run) if not holds(name, i)), len(run))
+            n = next((i for i, name in enumerate(run) if not holds(name, i) or name in stale),
+                     len(run))
             if n > found:
                 found, best = n, at
         if ctx.hybrid and ctx.layout.mamba:
@@ -388,10 +391,9 @@ class SchedulerSide:
         is replaced), instead of failing every later request that finds them."""
         saved = getattr(connector_output, "kv_cache_events", None)
         segments, loaded, dropped = split_records(saved.get_all_events() if saved else ())
-        stale = [s for s in segments if s in self.stale]
-        if stale:
-            self._remove_stale(stale)
-            segments = [s for s in segments if s not in self.stale]
+        for sid in dict.fromkeys(s for s in segments if s in self.stale):
+            self.retainer.remove(sid, self.stale[sid])  # off this thread; a miss till then
+        segments = [s for s in segments if s not in self.stale]
         if segments:
             self.watch.watch(self.events.confirm(segments))
         for done in (*segments, *dropped):  # their chunks may be planned again
@@ -445,18 +447,17 @@ class SchedulerSide:
     def reset(self) -> bool:
         """vLLM's ``reset_cache``: every segment of this engine's identity removed from
         the store, and everything known of it forgotten (``retention.py``); False (vLLM
-        then fails the reset) when the store could not be cleared."""
+        then fails the reset) when the store could not be cleared, all of it."""
         ctx = self.ctx
+        removed, failed = [], ""
         try:
             store = ctx.open(ranked=False)
             try:
                 removed = store.clear(identity_key(ctx.identity))
             finally:
                 store.close()
-        except Exception as e:
-            log.warning("reset_cache: %s was not cleared of identity %s (%s: %s)", ctx.url,
-                        ctx.identity, type(e).__name__, e)
-            return False
+        except Exception as e:  # forgotten all the same: part may have been removed
+            failed = f"{type(e).__name__}: {e}"
         for sid, (first, keys) in self.saving.items():  # written after the reset: stale
             self.stale[sid] = segment_name(keys, first)
         while len(self.stale) > self.MAX_PLANNED:
@@ -471,24 +472,19 @@ class SchedulerSide:
         self.watch.forget()
         self.events.cleared()
         ctx.stats.add(segments_cleared=len(removed))
+        if failed:
+            log.warning("reset_cache: %s was not cleared of identity %s (%s)", ctx.url,
+                        ctx.identity, failed)
+            return False
         log.info("reset_cache: removed %d segments (%d bytes) of identity %s from %s",
                  len(removed), sum(s.nbytes for s in removed), ctx.identity, ctx.url)
         return True
 
-    def _remove_stale(self, segments: list[str]) -> None:
-        """Segments planned before a reset and reported written after it: removed (every
-        rank's), never announced."""
-        try:
-            store = self.ctx.open(ranked=False)
-            try:
-                for sid in segments:
-                    for name in rank_names(self.stale[sid], self.events.ranks):
-                        store.remove(name)
-            finally:
-                store.close()
-        except Exception as e:  # left for the next reset
-            log.warning("reset_cache: a segment written after the reset could not be "
-                        "removed (%s: %s)", type(e).__name__, e)
+    def _stale_names(self) -> set[str]:
+        """The names of the segments written after a reset and not removed yet."""
+        for sid in self.retainer.take_removed():
+            self.stale.pop(sid, None)
+        return set(self.stale.values()) if self.stale else set()
 
     def finished(self, request: Any) -> None:
         req_id = getattr(request, "request_id", None)
