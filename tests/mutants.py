@@ -39,6 +39,7 @@ PT = "hurraykv/net/persisted.py"
 CAP = "tests/test_file_capacity.py"
 CAPACITY = "docs/vllm.md, Capacity and eviction"
 WRONG = "docs/vllm.md, When things go wrong"
+RETAIN = "docs/vllm.md, Running it in production"
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ MUTANTS = [
            "integrations/file_capacity.py (docs/vllm.md points there): an engine never "
            "removes a segment it did not choose"),
     Mutant("file-alias-log-never-compacted", FS,
-           "if self._lines <= 2 * len(keep) + self.COMPACT_SLACK:", "if True:",
+           "if self._log.lines <= 2 * len(keep) + self.COMPACT_SLACK:", "if True:",
            (f"{CAP}::test_the_alias_log_is_compacted_to_what_is_stored",),
            f"{CAPACITY}: aliases.log is compacted as segments go"),
     Mutant("file-quarantine-keeps-the-oldest", FS,
@@ -114,9 +115,9 @@ MUTANTS = [
            ("tests/test_checksums.py::"
             "test_file_segments_of_one_structure_keep_their_own_checksums",),
            "docs/vllm.md, Limits: a damaged object is quarantined (DIR/quarantine/)"),
-    Mutant("file-replaced-log-read-on", FS,
-           "if (st.st_dev, st.st_ino) != self._log_id or st.st_size < self._read_upto:",
-           "if st.st_size < self._read_upto:",
+    Mutant("file-replaced-log-read-on", "hurraykv/integrations/file_tenants.py",
+           "restart = (st.st_dev, st.st_ino) != self._id or st.st_size < self._read_upto",
+           "restart = st.st_size < self._read_upto",
            ("tests/test_chunks.py::test_a_log_replaced_by_a_longer_one_is_read_from_its_start",),
            f"{WRONG}: a log that shrank or is another file is read again from its start"),
     # --- checksums on load ---------------------------------------------------------------
@@ -320,6 +321,47 @@ MUTANTS = [
             "by_request",),
            "docs/vllm.md, Hybrid models: loads are asynchronous whatever load_mode says"),
     # --- retention (issue 32) ---------------------------------------------------------
+    # --- retention (issue 32) --------------------------------------------------------
+    Mutant("reset-clears-nothing", "hurraykv/integrations/vllm/scheduler.py",
+           "removed = store.clear(identity_key(ctx.identity))", "removed = []",
+           ("tests/test_vllm_retention.py::test_reset_clears_this_identity_and_forgets_what_"
+            "was_found",),
+           f"{RETAIN}, Reset: every segment of this engine's identity is removed"),
+    Mutant("stale-segments-served-after-a-reset", "hurraykv/integrations/vllm/scheduler.py",
+           "if not holds(name, i) or name in stale)", "if not holds(name, i))",
+           ("tests/test_vllm_retention.py::test_a_segment_planned_before_a_reset_and_written_"
+            "after_it_is_removed",),
+           f"{RETAIN}, Reset: a segment written after the reset is not served"),
+    Mutant("file-evicts-pinned-segments", FC,
+           "if entry.name == keep or (k is not None and k.pinned):", "if entry.name == keep:",
+           ("tests/test_chunk_stores.py::TestFileStore::test_a_pinned_segment_outlives_a_"
+            "flood_until_released",),
+           f"{RETAIN}, Retention: pinned segments are never evicted to make room"),
+    Mutant("server-evicts-pinned-files", PT,
+           "if not self._writing[key] and not self.pinned(key):",
+           "if not self._writing[key]:",
+           ("tests/test_server_retention.py::test_a_pin_holds_through_disk_evictions_and_a_"
+            "restart",),
+           "docs/operations.md: a pinned object never leaves memory or disk to make room"),
+    Mutant("a-requests-ttl-undoes-a-pin", "hurraykv/io/retention.py",
+           "pinned = bool(old and old.pinned) or pin is True", "pinned = pin is True",
+           ("tests/test_chunk_stores.py::TestFileStore::test_a_requests_lifetime_never_undoes_"
+            "a_pin",),
+           f"{RETAIN}, Retention: a request's ask only adds a pin"),
+    Mutant("removal-watch-reports-nothing", "hurraykv/integrations/vllm/retention.py",
+           "                    self._gone.append(name)", "                    pass",
+           ("tests/test_vllm_retention.py::test_the_watch_finds_the_segments_gone_from_each_"
+            "store",),
+           f"{RETAIN}, what routers see: a segment gone is announced removed"),
+    Mutant("file-tenant-quota-ignored", FC,
+           "done += self._within_quota(entries, kept, nbytes, keep, tenant, trash)",
+           "done += []",
+           ("tests/test_file_tenants.py::test_a_noisy_tenant_evicts_only_its_own_segments",),
+           f"{RETAIN}, Quotas: a noisy tenant evicts only its own segments"),
+    Mutant("server-tenant-quota-ignored", KS,
+           "            self._within_quota(nbytes, keep, lossy, owner)", "            pass",
+           ("tests/test_server_tenant_quota.py",),
+           "docs/operations.md: --max-bytes-per-tenant evicts only that tenant's objects"),
     Mutant("store-threshold-ignored", "hurraykv/integrations/vllm/admission.py",
            "if self.threshold <= 1:", "if True:",
            ("tests/test_vllm_scheduler.py::test_store_threshold_stores_a_chunk_the_second_"

@@ -69,3 +69,12 @@ def test_a_tenant_that_is_not_a_digest_is_refused(tmp_path):
     store = open_store((tmp_path / "kv").as_uri(), max_bytes_per_tenant=1 << 20)
     with pytest.raises(HurrayError, match="1-32 hex digits"):
         store.put(keys(1), 0, segment(1, 0), {TENANT_KEY: "../evil"})
+
+
+def test_without_a_quota_tenants_are_still_recorded(tmp_path):
+    """So that a quota set later, on a directory already filled, knows whose is whose."""
+    store = open_store((tmp_path / "kv").as_uri())
+    k = keys(1)
+    store.put(k, 0, segment(1, 0), {TENANT_KEY: "d1"})
+    store.put(keys(1), 0, segment(1, 1), {})  # no salt: no line
+    assert (tmp_path / "kv" / LOG).read_text() == f"{store.locate(k)[0]} d1\n"

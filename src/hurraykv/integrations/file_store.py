@@ -39,7 +39,7 @@ from .chunks import (
     segment_name,
 )
 from .file_capacity import Capacity, Entry, Reservation
-from .file_tenants import TENANT
+from .file_tenants import TENANT, LogTail
 
 TENANT_KEY = "vllm.tenant"  # put's metadata: who stored it (max_bytes_per_tenant)
 
@@ -240,9 +240,7 @@ class FileChunks(ChunkStore):
         self._kept: tuple[Any, dict[str, retention.Kept]] = (None, {})
         self.capacity.repair()
         self._aliases: dict[str, str] = {}
-        self._lines = 0  # alias lines read from the current log
-        self._read_upto = 0
-        self._log_id: tuple[int, int] | None = None
+        self._log = LogTail(self.dir / self.LOG)
         self._buffers = _Buffers()
         self._by_structure: dict[bytes, _FileLayout] = {}
         self._by_size: dict[int, list[_FileLayout]] = {}
@@ -263,29 +261,13 @@ class FileChunks(ChunkStore):
         """Take in the alias lines other processes appended since the last look.  A log
         that shrank or was replaced (an operator's clean-up) is read again from its start,
         forgetting what the old one said."""
-        try:
-            fd = os.open(self.dir / self.LOG, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # missing (nothing recorded yet, or removed), or a planted link
+        restart, lines = self._log.read()
+        if restart:
             self._aliases.clear()
-            self._read_upto, self._log_id, self._lines = 0, None, 0
-            return
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._log_id or st.st_size < self._read_upto:
-                self._aliases.clear()
-                self._read_upto, self._log_id, self._lines = 0, (st.st_dev, st.st_ino), 0
-            if st.st_size <= self._read_upto:
-                return
-            data = os.pread(fd, st.st_size - self._read_upto, self._read_upto)
-        finally:
-            os.close(fd)
-        whole = data.rfind(b"\n") + 1  # a line still being written waits for next time
-        for line in data[:whole].split(b"\n"):
+        for line in lines:
             m = ALIAS_LINE.fullmatch(line)
             if m is not None:  # anything else (a cut line, a stray name) is a miss
                 self._aliases[m[1].decode("ascii")] = m[2].decode("ascii")
-                self._lines += 1
-        self._read_upto += whole
 
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         self._refresh()
@@ -356,6 +338,8 @@ class FileChunks(ChunkStore):
                 # is no longer needed
                 held.release()
                 self._append_log(lines)
+                if tenant and self.capacity.tenant_max is None:  # with a quota: at its
+                    self.capacity.tenants.append(name, tenant)   # admission
         except (OSError, HurrayError) as e:
             # a segment no alias names is only room taken: removed, the put refused
             with contextlib.suppress(OSError):
@@ -424,8 +408,9 @@ class FileChunks(ChunkStore):
         flight, none is lost).  Other processes notice the new log and read it again."""
         self._refresh()
         live = {e.name for e in remaining}
+        self.capacity.tenants.owners(live)  # compacted on the same terms
         keep = [(key, name) for key, name in self._aliases.items() if name in live]
-        if self._lines <= 2 * len(keep) + self.COMPACT_SLACK:
+        if self._log.lines <= 2 * len(keep) + self.COMPACT_SLACK:
             return
         text = "".join(f"{key} {name}\n" for key, name in keep).encode("ascii")
         write_pieces(self.dir / self.LOG, [text], len(text))
