@@ -67,7 +67,7 @@ MUTANTS = [
            (f"{CAP}::test_eviction_takes_the_least_recently_used_in_exact_order",),
            f"{CAPACITY}: a load touches the file's mtime in any engine"),
     Mutant("file-no-low-water", FC,
-           "target = int(self.max_bytes * self.LOW_WATER)", "target = self.max_bytes",
+           "target = int(limit * self.LOW_WATER)", "target = limit",
            (f"{CAP}::test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark",),
            f"{CAPACITY}: the oldest are removed down to 90% of the cap"),
     Mutant("file-reservations-ignored-by-scans", FC,
@@ -196,8 +196,10 @@ MUTANTS = [
            ("tests/test_memory_budget.py",),
            "net/keystore.py: LRU under the memory budget (a pull is a use)"),
     Mutant("memory-evicts-the-key-being-replaced", KS,
-           "if key != keep and (lossy or self._objects[key].durable):",
-           "if lossy or self._objects[key].durable:",
+           "                break\n            if key != keep and (lossy or self._objects[key]"
+           ".durable) and not self.pinned(key):\n                self._evict_key",
+           "                break\n            if (lossy or self._objects[key]"
+           ".durable) and not self.pinned(key):\n                self._evict_key",
            ("tests/test_memory_budget.py::"
             "test_a_put_that_fails_evicts_others_never_the_value_it_replaces",),
            "net/keystore.py: never the current value of the key being replaced"),

@@ -219,3 +219,37 @@ def test_a_segment_stored_again_during_a_check_is_not_announced_gone():
     watch.watch(["x" * 32 + "-0", "y" * 32 + "-0"])
     watch.check(Store())
     assert watch.take_gone() == ["y" * 32 + "-0"]
+
+
+def test_redis_keyspace_events_tell_the_watch_at_once(tmp_path, redis_url):
+    """Where Redis publishes keyspace events, a segment it evicts, expires or deletes is
+    reported without waiting for the next check; where it does not (the suite's Redis),
+    the watch polls."""
+    from tests.redis_servers import free_port, redis_server_binary, start_redis
+
+    assert open_store(redis_url).removals(lambda names: None, None) is False
+    proc = start_redis(redis_server_binary(), tmp_path, port := free_port(),
+                       "--notify-keyspace-events", "Exeg")
+    try:
+        url = f"redis://127.0.0.1:{port}"
+        store = open_store(url)
+        names = []
+        for i in range(2):
+            keys = ChunkKeys(identity_digest("notified"), CHUNK).upto([i] * 100, 3)
+            store.put(keys, 0, segment_of(IDENTITY, 3), {})
+            names.append(store.locate(keys)[0])
+        watch = Watch(lambda: open_store(url), every=30.0)  # no check in the test's time
+        watch.watch(names)
+        time.sleep(0.5)  # subscribed at its first look
+        store.remove(names[0])  # a DEL
+        store.retain(names[1:], pin=None, ttl_s=0.2)  # expires
+        deadline, gone = time.monotonic() + 5, []
+        while len(gone) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone += watch.take_gone()
+        assert sorted(gone) == sorted(names) and watch.checks == 1
+        watch.close()
+        store.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -38,7 +38,7 @@ import ipaddress
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
@@ -242,6 +242,12 @@ class ChunkStore(ABC):
                           field="url", value=getattr(self, "url", None),
                           rule="a store that retains")
 
+    def removals(self, notify: Callable[[list[str]], None], stop: Any) -> bool:
+        """Tell ``notify`` the names of segments removed, as the store removes them, on a
+        thread of its own until ``stop`` (a ``threading.Event``) is set; False where the
+        store sends no such notices (the removal watch then polls only)."""
+        return False
+
     def clear(self, identity: str | None) -> list[Stored]:
         """Remove every segment of ``identity`` (an ``identity_key``; None: every
         segment), then list the store again: a ``HurrayError`` names a segment listed
@@ -430,6 +436,13 @@ class Suffixed(ChunkStore):
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         return self.inner.exists([self._named(n) for n in names])
+
+    def removals(self, notify: Callable[[list[str]], None], stop: Any) -> bool:
+        def mine(names: list[str]) -> None:
+            notify([self._plain(n) for n in names if n.rpartition("-")[0].endswith(
+                self.suffix)])
+
+        return self.inner.removals(mine, stop)
 
     def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
                extend: bool = False) -> list[str]:

@@ -193,6 +193,51 @@ class RedisChunks(ChunkStore):
         per = len(held) // max(len(keys), 1)
         return [n for i, n in enumerate(names) if held[i * per + per - 1]]
 
+    def removals(self, notify: Any, stop: Any) -> bool:
+        """Where Redis publishes keyspace events (``notify-keyspace-events`` with ``E``
+        and the evicted, expired and generic classes: ``Exeg`` or ``EA``), the manifests
+        it evicts, expires or deletes are told as they go (``__keyevent@DB__:evicted``,
+        ``:expired``, ``:del``).  Not on a cluster (each node publishes its own)."""
+        import threading
+
+        from ..store.scripts import id_of
+
+        client = self.store.client
+        if not hasattr(client, "pubsub") or type(client).__name__ == "RedisCluster":
+            return False
+        try:
+            flags = str(client.config_get("notify-keyspace-events").get(
+                "notify-keyspace-events", ""))
+        except Exception:  # CONFIG refused (a managed service): the watch polls
+            return False
+        classes = set(flags.replace("A", "g$lshzxet"))
+        if "E" not in flags or not {"x", "e", "g"} <= classes:
+            return False
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(*(f"__keyevent@{db}__:{kind}" for kind in ("evicted", "expired",
+                                                                     "del")))
+        head = f"hkv:m:{{{self.prefix}"
+
+        def listen() -> None:
+            try:
+                while not stop.is_set():
+                    message = pubsub.get_message(timeout=0.2)
+                    key = message and message.get("data")
+                    if isinstance(key, bytes) and key.decode("utf-8", "replace").startswith(
+                            head):
+                        name = id_of(key, "m").removeprefix(self.prefix)
+                        if SEGMENT_NAME.fullmatch(name):
+                            notify([name])
+            except Exception:  # the connection lost: the watch's polls go on
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+
+        threading.Thread(target=listen, daemon=True, name="hurraykv-redis-removals").start()
+        return True
+
     def remove(self, name: str) -> bool:
         from ..errors import StoreError
 

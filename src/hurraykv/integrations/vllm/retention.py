@@ -243,6 +243,13 @@ class Watch:
             self._names.clear()
             self._gone.clear()
 
+    def gone_now(self, names: list[str]) -> None:
+        """Segments a store told of as it removed them (``ChunkStore.removals``)."""
+        with self._lock:
+            for name in names:
+                if self._names.pop(name, None) is not None:
+                    self._gone.append(name)
+
     def take_gone(self) -> list[str]:
         """The names found gone since the last call."""
         with self._lock:
@@ -268,11 +275,15 @@ class Watch:
         self.checks += 1
 
     def _run(self) -> None:
-        store = None
-        while not self._stop.wait(self.every):
+        store, subscribed, wait = None, False, 0.0  # the first look at once
+        while not self._stop.wait(wait):
+            wait = self.every
             try:
                 if store is None:
                     store = self._open()
+                if not subscribed:  # a store that tells of removals as they happen
+                    store.removals(self.gone_now, self._stop)  # (Redis keyspace events)
+                    subscribed = True
                 self.check(store)
                 if self._failing:
                     log.info("removal watch: the store answers again")
@@ -285,7 +296,7 @@ class Watch:
                 if store is not None:
                     with contextlib.suppress(Exception):
                         store.close()
-                store = None
+                store, subscribed = None, False
         if store is not None:
             with contextlib.suppress(Exception):
                 store.close()
