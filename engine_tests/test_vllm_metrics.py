@@ -160,7 +160,7 @@ def test_vllm_logging_and_prometheus_accept_the_stats() -> None:
 
 def test_the_docs_metrics_table_names_every_metric() -> None:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
-    table = docs[docs.index("**Metrics.**"):docs.index("**KV events.**")]
+    table = docs[docs.index("**Metrics.**"):docs.index("**KV events")]
     for name, _ in METRICS.values():  # a row names its first metric whole, then suffixes
         suffix = name.removeprefix("vllm:hurraykv")
         assert f"`{name}`" in table or f"`{suffix}`" in table, name
