@@ -84,8 +84,8 @@ Every engine runs in its own process (``hurraykv.integrations.engine_run``), vll
 LMCache lives in its own environment (``.venv-lmcache``, pinned in
 ``constraints-lmcache.txt``; it moves NumPy), built here on first use.  Run with
 ``make bench-vllm``; ``--quick`` for fewer prompts and requests; ``--only zipf`` (or
-``peers``, ``connector``, ``store_dtype``, ``store_dtype_speed``, ``serve``, ``hybrid``)
-for one table.
+``peers``, ``connector``, ``store_dtype``, ``store_dtype_speed``, ``serve``, ``hybrid``,
+``retention``) for one table.
 
 7. Hybrid models (issue 31), the tiny Gemma-2-style (sliding window 64 + global) and
    Qwen3-Next-style (Gated DeltaNet + full attention) models of the engine tests, one
@@ -93,6 +93,14 @@ for one table.
    attention; TTFT of a full hit against a cold prefill with no connector; how many
    requests of 8192 tokens vLLM's KV cache holds with the connector (vLLM's own
    "Maximum concurrency" line) against none and against the hybrid manager off.
+
+8. Retention (issue 32), ``retention``: a scan (a hot set repeated while one-off prompts
+   pass through a capped ``file://`` store) with plain LRU, ``store_threshold`` 2 and a
+   pinned system prompt; the Zipf stream with and without admission; two tenants
+   (``cache_salt``) with and without ``max_bytes_per_tenant``; each against exact LRU,
+   LRU with admission and ARC simulated at the same capacity; then the staleness window:
+   seconds from a segment's removal behind the engine's back to its ``BlockRemoved`` at a
+   ZMQ subscriber, per store and ``removal_check_s``.
 """
 
 from __future__ import annotations
