@@ -253,3 +253,19 @@ def test_redis_keyspace_events_tell_the_watch_at_once(tmp_path, redis_url):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_segment_planned_before_a_reset_and_dropped_is_no_longer_kept_away(side):
+    from hurraykv.integrations.vllm.events import DROPPED
+
+    sched, _ = side
+    req = request("a", PROMPT)
+    assert match(sched, req) == (0, False)
+    alloc(sched, req, 0)
+    save, = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100})).saves
+    assert sched.reset() is True
+    assert sched._stale_names() == {f"{save.keys[-1]}-0"}
+    sched.output(type("Out", (), {"kv_cache_events": SavedSegments([(DROPPED,
+                                                                     save.segment_id)]),
+                                  "invalid_block_ids": set(), "failed_recving": set()})())
+    assert sched._stale_names() == set()  # never written: stored later, it is found

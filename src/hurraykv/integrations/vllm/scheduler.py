@@ -394,6 +394,8 @@ class SchedulerSide:
         for sid in dict.fromkeys(s for s in segments if s in self.stale):
             self.retainer.remove(sid, self.stale[sid])  # off this thread; a miss till then
         segments = [s for s in segments if s not in self.stale]
+        for sid in dropped:  # never written: nothing stale to keep away
+            self.stale.pop(sid, None)
         if segments:
             self.watch.watch(self.events.confirm(segments))
         for done in (*segments, *dropped):  # their chunks may be planned again
