@@ -35,8 +35,9 @@ type  name                payload
                           (itself, or an alias's target) as u32 n + utf8, empty if none
 0xFC  ALIASES (private)   u32 n + utf8 alias prefix; answered by 0xFD ALIASES_REPLY: u32
                           count, then per alias u32 n + utf8 alias, u32 n + utf8 target
-0xFE  RETAIN (private)    u32 n + utf8 JSON object: ``{"keys": [...], "pin": bool, "ttl_s":
-                          seconds or null}`` pins and gives a lifetime to stored keys, or
+0xFE  RETAIN (private)    u32 n + utf8 JSON object: ``{"keys": [...], "pin": bool or null,
+                          "ttl_s": seconds or null, "extend": bool}`` pins and gives a
+                          lifetime to stored keys (set, or extended: H93), or
                           ``{"prefix": "..."}`` lists the keys retained; answered by 0xF5
                           (STAT_REPLY's form, the last private type being this one): a
                           JSON object ``{"retained": [keys]}`` or ``{"kept": {key:
