@@ -69,14 +69,19 @@ def lines():
         logging.getLogger("vllm.hurraykv").removeHandler(handler)
 
 
-def generate(eng: Engine, prompts_: list[list[int]], salts: list[str | None] | None = None
+def generate(eng: Engine, prompts_: list[list[int]], salts: list[str | None] | None = None,
+             kv_transfer_params: dict | None = None
              ) -> tuple[list[list[int]], list[int], float]:
     """(tokens, num_cached_tokens, seconds) of one batch of requests, in prompt order
-    (``salts``: each request's ``cache_salt``)."""
+    (``salts``: each request's ``cache_salt``; ``kv_transfer_params`` as the OpenAI server
+    passes its top-level field: ``SamplingParams.extra_args``,
+    ``vllm/entrypoints/openai/completion/protocol.py:380``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params else None)
     started = time.monotonic()
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
     for rid, p, salt in zip(ids, prompts_, salts or [None] * len(ids), strict=True):

@@ -6,7 +6,6 @@ evictions over ZMQ under ``vllm serve``: ``test_vllm_serve.py``."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 import pytest
@@ -71,24 +70,9 @@ def test_reset_through_vllm_clears_this_engines_identity_from_the_store(
 
 def run(eng: Engine, prompts_: list[list[int]], params: dict | None = None
         ) -> tuple[list[list[int]], list[int]]:
-    """(tokens, num_cached_tokens) of requests sent with ``kv_transfer_params`` (as the
-    OpenAI server passes its top-level field: ``SamplingParams.extra_args``,
-    ``vllm/entrypoints/openai/completion/protocol.py:380``)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True,
-                              extra_args={"kv_transfer_params": params} if params else None)
-    ids = [f"p{time.monotonic_ns()}-{i}" for i in range(len(prompts_))]
-    for rid, p in zip(ids, prompts_, strict=True):
-        eng.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sampling)
-    done = {}
-    while eng.llm.llm_engine.has_unfinished_requests():
-        for out in eng.llm.llm_engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return ([list(done[r].outputs[0].token_ids) for r in ids],
-            [done[r].num_cached_tokens for r in ids])
+    """(tokens, num_cached_tokens) of requests sent with ``kv_transfer_params``."""
+    tokens, cached, _ = generate(eng, prompts_, kv_transfer_params=params)
+    return tokens, cached
 
 
 def test_a_pinned_prefix_survives_a_flood_that_evicts_everything_else(
