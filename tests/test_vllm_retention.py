@@ -59,21 +59,32 @@ def test_reset_clears_this_identity_and_forgets_what_was_found(side):
     assert [s.identity for s in store.catalog()] == [other]
 
 
-def test_a_segment_planned_before_a_reset_and_written_after_it_is_removed(side):
-    """The writer runs behind the scheduler: a segment planned before the reset holds KV
-    of the old weights, and is removed once its write is reported."""
-    sched, store = side
+def planned_then_reset(sched):
+    """A request whose chunks are planned for storing, then vLLM's reset: (it, its save)."""
     req = request("a", PROMPT)
     assert match(sched, req) == (0, False)
     alloc(sched, req, 0)
     save, = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100})).saves
     assert sched.reset() is True
+    return req, save
+
+
+def reported(*records):
+    """A step's KVConnectorOutput carrying the workers' records."""
+    return type("Out", (), {"kv_cache_events": SavedSegments(list(records)),
+                            "invalid_block_ids": set(), "failed_recving": set()})()
+
+
+def test_a_segment_planned_before_a_reset_and_written_after_it_is_removed(side):
+    """The writer runs behind the scheduler: a segment planned before the reset holds KV
+    of the old weights, and is removed once its write is reported."""
+    sched, store = side
+    req, save = planned_then_reset(sched)
     store.put(save.keys, save.first_chunk, segment_of(IDENTITY, len(save.keys)), {})
     assert store.locate(save.keys)[0] is not None  # written after the reset
     # before its write is reported, a lookup finding it is a miss: the old weights' KV
     assert match(sched, request("c", PROMPT)) == (0, False)
-    sched.output(type("Out", (), {"kv_cache_events": SavedSegments([save.segment_id]),
-                                  "invalid_block_ids": set(), "failed_recving": set()})())
+    sched.output(reported(save.segment_id))
     assert sched.retainer.wait_idle(5)  # removed off the scheduler thread
     assert store.locate(save.keys) == [None] * len(save.keys)
     assert sched._stale_names() == set()  # and no longer a miss once stored again
@@ -259,13 +270,7 @@ def test_a_segment_planned_before_a_reset_and_dropped_is_no_longer_kept_away(sid
     from hurraykv.integrations.vllm.events import DROPPED
 
     sched, _ = side
-    req = request("a", PROMPT)
-    assert match(sched, req) == (0, False)
-    alloc(sched, req, 0)
-    save, = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100})).saves
-    assert sched.reset() is True
+    _, save = planned_then_reset(sched)
     assert sched._stale_names() == {f"{save.keys[-1]}-0"}
-    sched.output(type("Out", (), {"kv_cache_events": SavedSegments([(DROPPED,
-                                                                     save.segment_id)]),
-                                  "invalid_block_ids": set(), "failed_recving": set()})())
+    sched.output(reported((DROPPED, save.segment_id)))
     assert sched._stale_names() == set()  # never written: stored later, it is found

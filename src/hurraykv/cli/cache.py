@@ -173,7 +173,7 @@ def _prefix_names(args: argparse.Namespace, store: Any) -> list[str]:
     import re
     from types import SimpleNamespace
 
-    from ..integrations.chunks import ChunkKeys, identity_digest
+    from ..integrations.chunks import ChunkKeys, Suffixed, identity_digest
     from ..integrations.vllm.request_keys import request_seed
     from ..integrations.vllm.retention import rank_names
 
@@ -201,14 +201,11 @@ def _prefix_names(args: argparse.Namespace, store: Any) -> list[str]:
     seed = request_seed(identity_digest(args.identity), SimpleNamespace(
         lora_request=None, cache_salt=args.salt))
     keys = ChunkKeys(seed, size).upto(tokens, len(tokens) // size)
-    suffix = ".tp0" if ranks > 1 else ""
+    rank0 = Suffixed(store, ".tp0") if ranks > 1 else store  # as the scheduler looks up
     names = []
-    for name in store.locate([k + suffix for k in keys]):
+    for name in rank0.locate(keys):
         if name is None:
             break  # a hit is a prefix: nothing after the first chunk missing
-        if suffix:
-            key, _, first = name.rpartition("-")
-            name = f"{key.removesuffix(suffix)}-{first}"
         names.append(name)
     return [r for n in dict.fromkeys(names) for r in rank_names(n, ranks)]
 

@@ -392,6 +392,12 @@ def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
     return ""
 
 
+def suffixed(name: str, suffix: str) -> str:
+    """Segment ``name`` as a store whose keys carry ``suffix`` names it (a rank's)."""
+    key, _, first = name.rpartition("-")
+    return f"{key}{suffix}-{first}"
+
+
 class Suffixed(ChunkStore):
     """A store whose keys and segment names all carry ``suffix`` (one tensor-parallel
     rank's objects beside the others'); callers see the plain names."""
@@ -454,8 +460,7 @@ class Suffixed(ChunkStore):
         self.inner.discard(self._named(name))
 
     def _named(self, name: str) -> str:
-        key, _, first = name.rpartition("-")
-        return f"{key}{self.suffix}-{first}"
+        return suffixed(name, self.suffix)
 
     def _plain(self, name: str) -> str:
         key, _, first = name.rpartition("-")

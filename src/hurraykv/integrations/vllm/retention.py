@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import HurrayError
+from ..chunks import suffixed
 from .common import log
 
 BATCH = 1000  # names per exists call
@@ -200,10 +201,7 @@ class Retainer:
 
 def rank_names(name: str, ranks: int) -> list[str]:
     """Segment ``name`` as each tensor-parallel rank stores it (``chunks.Suffixed``)."""
-    if ranks <= 1:
-        return [name]
-    key, _, first = name.rpartition("-")
-    return [f"{key}.tp{r}-{first}" for r in range(ranks)]
+    return [name] if ranks <= 1 else [suffixed(name, f".tp{r}") for r in range(ranks)]
 
 
 class Watch:
