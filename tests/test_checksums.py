@@ -53,6 +53,35 @@ def test_files_keep_them_and_the_reference_reads_them(tmp_path):
     assert loaded.member_count == snap.member_count()
 
 
+def test_save_snapshot_writes_checksums_by_default_and_validate_catches_a_flip(
+        tmp_path, capsys):
+    """The default a user gets from ``save_snapshot``: a flipped value byte is an error
+    of ``validate``, not a silent wrong load; ``checksums=False`` writes none, and keeps
+    a caller's own entry unchanged (the connector's saver hashes segments itself)."""
+    from hurraykv.cli import main
+
+    snap = make_snapshot("float16")
+    assert not checksums.has_checksums(snap)
+    hk.save_snapshot(snap, tmp_path / "s.hrry")
+    back = hk.load_snapshot(tmp_path / "s.hrry")
+    assert checksums.has_checksums(back) and not checksums.mismatches(back)
+    data = bytearray((tmp_path / "s.hrry").read_bytes())
+    page = snap.tensor(1, "value").page_pool[2].tobytes()
+    data[bytes(data).find(page) + 3] ^= 0x01
+    (tmp_path / "s.hrry").write_bytes(bytes(data))
+    assert main(["validate", str(tmp_path / "s.hrry")]) == 1
+    assert "layers.1.value: page 2" in capsys.readouterr().err
+
+    hk.save_snapshot(snap, tmp_path / "plain.hrry", checksums=False)
+    assert not checksums.has_checksums(hk.load_snapshot(tmp_path / "plain.hrry"))
+    stale = snap.with_info(metadata={checksums.KEY: "0" * len(checksums.digests(snap))})
+    hk.save_snapshot(stale, tmp_path / "kept.hrry", checksums=False)
+    assert hk.load_snapshot(tmp_path / "kept.hrry").metadata[checksums.KEY] == \
+        stale.metadata[checksums.KEY]
+    hk.save_snapshot(stale, tmp_path / "fresh.hrry")  # the default hashes what it writes
+    checksums.verify(hk.load_snapshot(tmp_path / "fresh.hrry"))
+
+
 def segment(pages: int, seed: int) -> hk.KVCacheSnapshot:
     rng = np.random.default_rng(seed)
     pools = [rng.standard_normal((pages, 4, 2, 8)).astype(np.float16) for _ in range(2)]
@@ -310,7 +339,7 @@ def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(t
                                     (bad_name, bad, theirs, ours)]:  # copy right, entry not
         # the copy first in the file: the text a search for it finds first
         hk.save_snapshot(snap.with_info(metadata={"note": copy, checksums.KEY: entry}),
-                         directory / f"{name}.hrry", fsync=False)
+                         directory / f"{name}.hrry", fsync=False, checksums=False)
     fresh = open_store(directory.as_uri())
     with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
         fresh.get_verified(bad_name)
@@ -328,7 +357,7 @@ def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(t
     # a file whose copy is the same as the learnt one's takes the known structure, and
     # still its own entry's digests
     hk.save_snapshot(bad.with_info(metadata={"note": ours, checksums.KEY: theirs}),
-                     directory / f"{'c' * 32}-0.hrry", fsync=False)
+                     directory / f"{'c' * 32}-0.hrry", fsync=False, checksums=False)
     assert learned.get_verified("c" * 32 + "-0").equal(bad)
 
 
@@ -353,7 +382,8 @@ def test_a_wrong_number_of_digests_is_said_as_such(tmp_path, capsys, cut, why):
     assert (e.value.field, e.value.value) == (checksums.KEY, n - 1)
     assert "damaged" not in str(e.value)
     store = open_store((tmp_path / "kv").as_uri())
-    hk.save_snapshot(short, tmp_path / "kv" / f"{'d' * 32}-0.hrry", fsync=False)
+    hk.save_snapshot(short, tmp_path / "kv" / f"{'d' * 32}-0.hrry", fsync=False,
+                     checksums=False)
     for read in (store.get_verified, lambda name: store.get_checked(name, frozenset(
             {"layers.1.key", "layers.1.value"}))):
         with pytest.raises(checksums.ChecksumError, match=why):

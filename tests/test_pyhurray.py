@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.io import checksums
 from hurraykv.snapshot import KVCacheSnapshot
 from hurraykv.wire.layouts import BlockPaged
 from tests.snapshots import make_fused, make_snapshot, same_tokens
@@ -137,7 +138,8 @@ def test_their_block_paged_tensors_decode_here(role, index, dtype):
 # ---- files ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("kind", "snap"), SNAPSHOTS, ids=IDS)
 def test_our_files_load_in_theirs(tmp_path, kind, snap):
-    snap = snap.with_info(metadata={"engine": "test"})
+    # as save_snapshot writes it: with its checksums (the default)
+    snap = checksums.with_checksums(snap.with_info(metadata={"engine": "test"}))
     hk.save_snapshot(snap, tmp_path / "ours.hrry")
     loaded = hurray.load(str(tmp_path / "ours.hrry"))
     group = loaded["snapshot"]

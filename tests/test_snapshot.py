@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.io import checksums
 from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
 from hurraykv.paged import BlockPagedTensor
@@ -114,7 +115,9 @@ def test_metadata_survives_files_both_readers(tmp_path):
     hk.save_snapshot(s, tmp_path / "m.hrry", model="llama-3-8b", metadata=META)
     for snap in (hk.load_snapshot(tmp_path / "m.hrry"),
                  hk.read_snapshot_sequential(tmp_path / "m.hrry")):
-        assert (snap.model, snap.metadata) == ("llama-3-8b", META)
+        # save_snapshot adds the values' checksums to what it was given (checksums.py)
+        assert (snap.model, snap.metadata) == ("llama-3-8b", META | {
+            checksums.KEY: checksums.digests(s)})
         assert snap.equal(s)
     f = hk.HrryFile.open(tmp_path / "m.hrry")  # mirrored for KV-only tools
     assert f.kv["hurraykv.model"] == "llama-3-8b" and f.kv["engine"] == "vllm"

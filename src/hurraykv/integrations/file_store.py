@@ -370,7 +370,8 @@ class FileChunks(ChunkStore):
         fd, tmp = create_temp(path)  # the name, taken: save_snapshot replaces it
         os.close(fd)
         try:
-            save_snapshot(snapshot, tmp, metadata=metadata, fsync=False)
+            # the saver hashed the segment already (checksums.with_checksums)
+            save_snapshot(snapshot, tmp, metadata=metadata, fsync=False, checksums=False)
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 with contextlib.suppress(OSError):  # without flock: its age protects it

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
+from ..errors import StreamError
 from ..threads import run_bands
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import Composite
@@ -263,7 +264,12 @@ def iter_hrry_sequential(f: BinaryIO, result: list[HrryFile] | None = None
     seen = {}  # descriptor offset -> the tensor read there
     for k in range(hint):
         reader.pad_to(8)
-        item = reader.read_tensor(align)
+        try:
+            item = reader.read_tensor(align)
+        except StreamError as e:  # a tensor overrunning the file is the file's damage,
+            # named as the random-access reader names it
+            raise bad(f"tensor {k} of the tensor region: {e}", e.field or "tensor", e.offset,
+                      e.value, e.rule or "") from None
         if item is None:
             raise bad(f"tensor_count_hint at byte 28 is {hint}; the file ends after {k} "
                        "tensors", "tensor_count_hint",

@@ -22,6 +22,7 @@ from ..errors import ContainerError, HurrayError
 from ..info import check_metadata
 from ..snapshot import GROUP, KVCacheSnapshot
 from ..wire.layouts import Composite
+from .checksums import with_checksums
 from .hrry import HrryFile, Progress, read_hrry_sequential, write_hrry
 
 HEAD_NAME = "snapshot"
@@ -41,13 +42,22 @@ def snapshot_kv(snapshot: KVCacheSnapshot) -> dict[str, Any]:
 def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   model: str | None = None, metadata: dict[str, Any] | None = None,
                   alignment: int = 4096, progress: Progress | None = None,
-                  fsync: bool = True) -> Path:
+                  fsync: bool = True, checksums: bool = True) -> Path:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
     ``model`` replaces the snapshot's, ``metadata`` is merged into its own; both come back
     as ``snap.model`` / ``snap.metadata`` from every reader.  ``fsync=False`` skips the
-    flushes to disk (the rename stays atomic)."""
+    flushes to disk (the rename stays atomic).
+
+    ``checksums=True`` (the default) records an xxh3-64 digest of every page and buffer
+    of the values written (``checksums.py``), so that ``hurraykv validate`` and every
+    verifying reader catch a flipped byte that would otherwise load as wrong keys and
+    values; it costs one pass over the bytes at about the speed of a copy, small beside
+    the write itself.  ``checksums=False`` writes the metadata as it is: a checksum entry
+    the snapshot already carries (one computed by the caller) is kept unchanged."""
     if model is not None or metadata:
         snapshot = snapshot.with_info(model, metadata)
+    if checksums:
+        snapshot = with_checksums(snapshot)
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
     return write_hrry(path, tensors, snapshot_kv(snapshot), alignment=alignment,
                       progress=progress, fsync=fsync)
