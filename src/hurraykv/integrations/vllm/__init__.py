@@ -3,7 +3,8 @@
 ``HurrayConnector`` and ``HurrayConnectorMetadata`` are imported on first use, so that
 ``config``, ``scheduler`` and ``request_keys`` import without vLLM or torch (the main test
 suite tests them without an engine); vLLM finds the class with ``getattr`` on this
-module (``kv_connector_module_path: hurraykv.integrations.vllm``).
+module, by its registered name (``vllm_plugin.py``) or by
+``kv_connector_module_path: hurraykv.integrations.vllm``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``HurrayConnector``: vLLM stores and loads KV through hurraykv.
 
-Selected with::
+Selected with (the name is registered by the ``vllm.general_plugins`` entry point,
+``vllm_plugin.py``; ``"kv_connector_module_path": "hurraykv.integrations.vllm"`` works
+too)::
 
     kv_transfer_config = {"kv_connector": "HurrayConnector",
-                          "kv_connector_module_path": "hurraykv.integrations.vllm",
                           "kv_role": "kv_both",            # or kv_producer / kv_consumer
                           "kv_load_failure_policy": "recompute",
                           "kv_connector_extra_config": {"url": "file:///var/cache/kv"}}
