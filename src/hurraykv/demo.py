@@ -6,6 +6,10 @@ becomes a snapshot (shared prefix pages stored once), is saved to a .hrry file a
 back, and is pushed to and pulled from a ``hurraykv serve`` started here on loopback.  The
 restored caches continue greedy decoding for 16 tokens next to the original cache; every
 step's logits must be bitwise identical.  Exits non-zero if anything differs.
+
+``python -m hurraykv.demo`` (what ``make demo`` runs) leaves the snapshot as ``demo.hrry``
+in the current directory and prints the ``hurraykv`` commands to try on it; ``main()``
+without a path keeps it in a temporary directory.
 """
 
 from __future__ import annotations
@@ -78,7 +82,12 @@ def decode(model, cache, mask, first_logits, steps: int = 16):
     return out
 
 
-def main() -> int:
+# What to try on the file the demo leaves: every line is a ``hurraykv`` command line.
+TRY = ("inspect {f}", "inspect --seqs {f}", "validate {f}", "inspect --map {svg} {f}")
+
+
+def main(keep: str | Path | None = None) -> int:
+    """Run the handoff; ``keep``: where to leave the snapshot file (default: nowhere)."""
     import torch
 
     # One thread and deterministic kernels: the original and the restored caches must go
@@ -87,13 +96,13 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        return handoff()
+        return handoff(keep)
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(threads)
 
 
-def handoff() -> int:
+def handoff(keep: str | Path | None = None) -> int:
     import hurraykv as hk
     from hurraykv.adapters.transformers import from_dynamic_cache, to_dynamic_cache
     from hurraykv.net.client import KVClient
@@ -113,7 +122,7 @@ def handoff() -> int:
           f"(pages whose keys/values came out bitwise equal), {snap.nbytes} bytes")
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "batch.hrry"
+        path = Path(keep) if keep is not None else Path(tmp) / "batch.hrry"
         t0 = time.perf_counter()
         hk.save_snapshot(snap, path, model="tiny-llama-demo")
         report["save"] = time.perf_counter() - t0
@@ -142,8 +151,18 @@ def handoff() -> int:
             print(f"continue 16 tokens from the {label} copy: logits "
                   f"{'bitwise identical' if same else 'DIFFER'} to the original cache")
     print("demo OK" if ok else "demo FAILED")
+    if keep is not None:
+        print(f"\n{path}: the prefill's KV cache as a .hrry file, an xxh3-64 checksum for "
+              "every page. Try:")
+        for line in TRY:
+            print("  hurraykv " + line.format(f=path, svg=path.with_suffix(".svg")))
     return 0 if ok else 1
 
 
+def run() -> int:
+    """``make demo``: the handoff, leaving ``demo.hrry`` in the current directory."""
+    return main(keep=Path("demo.hrry"))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
