@@ -8,9 +8,11 @@ RDN, two subjectAltName extensions, a non-minimal length, trailing bytes, ...), 
 the tenant reader must decide about those as well.
 
 ``tests/data/tenant_ids.json`` holds each certificate's DER and the tenant id that the
-hand-written DER reader (``net/tenants.py`` before issue 33) gave it.  It was written once
-by ``python -m tests.tenant_certs`` with that reader in place and is not regenerated: the
-ids in it are the ones deployed servers hand out, which the rewritten reader must keep.
+hand-written DER reader (``net/tenants.py`` before issue 33) gave it, or its refusal.  It
+was written by ``python -m tests.tenant_certs`` with that reader in place (commit 79c7e45;
+the three cases cn-printable-at, cn-printable-star and cn-t61-latin1 were added later with
+that reader loaded from ``git show 79c7e45:src/hurraykv/net/tenants.py``).  Do not
+regenerate it with the current reader: its ids are the ones deployed servers hand out.
 """
 
 from __future__ import annotations
@@ -283,6 +285,17 @@ def _cases() -> dict[str, tuple[str, Callable[[], bytes]]]:
                                  lambda: certificate(NOBODY, general_names(tlv(
                                      0x87, bytes([10, 0, 0, 1, 255, 255, 255, 0]))))),
         # ---- byte edits and other extensions
+        "cn-printable-at": ("CN=alice@example.org as a PrintableString (no '@' in its "
+                            "alphabet, a slip some CAs make)", lambda: replace_once(
+                                certificate(cn("alice-example.org", P.PrintableString)),
+                                b"alice-example.org", b"alice@example.org")),
+        "cn-printable-star": ("CN=*.example as a PrintableString (no '*' in its alphabet)",
+                              lambda: replace_once(certificate(cn("x.example",
+                                                                  P.PrintableString)),
+                                                   b"\x13\x09x.example", b"\x13\x09*.example")),
+        "cn-t61-latin1": ("CN=Zoë as a T61String of Latin-1 bytes (legacy CAs)",
+                          lambda: replace_once(certificate(cn("Zo?", P.T61String)),
+                                               b"\x14\x03Zo?", b"\x14\x03Zo\xeb")),
         "unsorted-rdn": ("CN=a+O=b with the SET's two members out of DER order",
                          lambda: replace_once(certificate(x509.Name([
                              x509.RelativeDistinguishedName([
