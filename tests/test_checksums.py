@@ -312,12 +312,21 @@ def test_a_damaged_layer_0_is_found_by_the_read_even_with_later_layers_left(tmp_
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "float16", "bfloat16", "float32"])
-def test_the_digests_are_xxh3_of_every_piece_in_order(dtype):
+@pytest.mark.parametrize("compile_worth", [0, 1 << 62])
+def test_the_digests_are_xxh3_of_every_piece_in_order(dtype, compile_worth, monkeypatch):
+    """On both paths: the compiled hasher (a process that has it, or bytes worth its
+    compile) and xxhash piece by piece (a small save in a fresh process)."""
     import xxhash
 
+    from hurraykv.io import page_hash
+
+    monkeypatch.setattr(checksums, "COMPILE_WORTH", compile_worth)
+    monkeypatch.setattr(page_hash, "_built", page_hash._UNSET if compile_worth else
+                        page_hash._built)
     snap = make_snapshot(dtype)
     assert checksums.digests(snap) == "".join(
         f"{xxhash.xxh3_64_intdigest(v):016x}" for *_, v in checksums._pieces(snap))
+    assert page_hash.built() == (compile_worth == 0)  # small bytes compile nothing
 
 
 

@@ -80,10 +80,22 @@ def _pieces(snapshot: KVCacheSnapshot) -> Iterator[tuple[str, int, int | None, m
                 yield name, i, None, view
 
 
+# Compiling the hasher takes 1.4 s in a fresh process here (it cannot be cached: it holds
+# library addresses), the time xxhash takes piece by piece over some 16 GiB.  A process
+# that hashes one small snapshot (a CLI save, a script) does not pay it; a long-running
+# one has compiled it at start (``warm``) and always uses it.
+COMPILE_WORTH = 16 << 30
+
+
+def _hasher(nbytes: int) -> Any:
+    """The compiled hasher, when it exists or ``nbytes`` are worth compiling it for."""
+    return page_hash.hasher() if page_hash.built() or nbytes >= COMPILE_WORTH else None
+
+
 def _hash_all(views: list[memoryview], parallel: bool = True) -> np.ndarray:
     """Every view's digest: compiled and (``parallel``) in bands over the cores when there
     is a compiled hasher (given absolute addresses), else one by one."""
-    compiled = page_hash.hasher()
+    compiled = _hasher(sum(v.nbytes for v in views))
     if compiled is None:
         return np.array([xxhash.xxh3_64_intdigest(v) for v in views], np.uint64)
     keep = [np.frombuffer(v, np.uint8) for v in views]
@@ -122,7 +134,7 @@ def _columns(snapshot: KVCacheSnapshot) -> tuple[np.ndarray, np.ndarray, list[np
 
 def digests(snapshot: KVCacheSnapshot) -> str:
     """The checksum entry's value for ``snapshot``."""
-    compiled = page_hash.hasher()
+    compiled = _hasher(snapshot.nbytes)
     if compiled is None:
         found = _hash_all([v for *_, v in _pieces(snapshot)])
     else:

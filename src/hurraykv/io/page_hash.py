@@ -48,6 +48,12 @@ def reader() -> Callable[..., float] | None:
     return _compiled()[1]
 
 
+def built() -> bool:
+    """Whether the compiled functions exist already in this process (``hasher()`` would
+    not compile them)."""
+    return _built is not _UNSET
+
+
 def _compiled() -> tuple[Any, Any]:
     global _built
     if _built is _UNSET:
