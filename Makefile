@@ -41,7 +41,7 @@ demo-vllm: $(VLLM_STAMP)
 # (numba's generic x86-64 target, so this machine checks what such a machine would run),
 # and the real-engine suite.
 test: envs
-	$(VENV)/bin/ruff check src tests benchmarks engine_tests
+	$(VENV)/bin/ruff check src tests benchmarks engine_tests docs
 	$(PY) -m pytest
 	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py
 	$(VLLM_PY) -m pytest engine_tests

@@ -20,7 +20,7 @@ from hurraykv.integrations import engine_run
 LOGPROBS = 5  # top log-probabilities asked of each generated token
 # docs/vllm.md: how far a reloaded format's first-token log-probabilities may be from an
 # engine's without a connector on the test prompts (measured: at most 0.0003, 0.0027 and
-# 0.001; over 200 prompts, the chosen token's at most 0.00043, 0.007 and 0.0012: README)
+# 0.001; over 200 prompts, the chosen token's at most 0.00043, 0.007 and 0.0012: docs/benchmarks.md)
 TOLERANCE = {"int8": 0.002, "int4": 0.01, "fp8": 0.005}
 
 

@@ -293,7 +293,7 @@ MUTANTS = [
            "views = [v for v in (memoryview(p).cast(\"B\") for p in pieces) if v.nbytes]",
            "views = [memoryview(p).cast(\"B\") for p in pieces]",
            ("tests/test_atomic_writes.py::test_an_empty_or_partly_empty_rewrite_returns",),
-           "io/atomic.py: a rewrite of zero bytes returns (README, Reliability, issue 29)",
+           "io/atomic.py: a rewrite of zero bytes returns (docs/reliability.md, issue 29)",
            ),
     Mutant("alias-compaction-on-the-caller", "hurraykv/net/aliases.py",
            "thread.start()\n        return thread",
@@ -374,6 +374,19 @@ MUTANTS = [
            "        pass\n    hurray = buf.getvalue()",
            ("tests/test_chunk_stores.py",),
            "docs/spec-decisions.md H44/H92: the page store keeps members besides the pages"),
+    # --- issue 33: the newcomer's defaults ---------------------------------------------
+    Mutant("save-without-checksums", "hurraykv/io/snapshots.py",
+           "    if checksums:\n        snapshot = with_checksums(snapshot)",
+           "    if False:\n        snapshot = with_checksums(snapshot)",
+           ("tests/test_checksums.py::test_save_snapshot_writes_checksums_by_default_and_"
+            "validate_catches_a_flip",),
+           "save_snapshot's docstring: checksums=True (the default) lets validate catch a "
+           "flipped value byte"),
+    Mutant("connector-tls-unchecked", "hurraykv/integrations/vllm/config.py",
+           "        config._check_tls()\n", "",
+           ("tests/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"
+            "outage_later",),
+           "docs/vllm.md, the config table: TLS files are checked at start"),
 ]
 
 
