@@ -7,6 +7,7 @@ find the bad byte without a debugger.  The same facts are kept as attributes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -135,3 +136,20 @@ def require(module: str, extra: str, feature: str) -> Any:
             f"{feature} needs the {module.split('.')[0]} package, which is not installed: "
             f"pip install 'hurraykv[{extra}]'", field="dependency", value=module,
             rule=f"the [{extra}] extra") from None
+
+
+class ConfigError(HurrayError, ValueError):
+    """A setting that cannot be used as given: an option's value (an address, a URL of an
+    unknown scheme), or a file or directory an option names that cannot be read or made.
+    The command line exits 2 (usage) for it; the message names the option and the value.
+    Also a ``ValueError``, which is what such code raised before."""
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'inspect'?"`` for the known name closest to a mistyped ``word``
+    (difflib's ratio, at least 0.6), or ``""`` when none is close: for messages that
+    refuse an unknown key, option or command."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
