@@ -1,5 +1,7 @@
-"""One unit system for everything the command line prints: binary multiples (KiB, MiB,
-GiB, TiB) for sizes, GiB/s for rates, thousands separators for counts."""
+"""One unit system for everything the command line prints: binary multiples (bytes, KiB,
+MiB, GiB, TiB) for sizes and for rates (per second, in the unit that fits the number:
+``512 bytes/s``, ``3.20 MiB/s``, ``1.91 GiB/s``), thousands separators for counts, and a
+noun that agrees with its count (``1 key``, ``2 keys``)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,27 @@ def size(n: float) -> str:
 
 
 def rate(nbytes: float, seconds: float) -> str:
-    return f"{nbytes / max(seconds, 1e-9) / (1 << 30):.2f} GiB/s"
+    """Bytes per second in the binary unit that fits: ``size(nbytes / seconds) + "/s"``
+    (a small transfer is ``12.50 KiB/s``, never ``0.00 GiB/s``)."""
+    return size(nbytes / max(seconds, 1e-9)) + "/s"
 
 
 def count(n: int) -> str:
     return f"{n:,}"
+
+
+_IRREGULAR = {"identity": "identities", "alias": "aliases", "pass": "passes"}
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``plural(1, "key")`` -> ``1 key``; ``plural(1234, "key")`` -> ``1,234 keys``
+    (``many``: the plural, when it is not the noun with an s)."""
+    if n == 1:
+        return f"{count(n)} {noun}"
+    if many is None:
+        many = _IRREGULAR.get(noun) or (noun + "es" if noun.endswith(("sh", "ch", "x"))
+                                        else noun + "s")
+    return f"{count(n)} {many}"
 
 
 def parse_size(text: str) -> int:
