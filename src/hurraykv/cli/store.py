@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from .. import units
-from ..errors import HurrayError
 
 ROWS = [("releases_completed", "pending releases completed (puts or deletes cut short)"),
         ("manifests", "manifests read"),
@@ -24,23 +22,16 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
 
 def cmd_store_fsck(args: argparse.Namespace) -> int:
     from ..store import PageStore
+    from ..store.pages import unreachable_as_transport
 
-    store = None
+    # a URL of another scheme is ConfigError, a store out of reach TransportError: both
+    # exit 2 with one line naming the URL (cli/__init__.py)
+    store = PageStore.from_url(args.url)
     try:
-        store = PageStore.from_url(args.url)
-        report = store.fsck(grace=args.grace)
-    except ValueError as e:  # redis-py's word for a URL it cannot use
-        print(f"hurraykv store fsck: url {args.url!r}: {e} (redis://HOST:PORT or "
-              "redis+cluster://HOST:PORT)", file=sys.stderr)
-        return 2
-    except Exception as e:  # unreachable, refused, timed out: not "snapshots lost pages"
-        if isinstance(e, HurrayError) or not type(e).__module__.startswith("redis"):
-            raise
-        print(f"hurraykv store fsck: {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        with unreachable_as_transport(args.url):  # a store that goes away midway
+            report = store.fsck(grace=args.grace)
     finally:
-        if store is not None:
-            store.client.close()
+        store.client.close()
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

@@ -71,12 +71,12 @@ prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the refere
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import StoreError, require
+from ..errors import ConfigError, StoreError, TransportError, require
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..threads import executor
@@ -111,6 +111,33 @@ def _legacy(snapshot_id: str) -> StoreError:
                       field="manifest.version", value=1, rule="manifest version 2")
 
 
+URL_SCHEMES = ("redis", "redis+cluster", "rediss", "unix")
+
+
+def _where(client: Any) -> str:
+    """The server a redis-py client talks to, for a message."""
+    try:
+        kw = client.connection_pool.connection_kwargs
+        return kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
+    except AttributeError:  # a cluster, or a stand-in
+        return type(client).__name__
+
+
+@contextlib.contextmanager
+def unreachable_as_transport(where: str) -> Iterator[None]:
+    """redis-py's errors for a store it cannot reach (refused, timed out, unknown host, a
+    cluster with no reachable node) raised as ``TransportError`` naming ``where``."""
+    redis = require("redis", "redis", "the Redis page store")
+    from redis.exceptions import RedisClusterException
+
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as e:
+        raise TransportError(f"redis store {where}: cannot reach it: {e}", field="url",
+                             value=where, rule="a reachable Redis or Valkey server"
+                             ) from None
+
+
 class PageStore:
     """Snapshots in Redis/Valkey with page-level deduplication and prefix lookup."""
 
@@ -127,17 +154,38 @@ class PageStore:
         self.client = client
         self.zero_unused = zero_unused
         self.drop_damaged = drop_damaged
-        self._refs = Refs(client)
+        with unreachable_as_transport(_where(client)):  # its scripts load at once
+            self._refs = Refs(client)
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool | None = None, **kw: Any) -> PageStore:
-        """``redis://HOST:PORT`` (one server) or ``redis+cluster://HOST:PORT``."""
+        """``redis://HOST:PORT`` (one server; also ``rediss://`` for TLS and
+        ``unix:///path``) or ``redis+cluster://HOST:PORT``; the store is reached at once.
+
+        A URL of another scheme, or one redis-py cannot use, is ``ConfigError`` (naming
+        the URL and the schemes taken); a store that cannot be reached (refused, timed
+        out, unknown host) is ``TransportError`` naming it."""
         redis = require("redis", "redis", "the Redis page store")
         from redis.cluster import RedisCluster
 
-        if url.startswith("redis+cluster://") or cluster:
-            return cls(RedisCluster.from_url(url.replace("redis+cluster://", "redis://")), **kw)
-        return cls(redis.Redis.from_url(url), **kw)
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme not in URL_SCHEMES:
+            raise ConfigError(
+                f"store url {url!r}: " + (f"scheme {scheme + '://'!r} is not a Redis store"
+                                          if scheme else "no scheme")
+                + f"; use {' or '.join(s + '://HOST:PORT' for s in URL_SCHEMES[:2])} "
+                f"(also {', '.join(s + '://' for s in URL_SCHEMES[2:])})",
+                field="url", value=url, rule="a redis:// URL")
+        on_cluster = scheme == "redis+cluster" or bool(cluster)
+        plain = "redis://" + url.partition("://")[2] if scheme == "redis+cluster" else url
+        with unreachable_as_transport(url):
+            try:
+                client = (RedisCluster.from_url(plain) if on_cluster
+                          else redis.Redis.from_url(plain))
+            except ValueError as e:  # redis-py's word for a URL it cannot use
+                raise ConfigError(f"store url {url!r}: {e}", field="url", value=url,
+                                  rule="a URL redis-py takes") from None
+            return cls(client, **kw)
 
     def _script(self, name: str, snapshot_id: str, args: list[Any] | None = None) -> int:
         """``swap`` or ``remove`` on the manifest of ``snapshot_id``."""
