@@ -205,7 +205,7 @@ class KeyStore(PersistedTier):
         if obj is not None:
             return obj.nbytes
         with self._disk:
-            return self._sizes.get(key)
+            return self._data.get(key)
 
     def retain(self, keys: list[str], *, pin: bool | None, ttl_s: float | None,
                extend: bool = False) -> list[str]:
@@ -315,11 +315,12 @@ class KeyStore(PersistedTier):
         return self.aliases.items()
 
     def listing(self) -> list[tuple[str, int]]:
-        """Every key held in memory or on disk, with its data bytes (a file's size for an
-        object not loaded since a restart); keys only in the backing store are not listed."""
+        """Every key held in memory or on disk, with its data bytes (the tensors' buffers,
+        as pushed: the same number in memory, on disk and after a restart, not the file's
+        size); keys only in the backing store are not listed."""
         with self._disk:
             sizes = {key: obj.nbytes for key, obj in {**self._mapped, **self._objects}.items()}
-            for key, nbytes in self._sizes.items():
+            for key, nbytes in self._data.items():
                 sizes.setdefault(key, nbytes)
         now = time.time()  # past their lifetime: gone, though removed when next asked for
         return sorted((k, n) for k, n in sizes.items()
@@ -341,6 +342,7 @@ class KeyStore(PersistedTier):
                     "memory_evictions": self.evictions["memory"],
                     "disk_evictions": self.evictions["disk"],
                     "backing_store": self.backing is not None,
+                    "max_bytes_per_tenant": self.tenant_max,
                     "aliases": len(self.aliases), "alias_bytes": self.aliases.nbytes}
         prefix = tenant + SEPARATOR
         aliases = [cost(a, t) for a, t in self.aliases.items() if a.startswith(prefix)]
@@ -352,7 +354,8 @@ class KeyStore(PersistedTier):
                 "memory_bytes": sum(mine), "reserved_bytes": self._reserved_by[tenant],
                 "memory_budget": self.memory_budget, "persist": self.persist is not None,
                 "persisted_bytes": sum(files), "persist_budget": self.persist_budget,
-                "backing_store": self.backing is not None, "aliases": len(aliases),
+                "backing_store": self.backing is not None,
+                "max_bytes_per_tenant": self.tenant_max, "aliases": len(aliases),
                 "alias_bytes": sum(aliases)}
 
     def delete(self, key: str) -> bool:
@@ -365,6 +368,7 @@ class KeyStore(PersistedTier):
         with self._disk:  # out of the index first: no reader finds a file being removed
             path = self._files.pop(key, None)
             self.persisted_bytes -= self._sizes.pop(key, 0)
+            self._data.pop(key, None)
             if path is not None:
                 path.unlink(missing_ok=True)
         # the key as an alias, and the object's own aliases, in one fsynced append; also

@@ -6,7 +6,7 @@ memory tier's ``_objects``, whose ``path`` an eviction from disk clears, and the
 
 The disk tier is changed from two threads: files are written in worker threads (a PUT's
 commit), read and deleted on the event loop.  Its index (``_files``, in
-least-recently-used order, ``_sizes``, ``_mapped``) is therefore only touched under
+least-recently-used order, ``_sizes``, ``_data``, ``_mapped``) is therefore only touched under
 ``_disk``, a lock held for bookkeeping and unlinks, never while a file is written.  A file
 leaves the index before it is unlinked, under the lock, so a reader either opens the whole
 file or does not find it; a reader that opened it before keeps reading it (an unlinked
@@ -19,7 +19,10 @@ EFAULT in ``send()``, where a short read is ``UnreadableObject``, which the pull
 
 Recency survives a restart in the files' modification times: each write and each read
 of a persisted object sets its file's mtime to a clock that only moves forward, and a
-restart orders the files by mtime (ties by name).  Sizes are the files' own sizes.
+restart orders the files by mtime (ties by name).  The persist budget counts the files'
+own sizes (``_sizes``); a key's size as ``hurraykv ls`` shows it is its data bytes
+(``_data``: the tensors' buffers, as pushed), the same in memory, on disk and after a
+restart (a file adds its header, index, metadata and alignment padding).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import units
-from ..errors import HurrayError
+from ..errors import ConfigError, HurrayError
 from ..info import is_info
 from ..io.atomic import remove_stale
 from ..io.hrry import DEFAULT_ALIGNMENT, ENTRY, HEADER, TRAILER, HrryFile, write_hrry
@@ -92,7 +95,8 @@ class PersistedTier:
         # outside the memory budget).
         self._disk = threading.RLock()
         self._files: OrderedDict[str, Path] = OrderedDict()
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # key -> its file's size (the persist budget's)
+        self._data: dict[str, int] = {}  # key -> its data bytes (what listings show)
         self._mapped: dict[str, StoredObject] = {}
         self.persisted_bytes = 0
         self.persist_reserved = 0  # bytes of files being written
@@ -100,7 +104,7 @@ class PersistedTier:
         self._clock = 0  # the last mtime given (ns): recency order across restarts
         self._gone: list[str] = []  # evicted from disk in a worker: aliases checked later
         if self.persist:
-            self.persist.mkdir(parents=True, exist_ok=True)
+            _usable_directory(self.persist)
             self._scan()
 
     def _scan(self) -> None:
@@ -114,15 +118,19 @@ class PersistedTier:
         if stale:
             log.info("removed %d stale temporary file(s) from %s", len(stale), self.persist)
         found = []
+        data_of: dict[Path, int] = {}
         for path in self.persist.glob("*.hrry"):
             try:
                 st = path.stat()
-                key = HrryFile.open(path).kv.get("hurraykv.key")
+                f = HrryFile.open(path)
+                key = f.kv.get("hurraykv.key")
+                data = sum(h.byte_size for n in f.names for h in f.descriptor(n).buffers)
             except (HurrayError, OSError) as e:
                 log.warning("skipping %s: %s", path, e)
                 continue
             if isinstance(key, str):
                 found.append((st.st_mtime_ns, path.name, key, path, st.st_size))
+                data_of[path] = data
         for mtime, _, key, path, size in sorted(found):
             if key in self._files:  # the older of two files naming one key is unreachable
                 log.warning("skipping %s: %s also holds key %r and is newer",
@@ -131,6 +139,7 @@ class PersistedTier:
             self._files[key] = path
             self._files.move_to_end(key)
             self._sizes[key] = size
+            self._data[key] = data_of[path]
             self.persisted_bytes += size
             self._clock = max(self._clock, mtime)
         log.info("persisted objects: %d in %s, %s", len(self._files), self.persist,
@@ -158,6 +167,7 @@ class PersistedTier:
         it, and whoever mapped it already keeps reading valid pages."""
         path = self._files.pop(key)
         size = self._sizes.pop(key, 0)
+        self._data.pop(key, None)
         self.persisted_bytes -= size
         self._mapped.pop(key, None)
         obj = self._objects.get(key)
@@ -205,8 +215,9 @@ class PersistedTier:
         if not self._writing[key]:
             del self._writing[key]
 
-    def _add_file(self, key: str, path: Path, reserved: int) -> None:
-        """Index the file just written for ``key``: its reservation becomes its size."""
+    def _add_file(self, key: str, path: Path, reserved: int, nbytes: int) -> None:
+        """Index the file just written for ``key`` (``nbytes`` of data): its reservation
+        becomes its size."""
         with self._disk:
             self._done_writing(key, reserved)
             try:
@@ -219,6 +230,7 @@ class PersistedTier:
                 log.warning("%s: %d bytes where %d were expected", path, size, reserved)
             self.persisted_bytes += size - self._sizes.get(key, 0)
             self._sizes[key] = size
+            self._data[key] = nbytes
             self._files[key] = path
             self._use(key)
             if self.persist_budget is not None:  # only if the expected size was short
@@ -228,6 +240,7 @@ class PersistedTier:
         """A file removed behind the server's back: out of the index and the accounts."""
         self._files.pop(key, None)
         self.persisted_bytes -= self._sizes.pop(key, 0)
+        self._data.pop(key, None)
         self._mapped.pop(key, None)
 
     # -- loads and writes ----------------------------------------------------------------
@@ -299,7 +312,7 @@ class PersistedTier:
                 self.backing.put(key, snap)
                 obj.backed = True
             path = write_hrry(self._path(key), tensors, kv)
-            self._add_file(key, path, reserved)
+            self._add_file(key, path, reserved, obj.nbytes)
             added = True
         finally:
             if not added:
@@ -324,6 +337,24 @@ class PersistedTier:
             kv = {}
         kv["hurraykv.key"] = key
         return tensors, kv
+
+
+def _usable_directory(path: Path) -> None:
+    """``--persist DIR`` made if missing, and one the server can list and write in:
+    ``ConfigError`` naming the option, the path and why not (at start, not at the first
+    push)."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"--persist {path}: {why}", field="persist", value=str(path),
+                           rule="a directory the server can create, read and write")
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise refuse("not a directory") from None
+    except OSError as e:
+        raise refuse(f"cannot create it: {e.strerror or e}") from None
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise refuse("cannot write in it: Permission denied")
 
 
 def _name(desc: TensorDescriptor, i: int) -> str:
