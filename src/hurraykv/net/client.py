@@ -17,11 +17,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import units
 from ..errors import HurrayError, LayoutError, RemoteError, TransportError
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
 from ..wire.layouts import BlockPaged, Composite
+from . import tls
 from .codecs import decode, frame
 from .dataplane import POOL_MIN, DataAssembler, DataPlan
 from .gather import send_gathered
@@ -49,6 +51,11 @@ from .server import parse_address
 Progress = Callable[[int, int], None]
 
 
+# how a web server's answer starts: a status line, or (to a request line without an HTTP
+# version, which the bytes of CLIENT_HELLO read as) an HTML error page alone
+HTTP_ANSWERS = (b"HTTP/", b"<!DOCTYPE", b"<HTML")
+
+
 def _show(where: tuple[str, int]) -> str:
     host, port = where
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -64,6 +71,7 @@ class KVClient:
         where = parse_address(address)
         self.address = where if isinstance(where, str) else _show(where)
         self.timeout = timeout
+        ctx = tls.client_context(tls_cert, tls_key, tls_ca)  # the files checked first
         try:
             if isinstance(where, str):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -72,10 +80,7 @@ class KVClient:
             else:
                 sock = socket.create_connection(where, timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if tls_ca or tls_cert:
-                ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca)
-                if tls_cert:
-                    ctx.load_cert_chain(tls_cert, tls_key)
+            if ctx is not None:
                 host = server_hostname or (where[0] if not isinstance(where, str)
                                            else "localhost")
                 sock = ctx.wrap_socket(sock, server_hostname=host)
@@ -128,6 +133,12 @@ class KVClient:
 
     def _recv(self) -> tuple[int, int, int]:
         self._recv_into(memoryview(self._hdr))
+        if bytes(self._hdr).upper().startswith(HTTP_ANSWERS):  # no Hurray peer says so
+            raise TransportError(
+                f"{self.address} answered in HTTP, not the Hurray protocol: is it the "
+                "metrics port (--metrics-listen)? give the address `hurraykv serve` "
+                "prints as 'listening on'", field="address", value=self.address,
+                rule="the address of a hurraykv server's protocol port")
         return decode_header(self._hdr, max(self.max_message_size,
                                             self.server_hello.max_message_size
                                             if hasattr(self, "server_hello") else 0))
@@ -198,6 +209,28 @@ class KVClient:
             self._push_tensor(stream, key, desc, list(bufs), progress, done, total)
         self._expect(stream, MessageType.TENSOR_PUT_ACK)
         return time.perf_counter() - started
+
+    def check_room(self, key: str, nbytes: int) -> None:
+        """Before pushing ``nbytes`` under ``key``: raise ``RemoteError`` STORE_FULL now,
+        with no byte sent, when the server's stat shows a budget that cannot hold that
+        many bytes even empty (``--memory-budget``; a tenant's ``--max-bytes-per-tenant``;
+        ``--persist-budget``, which the object's file exceeds by more still), as the server
+        would answer once the whole object had been sent (a group's total is announced
+        nowhere on the wire: H52).  A push that may fit is left to the server; so is a
+        server that does not say (one round trip, STAT)."""
+        try:
+            s = self.stat()
+        except (RemoteError, ProtocolError):
+            return
+        for field, option in (("memory_budget", "--memory-budget"),
+                              ("max_bytes_per_tenant", "--max-bytes-per-tenant"),
+                              ("persist_budget", "--persist-budget")):
+            cap = s.get(field)
+            if type(cap) is int and nbytes > cap:
+                raise RemoteError(ErrorCode.STORE_FULL, (
+                    f"{key!r} needs {nbytes} bytes ({units.size(nbytes)}) but the server's "
+                    f"{option} is {cap} bytes ({units.size(cap)}): refused before sending, "
+                    f"from the server's stat"), "STORE_FULL")
 
     def push_tensor(self, key: str, tensor: BlockPagedTensor, *, zero_unused: bool = True
                     ) -> None:

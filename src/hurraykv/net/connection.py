@@ -41,7 +41,7 @@ from ..errors import HurrayError
 from . import puts
 from .codecs import decode, frame
 from .dataplane import DataPlan
-from .handlers import HANDLERS, refusal
+from .handlers import HANDLERS, TIMED, refusal
 from .keystore import StoredObject, StoreFull
 from .messages import (
     HEADER,
@@ -102,6 +102,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections += 1
+        self.server.open_connections.add(self)
         self.busy = self.server.connections > self.cfg.max_connections
         if self.cfg.tls_ca:
             ssl_object = transport.get_extra_info("ssl_object")
@@ -134,6 +135,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections -= 1
+        self.server.open_connections.discard(self)
         if self.tenant:
             self.server.tenant_connections[self.tenant] -= 1
         for put in self.puts.values():  # unfinished PUTs leave nothing behind
@@ -395,7 +397,11 @@ class Connection(asyncio.BufferedProtocol):
         why = refusal(mtype)
         if why is not None:
             raise ProtocolError(why)
+        started = time.perf_counter()
         HANDLERS[mtype](self, stream, decode(mtype, payload))
+        timed = TIMED.get(mtype)  # answered by now (pushes and pulls are timed apart)
+        if timed is not None:
+            self.server.counts.latencies.observe(timed, time.perf_counter() - started)
 
     def _on_hello(self, stream: int, payload: memoryview) -> None:
         try:
@@ -465,5 +471,6 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.server.counts.pulls += 1
         seconds = time.perf_counter() - started
+        self.server.counts.latencies.observe("pull", seconds)
         log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,
                  units.rate(obj.nbytes, seconds))

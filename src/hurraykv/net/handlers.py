@@ -66,6 +66,13 @@ HANDLERS: dict[int, Callable[[Connection, int, Any], None]] = {
     T.RETAIN: admin.retain,
 }
 
+# the requests answered at once, by what the latency histograms call them (a push is
+# timed from its first TENSOR_PUT to its ACK, a pull until its last frame is written)
+TIMED: dict[int, str] = {T.DELETE: "delete", T.HAS: "has", T.LINK: "link",
+                         T.LOCATE: "locate", T.LIST: "list", T.ALIASES: "aliases",
+                         T.STAT: "stat", T.RETAIN: "retain", T.PING: "ping"}
+REQUESTS = ("push", "pull", *TIMED.values())
+
 REFUSED: dict[int, str] = {
     T.TENSOR_DATA: "tensor_data without a TENSOR_PUT open on this stream",
     T.CLIENT_HELLO: "CLIENT_HELLO may be sent once per connection",

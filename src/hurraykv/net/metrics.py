@@ -2,8 +2,10 @@
 health check at ``/healthz``, served by a small threaded HTTP server beside the event loop.
 
 Nothing is counted for the metrics alone: a collector reads, at scrape time, what the
-server keeps anyway (its store's accounts, its ``Counts``) into a registry of its own, so
-two servers in one process never share or clash over a metric.  ``prometheus_client`` is
+server keeps anyway (its store's accounts, its ``Counts`` with the request latencies)
+into a registry of its own, so two servers in one process never share or clash over a
+metric; the registry also holds ``prometheus_client``'s process collector (``process_*``)
+and ``hurraykv_build_info`` says the version.  ``prometheus_client`` is
 imported when an endpoint starts, not with this module (``hurraykv[metrics]``).
 
 ``/healthz`` asks the event loop to run a callback and waits for it: 200 when the loop
@@ -78,9 +80,37 @@ class ServerCollector:
         return []  # a private registry: nothing to clash with
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            InfoMetricFamily,
+        )
+
+        from .. import __version__
+        from .handlers import REQUESTS
+        from .messages import PROTOCOL_VERSION
+        from .server import LATENCY_BUCKETS
 
         server = self.server
+        yield InfoMetricFamily("hurraykv_build", "The hurraykv version serving, and the "
+                               "interchange protocol it speaks",
+                               value={"version": __version__,
+                                      "protocol": str(PROTOCOL_VERSION)})
+        latency = HistogramMetricFamily(PREFIX + "request_duration_seconds", "Seconds from "
+                                        "a request's arrival to its answer, by request: a "
+                                        "push from its first TENSOR_PUT to its ACK, a pull "
+                                        "to its last frame written, the others to their "
+                                        "reply (requests answered with ERROR: errors_total)",
+                                        labels=["request"])
+        for request in REQUESTS:  # every request from the start, at 0
+            counts, total = server.counts.latencies.read(request)
+            running, cumulative = 0, []
+            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                running += n
+                cumulative.append((_bound(bound), running))
+            latency.add_metric([request], cumulative, total)
+        yield latency
         s = server.store.stats()
         counts = server.counts
 
@@ -152,6 +182,11 @@ class ServerCollector:
             yield counter("metrics_timeouts", "Connections to --metrics-listen closed for "
                           f"not sending a request within {READ_TIMEOUT} s (or not taking "
                           "the reply)", endpoint.timeouts)
+
+
+def _bound(seconds: float) -> str:
+    """A bucket's ``le`` as Prometheus writes it: ``0.005``, ``1.0``, ``+Inf``."""
+    return "+Inf" if seconds == float("inf") else repr(float(seconds))
 
 
 class _Deadline(io.RawIOBase):
@@ -246,7 +281,7 @@ class MetricsEndpoint:
     def __init__(self, server: KVServer, listen: str,
                  loop: asyncio.AbstractEventLoop) -> None:
         require("prometheus_client", "metrics", "hurraykv serve --metrics-listen")
-        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 
         self.server, self.loop = server, loop
         self.open = 0  # connections admitted and not yet closed
@@ -259,6 +294,9 @@ class MetricsEndpoint:
         self._unlogged: Counter[str] = Counter()
         self.registry = CollectorRegistry()
         self.registry.register(ServerCollector(server))
+        # process_* (CPU seconds, resident memory, open descriptors, start time): read
+        # from /proc where there is one (Linux), absent elsewhere
+        ProcessCollector(registry=self.registry)
         self._metrics = make_wsgi_app(self.registry)
         host, port = parse_metrics_address(listen)
         try:

@@ -126,5 +126,6 @@ async def _commit(c: Connection, stream: int, put: Put) -> None:
              units.rate(obj.nbytes, seconds))
     c._write(message(MessageType.TENSOR_PUT_ACK, stream))
     c.server.counts.pushes += 1
+    c.server.counts.latencies.observe("push", seconds)
 
 
