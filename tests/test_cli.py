@@ -74,7 +74,7 @@ def test_inspect_validate_and_compact_snapshots(tmp_path):
         v = run("validate", str(tmp_path / name))
         assert v.returncode == 0 and v.stderr == ""  # no progress bar off a terminal
     assert "model       : test-int8" in run("inspect", str(tmp_path / "s.hrry")).stdout
-    c = run("compact", "--quiet", str(tmp_path / "s.hrry"), str(tmp_path / "c.hrry"))
+    c = run("compact", str(tmp_path / "s.hrry"), str(tmp_path / "c.hrry"))
     assert c.returncode == 0 and "42 of 54 pages kept" in c.stdout
     small = hk.load_snapshot(tmp_path / "c.hrry")
     for a, b in zip(small.tensors(), s.tensors(), strict=True):
@@ -341,7 +341,7 @@ def test_validate_and_inspect_read_a_pipe_once(tmp_path):
     assert piped.stdout.replace(b"<stdin>", str(tmp_path / "s.hrry").encode()) == direct.stdout
 
 
-@pytest.mark.parametrize(("url", "said"), [("redis://127.0.0.1:1", "ConnectionError"),
+@pytest.mark.parametrize(("url", "said"), [("redis://127.0.0.1:1", "cannot reach it"),
                                            ("file:///tmp/x", "redis://HOST:PORT")])
 def test_store_fsck_of_a_store_it_cannot_reach_is_a_usage_exit_not_a_traceback(url, said,
                                                                              capsys):

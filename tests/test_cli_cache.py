@@ -79,7 +79,7 @@ def test_ls_lists_each_identity_and_clear_removes_one(url, capsys):
         store.close()
     # by the identity string, as the connector logs it; then nothing is left
     assert main(["cache", "clear", url, "--identity", B]) == 0
-    assert "removed 1 segments" in capsys.readouterr().out
+    assert "removed 1 segment " in capsys.readouterr().out
     assert ls(url, capsys)["segments"] == []
 
 
@@ -110,7 +110,7 @@ def test_pin_by_segment_and_by_prompt_prefix(tmp_path, capsys):
     url = (tmp_path / "kv").as_uri()
     names = fill(url)
     assert main(["cache", "pin", url, "--segment", names[A][0], "--ttl", "600"]) == 0
-    assert "pinned 1 segments, a miss in 600 s" in capsys.readouterr().out
+    assert "pinned 1 segment, a miss in 600 s" in capsys.readouterr().out
     listed = {s["name"]: s for s in ls(url, capsys)["segments"]}
     assert listed[names[A][0]]["pinned"] and listed[names[A][0]]["expiry"] > time.time()
     assert not listed[names[A][1]]["pinned"]

@@ -1,32 +1,50 @@
 """The ``hurraykv`` command line.
 
     hurraykv inspect [--json] [--seqs] [--map OUT.svg] PATH   a descriptor, stream or .hrry
-    hurraykv validate [--permissive] PATH
-    hurraykv compact IN OUT              keep only referenced pages (.hrry or stream in)
+    hurraykv validate [--json] [-q] [--permissive] PATH
+    hurraykv compact [-q] IN OUT         keep only referenced pages (.hrry or stream in)
     hurraykv serve [--listen 127.0.0.1:7878] [--memory-budget 8G] [--persist DIR]
                    [--persist-budget 64G] [--metrics-listen HOST:PORT] ...
-    hurraykv push ADDRESS KEY FILE  /  hurraykv pull ADDRESS KEY OUT.hrry
-    hurraykv ls [--aliases] ADDRESS [PREFIX]  /  stat ADDRESS  /  rm ADDRESS KEY...
+    hurraykv push [-q] ADDRESS KEY FILE  /  hurraykv pull [-q] ADDRESS KEY OUT.hrry
+    hurraykv ls [--json] [--aliases] ADDRESS [PREFIX]  /  stat [--json] ADDRESS
+    hurraykv rm [-q] ADDRESS KEY...
     hurraykv store fsck URL              repair a Redis page store after a crash
     hurraykv cache ls [--segments] URL   a connector's store: per cache identity
     hurraykv cache clear URL (--identity ID | --all)
     hurraykv cache pin URL (--segment NAME | --tokens FILE --identity S) [--ttl S] [--unpin]
 
+A path of ``-`` is standard input for what is read (inspect, validate) and standard
+output for the .hrry file ``compact`` and ``pull`` write; their summary line then goes to
+stderr, so standard output holds only the file.
+
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
-on stderr); 2 usage, or a file, directory or server that cannot be read, written or
-reached.  Progress bars go to stderr for work over about a second, unless --quiet or
-stderr is not a terminal.  Sizes are binary (KiB, MiB, GiB), rates GiB/s.
+on stderr); 2 usage (an option, address or URL that cannot be used, named with its value
+and the rule), or a file, directory or server that cannot be read, written or reached;
+141 (128 + SIGPIPE, as for a program the signal ends) when whoever reads standard output
+closed it early (``| head``): nothing more is printed.  Progress bars go to stderr for
+work over about a second, unless -q/--quiet (which also drops the summary line) or
+stderr is not a terminal.  Sizes are binary (KiB, MiB, GiB), rates too (bytes/s, KiB/s,
+MiB/s, GiB/s: the unit that fits).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__, units
-from ..errors import HurrayError, MissingDependencyError, TransportError
+from ..errors import (
+    ConfigError,
+    HurrayError,
+    MissingDependencyError,
+    TransportError,
+    did_you_mean,
+)
 from .cache import add_parsers as add_cache_parsers
 from .inputs import CannotRead
 from .local import cmd_compact, cmd_inspect, cmd_validate
@@ -34,6 +52,19 @@ from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
 from .store import cmd_store_fsck
 
 USAGE, INVALID = 2, 1
+CLOSED_PIPE = 128 + 13  # SIGPIPE: the exit status of a program the signal ends
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped command or choice."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        bad = re.search(r"invalid choice: '?([^' ]*)'?", message)
+        if bad is not None:
+            known = [str(c) for a in self._actions if a.choices is not None
+                     for c in a.choices]
+            message += did_you_mean(bad.group(1), known)
+        super().error(message)
 
 
 def _greater_than_zero(parse: Callable[[str], Any], what: str, rule: str
@@ -56,6 +87,18 @@ _seconds = _greater_than_zero(float, "a number of seconds", "seconds must be > 0
 _positive = _greater_than_zero(int, "a whole number", "must be > 0")
 
 
+def _address(text: str) -> str:
+    """An argparse ``type``: a server address (``HOST:PORT``, a socket path, ...), checked
+    as the server and the client parse it (a usage error otherwise); kept as given."""
+    from ..net.server import parse_address
+
+    try:
+        parse_address(text)
+    except HurrayError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _metrics_address(text: str) -> str:
     """An argparse ``type``: ``HOST:PORT`` for the HTTP metrics endpoint."""
     from ..net.metrics import parse_metrics_address
@@ -67,9 +110,15 @@ def _metrics_address(text: str) -> str:
     return text
 
 
+def _quiet(sp: argparse.ArgumentParser, what: str = "progress bar") -> None:
+    sp.add_argument("-q", "--quiet", action="store_true", help=f"no {what} and no summary "
+                    "line (errors still go to stderr; the exit code says how it went)")
+
+
 def _client_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("address", help="the server: HOST:PORT, HOST (port 7878), "
-                    "hurray://HOST:PORT, or a Unix socket path")
+    sp.add_argument("address", type=_address, help="the server: HOST:PORT, HOST "
+                    "(port 7878), hurray://HOST:PORT, or a Unix socket path (the address "
+                    "`hurraykv serve` prints as 'listening on', not its metrics port)")
     sp.add_argument("--tls-ca", help="PEM CA bundle that verifies the server's certificate "
                     "(enables TLS)")
     sp.add_argument("--tls-cert", help="PEM client certificate, for a server that requires "
@@ -80,9 +129,9 @@ def _client_options(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hurraykv", description=__doc__.splitlines()[0],
-                                epilog="exit codes: 0 success, 1 data rejected, 2 usage or "
-                                "cannot read/write/reach")
+    p = _Parser(prog="hurraykv", description=__doc__.splitlines()[0],
+                epilog="exit codes: 0 success, 1 data rejected, 2 usage or cannot "
+                "read/write/reach, 141 standard output closed early (| head)")
     p.add_argument("--version", action="version", version=(
         f"hurraykv {__version__} (Hurray descriptor 1.0, .hrry container 1.0, "
         "interchange protocol 1)"))
@@ -102,17 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
                        "stderr)")
     v.add_argument("--permissive", action="store_true",
                    help="skip what the spec lets a permissive reader skip (descriptors)")
-    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.add_argument("--json", action="store_true", help="the verdict as one JSON object on "
+                   "stdout, also when rejected: path, valid, kind, snapshot, checksums "
+                   "(verified, absent or null), summary; or error {type, message, field}")
+    _quiet(v)
     v.add_argument("path", help="a file, or - for standard input")
     v.set_defaults(func=cmd_validate)
     c = sub.add_parser("compact", help="rewrite a snapshot keeping only referenced pages")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    _quiet(c)
     c.add_argument("input", help="a .hrry file or a stream holding a snapshot")
-    c.add_argument("output", help="the .hrry file to write (atomically)")
+    c.add_argument("output", help="the .hrry file to write (atomically), or - for standard "
+                   "output (the summary then goes to stderr)")
     c.set_defaults(func=cmd_compact)
 
-    sv = sub.add_parser("serve", help="run a KV cache server")
-    sv.add_argument("--listen", default="127.0.0.1:7878",
+    sv = sub.add_parser("serve", help="run a KV cache server", description="Run a KV "
+                        "cache server.  Start-up lines go to stdout, once each (the first "
+                        "ends in the address clients use); the log goes to stderr; SIGTERM "
+                        "or Ctrl-C closes every connection and prints what was held.  A "
+                        "setting that cannot be used (--listen, --store, --persist, "
+                        "--tls-*) is one line naming the option and the value, exit 2.")
+    sv.add_argument("--listen", default="127.0.0.1:7878", type=_address,
                     help="HOST:PORT or a Unix socket path (default: loopback 127.0.0.1:7878; "
                     "a port of 0 picks a free one)")
     sv.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
@@ -169,23 +227,37 @@ def build_parser() -> argparse.ArgumentParser:
         _client_options(sp)
         sp.add_argument("key")
         if name == "push":
-            sp.add_argument("file", help="a .hrry file or a stream holding a snapshot")
+            sp.add_argument("file", help="a .hrry file or a stream holding a snapshot (one "
+                            "larger than a budget the server's stat shows is refused "
+                            "before a byte is sent)")
         else:
-            sp.add_argument("output", help="the .hrry file to write (atomically)")
-        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+            sp.add_argument("output", help="the .hrry file to write (atomically), or - for "
+                            "standard output (the summary then goes to stderr)")
+        _quiet(sp)
         sp.set_defaults(func=cmd_push if name == "push" else cmd_pull)
-    ls = sub.add_parser("ls", help="the keys a server holds, with their sizes")
+    ls = sub.add_parser("ls", help="the keys a server holds, with their sizes",
+                        description="The keys a server holds (in memory or persisted), "
+                        "each with its size: its data bytes, the tensors' buffers as "
+                        "pushed (not the size of its .hrry file on disk), the same before "
+                        "and after a restart of the server.")
     _client_options(ls)
     ls.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
     ls.add_argument("--aliases", action="store_true", help="list aliases (LINK) and the "
                     "keys they name instead of stored keys")
+    ls.add_argument("--json", action="store_true", help="one JSON object: address, prefix, "
+                    "count, bytes and keys [{key, bytes}] (with --aliases: aliases "
+                    "[{alias, target}])")
     ls.set_defaults(func=cmd_ls)
     st = sub.add_parser("stat", help="a server's objects, bytes, budget and connections")
     _client_options(st)
+    st.add_argument("--json", action="store_true", help="the server's counters as one JSON "
+                    "object, as it sends them (bytes as integers, budgets null when "
+                    "unlimited)")
     st.set_defaults(func=cmd_stat)
     rm = sub.add_parser("rm", help="delete keys (and the aliases naming them) or aliases "
                         "from a server")
     _client_options(rm)
+    _quiet(rm, "line per key removed")
     rm.add_argument("keys", nargs="+", metavar="KEY")
     rm.set_defaults(func=cmd_rm)
     store = sub.add_parser("store", help="maintain a Redis/Valkey page store")
@@ -205,9 +277,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _numeric_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings, in ``parser`` and its subcommands, that take a number."""
+    found: set[str] = set()
+    for action in parser._actions:
+        if action.option_strings and (action.type in (_size, _seconds, _positive, int, float)):
+            found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _numeric_options(sub)
+    return found
+
+
+def _negatives_attached(argv: list[str], options: set[str]) -> list[str]:
+    """``--memory-budget -5G`` as ``--memory-budget=-5G``: argparse takes ``-5G`` for an
+    option and says only "expected one argument"; attached, the value reaches its type,
+    which says why it cannot be (a size must be > 0)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in options and i + 1 < len(argv) and re.match(r"-\.?[0-9]", argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _stdout_closed() -> int:
+    """Whoever reads standard output has closed it: say nothing more, exit as SIGPIPE
+    would (Python's own flush at exit would otherwise print a traceback)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real descriptor (a test's capture): nothing flushes it at exit
+    return CLOSED_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_negatives_attached(argv, _numeric_options(parser)))
     if getattr(args, "persist_budget", None) is not None and not args.persist:
         parser.error("--persist-budget bounds the --persist directory: give --persist DIR")
     if getattr(args, "max_bytes_per_tenant", None) is not None and not args.tls_ca:
@@ -215,19 +330,26 @@ def main(argv: list[str] | None = None) -> int:
                      "give --tls-ca (and --tls-cert, --tls-key)")
     args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
                     or getattr(args, "address", None) or getattr(args, "url", ""))
+
+    def say(text: str, subject: str | None = None) -> None:
+        subject = args.subject if subject is None else subject
+        print(f"hurraykv: {subject}: {text}" if subject else f"hurraykv: {text}",
+              file=sys.stderr)
+
     try:
-        return args.func(args)
-    except CannotRead as e:
-        print(f"hurraykv: {e}", file=sys.stderr)
-        return USAGE
-    except (TransportError, MissingDependencyError) as e:
-        print(f"hurraykv: {e}", file=sys.stderr)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone shows here, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (CannotRead, TransportError, MissingDependencyError, ConfigError) as e:
+        say(str(e), "")  # each names what it could not read, reach or use
         return USAGE
     except OSError as e:  # a file the user named
-        print(f"hurraykv: {args.subject}: {e.strerror or e}", file=sys.stderr)
+        say(e.strerror or str(e), str(e.filename) if e.filename else None)
         return USAGE
     except HurrayError as e:
-        print(f"hurraykv: {args.subject}: {type(e).__name__}: {e}", file=sys.stderr)
+        say(f"{type(e).__name__}: {e}")
         return INVALID
 
 

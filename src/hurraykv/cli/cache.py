@@ -53,6 +53,9 @@ def add_parsers(sub: Any) -> None:
                     "many seconds from now")
     pn.add_argument("--unpin", action="store_true", help="release the pin (with --ttl: "
                     "keep only the lifetime)")
+    for p in (cl, pn):
+        p.add_argument("-q", "--quiet", action="store_true", help="no summary line (errors "
+                       "still go to stderr; the exit code says how it went)")
     for p, func in ((ls, cmd_cache_ls), (cl, cmd_cache_clear), (pn, cmd_cache_pin)):
         p.add_argument("url", help="file:///DIR, hurray://HOST:PORT or redis://HOST:PORT")
         p.add_argument("--json", action="store_true", help="the answer as one JSON object")
@@ -123,8 +126,8 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
                 f" expires in {max(0.0, s.expiry - now):.0f} s" if s.expiry else "")
             print(f"  {s.name}  {units.size(s.nbytes):>10}  {_ago(s.used, now):>12}  "
                   f"{s.identity_key or '-'}  {kept.strip()}")
-    print(f"{len(segments)} segments, {units.size(sum(s.nbytes for s in segments))} in "
-          f"{args.url}")
+    print(f"{units.plural(len(segments), 'segment')}, "
+          f"{units.size(sum(s.nbytes for s in segments))} in {args.url}")
     return 0
 
 
@@ -160,8 +163,8 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"url": args.url, "identity_key": wanted, "removed": len(removed),
                           "bytes": nbytes}, sort_keys=True))
-    else:
-        print(f"removed {len(removed)} segments ({units.size(nbytes)}) of "
+    elif not args.quiet:
+        print(f"removed {units.plural(len(removed), 'segment')} ({units.size(nbytes)}) of "
               f"{'every identity' if wanted is None else 'identity ' + wanted} from "
               f"{args.url}", file=sys.stdout)
     return 0
@@ -224,10 +227,10 @@ def cmd_cache_pin(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"url": args.url, "retained": done, "missing": missing,
                           "pin": not args.unpin, "ttl_s": args.ttl}, sort_keys=True))
-    else:
+    elif not args.quiet:
         what = "unpinned" if args.unpin else "pinned"
         life = f", a miss in {args.ttl:g} s" if args.ttl else ""
-        print(f"{what} {len(done)} segments{life}" + (
+        print(f"{what} {units.plural(len(done), 'segment')}{life}" + (
             f"; not stored: {', '.join(missing)}" if missing else ""))
     return 1 if missing else 0
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 from .. import units
-from ..errors import StreamError
+from ..errors import HurrayError, StreamError
 from ..io import checksums
 from ..io.atomic import write_bytes
 from ..io.checksums import ChecksumError
@@ -132,6 +137,40 @@ def _check_writable(path: str) -> None:
         raise CannotRead(f"cannot write {path}: the directory {parent} does not exist")
 
 
+STDOUT = "-"
+
+
+def check_output(path: str) -> None:
+    """Before the work: ``path`` can be written; ``-`` (standard output) must not be a
+    terminal, which a binary .hrry file would garble."""
+    if path != STDOUT:
+        _check_writable(path)
+    elif sys.stdout.isatty():
+        raise CannotRead("refusing to write a binary .hrry file to a terminal: redirect "
+                         "standard output (> FILE) or pipe it, or name a file instead of -")
+
+
+def human(path: str) -> TextIO:
+    """Where the summary line goes: stderr when the .hrry file goes to standard output."""
+    return sys.stderr if path == STDOUT else sys.stdout
+
+
+def write_output(path: str, write: Callable[[str], Any]) -> None:
+    """``write(file)`` writes the .hrry file: to ``path``, or for ``-`` to a temporary
+    file (``$TMPDIR``; the format ends in an index, written last) copied to standard
+    output, then removed."""
+    if path != STDOUT:
+        write(path)
+        return
+    out = sys.stdout.buffer
+    with tempfile.TemporaryDirectory(prefix="hurraykv-") as tmp:
+        name = os.path.join(tmp, "out.hrry")
+        write(name)
+        with open(name, "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 20)
+    out.flush()
+
+
 def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
     """Build every member: validates the index buffers of each (invariants 1-3, D6)."""
     progress = Progress("validating", quiet)
@@ -143,9 +182,34 @@ def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:
     progress.close()
 
 
+NO_CHECKSUMS = ("no checksums: values not verified; write it with save_snapshot(..., "
+                "checksums=True), the default since 0.1.0")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        verdict = _validate(args)
+    except (HurrayError, CannotRead) as e:
+        if args.json:  # the verdict on stdout, then the usual line on stderr and exit code
+            print(json.dumps({"path": "<stdin>" if args.path == "-" else args.path,
+                              "valid": False, "error": {
+                                  "type": type(e).__name__, "message": str(e),
+                                  "field": getattr(e, "field", None)}}, sort_keys=True))
+        raise
+    if args.json:
+        print(json.dumps(verdict, sort_keys=True))
+    elif not args.quiet:
+        print(verdict["summary"])
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> dict[str, Any]:
+    """The verdict on a valid input (a rejection raises): path, valid, kind, snapshot,
+    checksums ("verified", "absent", or None where a kind has none), summary."""
     inp = Input(args.path)
     contents = load_contents(inp, args.permissive)
+    verdict: dict[str, Any] = {"path": inp.name, "valid": True, "kind": contents.kind,
+                               "snapshot": contents.snapshot is not None, "checksums": None}
     if contents.desc is not None:
         desc = contents.desc
         torn = torn_head(desc)
@@ -154,26 +218,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
                               value=desc.layout.member_count,
                               rule="a composite closes at its Nth member")
         note = f" (permissive: relaxed {len(desc.relaxed)} rule(s))" if desc.relaxed else ""
-        print(f"{inp.name}: valid descriptor{note}")
-        return 0
+        return verdict | {"summary": f"{inp.name}: valid descriptor{note}"}
     if contents.snapshot is not None:
         _build_all(contents.snapshot, args.quiet)
-        if checksums.has_checksums(contents.snapshot):  # a wrong count is not damage
+        summed = checksums.has_checksums(contents.snapshot)
+        if summed:  # a wrong count is not damage
             checksums.check_entry(contents.snapshot, inp.name)
         bad = _damaged(contents.snapshot)
         if bad:
             raise ChecksumError(f"{inp.name}: stored values do not match their checksums: "
                                 f"{bad}", field=checksums.KEY, value=bad,
                                 rule="stored bytes equal those checksummed when written")
-        summed = " (every stored value matches its checksum)" if checksums.has_checksums(
-            contents.snapshot) else " (no checksums: values not verified)"
-        print(f"{inp.name}: valid {contents.kind}, {contents.snapshot!r}{summed}")
-        return 0
+        said = " (every stored value matches its checksum)" if summed else (
+            f" ({NO_CHECKSUMS})")
+        return verdict | {"checksums": "verified" if summed else "absent",
+                          "summary": f"{inp.name}: valid {contents.kind}, "
+                                     f"{contents.snapshot!r}{said}"}
     built = check_tensors(contents)
     paged = sum(t is not None for t in built)
-    print(f"{inp.name}: valid {contents.kind}, {len(built)} tensors ({paged} block-paged), "
-          "no KV snapshot")
-    return 0
+    return verdict | {"summary": f"{inp.name}: valid {contents.kind}, "
+                                 f"{units.plural(len(built), 'tensor')} ({paged} "
+                                 "block-paged), no KV snapshot"}
 
 
 def _damaged(snap: Any) -> str:
@@ -192,13 +257,16 @@ def cmd_compact(args: argparse.Namespace) -> int:
     snap = contents.snapshot
     if snap is None:
         raise CannotRead(f"{args.input} holds no KV snapshot")
-    _check_writable(args.output)
+    check_output(args.output)
     before = sum(t.num_pages for t in snap.tensors())
     compacted = snap.compact()
     after = sum(t.num_pages for t in compacted.tensors())
     progress = Progress("saving", args.quiet)
-    save_snapshot(compacted, args.output, progress=progress)
+    write_output(args.output, lambda path: save_snapshot(
+        compacted, path, progress=progress, fsync=args.output != STDOUT))
     progress.close()
-    print(f"{args.output}: {units.count(after)} of {units.count(before)} pages kept, "
-          f"{units.size(compacted.nbytes)} of {units.size(snap.nbytes)}")
+    if not args.quiet:
+        print(f"{'<stdout>' if args.output == STDOUT else args.output}: {units.count(after)} "
+              f"of {units.plural(before, 'page')} kept, {units.size(compacted.nbytes)} of "
+              f"{units.size(snap.nbytes)}", file=human(args.output))
     return 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import json
 import sys
 import time
 from typing import Any
 
 from .. import units
 from .inputs import CannotRead, Input, load_contents
-from .local import _check_writable
+from .local import STDOUT, check_output, human, write_output
 from .progress import Progress
 
 
@@ -36,8 +37,13 @@ def loopback(listen: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Start-up lines on stdout, each once (the first ends in the address); the server's
+    log on stderr; a line of what was held at SIGTERM or Ctrl-C.  A setting the server
+    cannot use (``--store``, ``--persist``, ``--tls-*``, ``--listen``) is one line naming
+    the option and the value, exit 2, before anything listens."""
     import asyncio
     import logging
+    import signal
 
     from ..net.server import KVServer, ServerConfig
 
@@ -53,31 +59,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           zero_unused=not args.no_zero_unused,
                           metrics_listen=args.metrics_listen, **_tls(args))
     server = KVServer(config)
+
+    def say(text: str) -> None:  # instead of the server's log lines: printed once
+        print(f"hurraykv serve: {text}", flush=True)
+
+    server.announce = say
     if not args.tls_cert and not loopback(args.listen):
         print(f"hurraykv serve: warning: serving {args.listen} without TLS: anyone who can "
               "reach it can read, overwrite and delete every key; add --tls-cert, --tls-key "
               "and --tls-ca (mutual TLS scopes keys per client)", file=sys.stderr, flush=True)
 
     async def run() -> None:
-        address = await server.start()
-        print(f"hurraykv serve: listening on {address}", flush=True)
+        await server.start()
         budget = ("unlimited" if args.memory_budget is None
                   else units.size(args.memory_budget))
         persist = args.persist or "off"
         if args.persist:
             persist += (" (unlimited)" if args.persist_budget is None
                         else f" (budget {units.size(args.persist_budget)})")
-        if server.metrics_address:
-            print(f"hurraykv serve: metrics on http://{server.metrics_address}/metrics, "
-                  "health on /healthz", flush=True)
-        print(f"hurraykv serve: memory budget {budget}; persist "
-              f"{persist}; backing store {args.store or 'none'}; TLS "
-              f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
-              f"{args.max_connections} connections, messages up to "
-              f"{units.size(args.max_message_size)}", flush=True)
+        say(f"memory budget {budget}; persist {persist}; backing store "
+            f"{args.store or 'none'}; TLS "
+            f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
+            f"{args.max_connections} connections, messages up to "
+            f"{units.size(args.max_message_size)}; holding {server.held()}")
+        task = asyncio.current_task()
+        assert task is not None
+        # SIGTERM (systemd, docker stop, kill) ends it as Ctrl-C does: the server closes
+        # its connections and says what it held (asyncio.run cancels on SIGINT itself)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         await server.serve_forever()
 
-    with contextlib.suppress(KeyboardInterrupt):
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
         asyncio.run(run())
     return 0
 
@@ -99,10 +111,12 @@ def cmd_push(args: argparse.Namespace) -> int:
     snap.tensors()  # every member checked before anything is sent
     progress = Progress(f"push {args.key}", args.quiet)
     with _client(args) as client:
+        client.check_room(args.key, snap.nbytes)  # STORE_FULL before a byte is sent
         seconds = client.push(args.key, snap, progress=progress)
     progress.close()
-    print(f"pushed {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
-          f"({units.rate(snap.nbytes, seconds)})")
+    if not args.quiet:
+        print(f"pushed {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
+              f"({units.rate(snap.nbytes, seconds)})")
     return 0
 
 
@@ -110,7 +124,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from ..io.snapshots import save_snapshot
 
     args.subject = args.output
-    _check_writable(args.output)  # before the transfer, not after it
+    check_output(args.output)  # before the transfer, not after it
     progress = Progress(f"pull {args.key}", args.quiet)
     t0 = time.perf_counter()
     with _client(args) as client:
@@ -118,9 +132,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     progress.close()
     args.subject = args.output
-    save_snapshot(snap, args.output)
-    print(f"pulled {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
-          f"({units.rate(snap.nbytes, seconds)}) -> {args.output}")
+    write_output(args.output, lambda path: save_snapshot(snap, path,
+                                                         fsync=args.output != STDOUT))
+    if not args.quiet:
+        shown = "<stdout>" if args.output == STDOUT else args.output
+        print(f"pulled {args.key}: {units.size(snap.nbytes)} in {seconds:.3f} s "
+              f"({units.rate(snap.nbytes, seconds)}) -> {shown}", file=human(args.output))
     return 0
 
 
@@ -128,24 +145,39 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.aliases:
         with _client(args) as client:
             aliases = sorted(client.aliases(args.prefix))
+        if args.json:
+            print(json.dumps({"address": args.address, "prefix": args.prefix,
+                              "count": len(aliases), "aliases": [
+                                  {"alias": a, "target": t} for a, t in aliases]},
+                             sort_keys=True))
+            return 0
         width = max((len(a) for a, _ in aliases), default=5)
         for alias, target in aliases:
             print(f"{alias:<{width}}  -> {target}")
-        print(f"{units.count(len(aliases))} aliases (`hurraykv rm` removes one)")
+        print(f"{units.plural(len(aliases), 'alias')} (`hurraykv rm` removes one)")
         return 0
     with _client(args) as client:
         keys = sorted(client.list_keys(args.prefix))
+    total = sum(n for _, n in keys)
+    if args.json:
+        print(json.dumps({"address": args.address, "prefix": args.prefix,
+                          "count": len(keys), "bytes": total,
+                          "keys": [{"key": k, "bytes": n} for k, n in keys]},
+                         sort_keys=True))
+        return 0
     width = max((len(k) for k, _ in keys), default=3)
     for key, nbytes in keys:
         print(f"{key:<{width}}  {units.size(nbytes):>12}")
-    total = sum(n for _, n in keys)
-    print(f"{units.count(len(keys))} keys, {units.size(total)}")
+    print(f"{units.plural(len(keys), 'key')}, {units.size(total)}")
     return 0
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
     with _client(args) as client:
         s = client.stat()
+    if args.json:
+        print(json.dumps(s, sort_keys=True))
+        return 0
     budget = s.get("memory_budget")
     persist = s.get("persist")
     rows = [
@@ -174,11 +206,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
                                      f"{units.count(s.get('disk_evictions', 0))} from disk"))
     if "pushes" in s:
         errors = sum(s.get("errors", {}).values())
-        rows.append(("traffic", f"{units.count(s['pushes'])} pushes, "
-                                f"{units.count(s.get('pulls', 0))} pulls, "
+        rows.append(("traffic", f"{units.plural(s['pushes'], 'push')}, "
+                                f"{units.plural(s.get('pulls', 0), 'pull')}, "
                                 f"{units.size(s.get('bytes_received', 0))} received, "
                                 f"{units.size(s.get('bytes_sent', 0))} sent, "
-                                f"{units.count(errors)} errors"))
+                                f"{units.plural(errors, 'error')}"))
     if "tenant" in s:  # a server under mutual TLS counts this client's own
         rows.insert(1, ("tenant", f"{s['tenant']} (the counts below are this tenant's)"))
     for name, value in rows:
@@ -190,5 +222,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     with _client(args) as client:
         for key in args.keys:
             client.delete(key)
-            print(f"removed {key}")
+            if not args.quiet:
+                print(f"removed {key}")
     return 0
