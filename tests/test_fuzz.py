@@ -1,6 +1,7 @@
-"""Fuzzing in the suite: seeded mutations of real descriptors, files, streams and protocol
-sessions (``tests/fuzz/targets.py``).  Every input must end in success or a HurrayError,
-within 10 s and within twice its size in memory (plus a fixed allowance).
+"""Fuzzing in the suite: seeded mutations of real descriptors, files, streams, protocol
+sessions and client certificates (``tests/fuzz/targets.py``).  Every input must end in
+success or a HurrayError, within 10 s and within twice its size in memory (plus a fixed
+allowance).
 
 Under CI (``CI`` set) the seed is fixed, so every run replays the same inputs; elsewhere
 each run draws a new seed and prints it with any finding.  ``make fuzz`` runs the same
@@ -15,7 +16,8 @@ import pytest
 
 from tests.fuzz import targets
 
-COUNTS = {"descriptor": 20000, "hrry": 6000, "stream": 8000, "protocol": 5000}
+COUNTS = {"descriptor": 20000, "hrry": 6000, "stream": 8000, "protocol": 5000,
+          "tenant": 20000}
 
 
 @pytest.fixture(scope="module", autouse=True)

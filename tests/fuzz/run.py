@@ -2,7 +2,7 @@
 installed (libFuzzer's mutations steered by which lines of hurraykv an input reaches),
 else with the suite's own mutator for the same time.
 
-    python -m tests.fuzz.run [--seconds 120] [--target descriptor|hrry|stream|protocol]
+    python -m tests.fuzz.run [--seconds 120] [--target descriptor|hrry|stream|protocol|tenant]
 
 Each target runs in its own process, starting from the suite's seed corpus; a finding is
 saved under ``fuzz-findings/`` and makes the run exit non-zero.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = ("descriptor", "hrry", "stream", "protocol")
+TARGETS = ("descriptor", "hrry", "stream", "protocol", "tenant")
 OUT = Path("fuzz-findings")
 
 

@@ -14,6 +14,9 @@ Targets:
                    frame's payload through its own type's decoder, and a live server on
                    loopback fed the bytes as one connection; it must stay up and answer
                    a PING afterwards.  The seeds hold every message type.
+* ``tenant``     - a client certificate's tenant identity (``net/tenants.py``): an id or
+                   None, never another exception.  The seeds are the corpus of
+                   ``tests/data/tenant_ids.json``.
 
 Each check runs under tracemalloc: the peak traced allocation of one input may be at
 most ``2 x len(input)`` plus ``SLACK`` (decoded Python objects of a small input), so no
@@ -191,8 +194,17 @@ def protocol(data: bytes) -> None:
             raise AssertionError("the server did not answer PING after this input")
 
 
+def tenant(data: bytes) -> None:
+    from hurraykv.net.tenants import tenant_identity
+
+    got = tenant_identity(data)
+    if got is not None and not (len(got[0]) == 32 and isinstance(got[1], str)):
+        raise AssertionError(f"a tenant identity of an unexpected form: {got!r}")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
-    "descriptor": descriptor, "hrry": hrry, "stream": stream, "protocol": protocol}
+    "descriptor": descriptor, "hrry": hrry, "stream": stream, "protocol": protocol,
+    "tenant": tenant}
 
 
 # --------------------------------------------------------------------------- seeds
@@ -214,6 +226,10 @@ def seeds(target: str) -> list[bytes]:
         for snap in _snapshots():
             out.append(_hrry_bytes(snap))
         return out
+    if target == "tenant":
+        from tests.tenant_certs import load
+
+        return [case["der"] for case in load().values() if case["der"]]
     if target == "stream":
         out = []
         for snap in _snapshots():
@@ -332,6 +348,8 @@ def check(target: str, data: bytes) -> int:
     fn = TARGETS[target]
     if target == "protocol":
         _LiveServer.address()  # started (threads, loop, scratch) outside the measurement
+    if target == "tenant":
+        import cryptography.x509  # noqa: F401 - its import is not the input's allocation
     kernels.warm()  # compiling a kernel on first use is not the input's allocation
     started = not tracemalloc.is_tracing()
     if started:

@@ -1,18 +1,24 @@
 """Tenants under mutual TLS: who a client certificate names, and the keys it may touch.
 
 The identity of a client is read from its certificate's DER bytes (what the TLS library
-verified), never from a rendering of them: ``getpeercert()`` turns every otherName,
-x400Address and ediPartyName into ``'<unsupported>'``, so two certificates naming
-"alice" and "bob" as otherNames once read as the same tenant.  The identity is the exact
-DER of the issuer name, of the subject name and of every subjectAltName entry (all
-types: otherName, rfc822Name, dNSName, x400Address, directoryName, ediPartyName, URI,
+verified), never from a rendering of them: ``getpeercert()`` turns every otherName into
+``'<unsupported>'``, so two certificates naming "alice" and "bob" as otherNames once read
+as the same tenant.  The identity is the exact DER of the issuer name, of the subject name
+and of every subjectAltName entry (otherName, rfc822Name, dNSName, directoryName, URI,
 IP address, registeredID), the entries taken as a set (their order in the certificate
 does not matter, nor does an entry repeated; DER itself orders the attributes of an RDN).
 Certificates issued again with the same names (new key, new serial, new validity) are
 the same tenant; any difference in a name, its attribute types or their string types is
-another tenant.  A certificate with an empty subject and no subjectAltName names nobody,
-and one whose names cannot be read exactly (a structure this reader does not take) is
-refused too: both are answered ERROR UNAUTHORIZED before the Hurray handshake completes.
+another tenant.  A certificate with an empty subject and no subjectAltName names nobody.
+
+The certificate is read by ``cryptography`` (the ``[tls]`` extra, imported on the first
+certificate).  It takes strict DER only, parses every extension, and does not read
+x400Address or ediPartyName entries; releases differ at the edges (42 reads a
+PrintableString holding '@', 50 does not).  A certificate it cannot read is refused
+(``UnreadableIdentity``), as is one whose names it would not give back byte for byte:
+the ids are those of the DER reader this replaced, for every certificate both read
+(``tests/data/tenant_ids.json``).  Refused certificates, and one naming nobody, are
+answered ERROR UNAUTHORIZED before the Hurray handshake completes.
 
 Inside the server a tenant's key is ``tenant_id + NUL + key``, where ``tenant_id`` is
 the first 128 bits of SHA-256 over those DER bytes, in hex.  Client keys may not contain
@@ -23,122 +29,79 @@ keys of a server without tenants (no NUL at all) never meet tenant keys either.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ..errors import HurrayError
+from ..errors import HurrayError, require
 
 MAX_KEY_BYTES = 4096
 SEPARATOR = "\x00"
+DOMAIN = b"hurraykv tenant 2\x00"  # the hashed bytes' version: ids of releases before differ
 
-
-SAN_OID = bytes.fromhex("0603551d11")  # 2.5.29.17 subjectAltName, as its DER TLV
-DOMAIN = b"hurraykv tenant 2\x00"  # the hashed bytes' version
+T = TypeVar("T")
 
 
 class UnreadableIdentity(HurrayError):
     """A client certificate whose names cannot be read exactly (ERROR UNAUTHORIZED)."""
 
 
-def _element(der: bytes, pos: int, end: int, what: str) -> tuple[int, int, int]:
-    """``(tag, content start, element end)`` of the DER element at ``pos``; definite
-    lengths of at most 4 bytes and one-byte tags only, nothing past ``end``."""
-    if pos + 2 > end:
-        raise UnreadableIdentity(f"client certificate: {what} at byte {pos} is cut short",
-                                 field=what, offset=pos, rule="DER, within its parent")
-    tag, n = der[pos], der[pos + 1]
-    start = pos + 2
-    if tag & 0x1F == 0x1F:
-        raise UnreadableIdentity(f"client certificate: {what} at byte {pos} has a multi-byte "
-                                 f"tag 0x{tag:02x}", field=what, offset=pos, value=tag,
-                                 rule="one-byte DER tags")
-    if n & 0x80:
-        k = n & 0x7F
-        if not 1 <= k <= 4 or start + k > end:
-            raise UnreadableIdentity(f"client certificate: {what} at byte {pos} has length "
-                                     f"form 0x{n:02x}", field=what, offset=pos, value=n,
-                                     rule="definite DER lengths of 1-4 bytes")
-        n = int.from_bytes(der[start:start + k], "big")
-        start += k
-    if start + n > end:
-        raise UnreadableIdentity(f"client certificate: {what} at byte {pos} claims {n} "
-                                 f"bytes, {end - start} remain", field=what, offset=pos,
-                                 value=n, rule="DER, within its parent")
-    return tag, start, start + n
+def _x509() -> Any:
+    """cryptography's X.509 module, imported here so that a server without mutual TLS (and
+    ``import hurraykv``) never needs it; MissingDependencyError names the extra."""
+    return require("cryptography.x509", "tls", "reading client certificates (mutual TLS)")
 
 
-def _children(der: bytes, start: int, end: int, what: str) -> list[tuple[int, int, int]]:
-    """``(tag, element start, element end)`` of each element in ``[start, end)``."""
-    out = []
-    pos = start
-    while pos < end:
-        tag, _, stop = _element(der, pos, end, what)
-        out.append((tag, pos, stop))
-        pos = stop
-    return out
-
-
-def _expect(tag: int, want: int, pos: int, what: str) -> None:
-    if tag != want:
-        raise UnreadableIdentity(f"client certificate: {what} at byte {pos} has tag "
-                                 f"0x{tag:02x}, expected 0x{want:02x}", field=what,
-                                 offset=pos, value=tag, rule="RFC 5280 Certificate")
+def _read(what: str, rule: str, step: Callable[[], T]) -> T:
+    """``step()``, with what cryptography raises on a malformed certificate turned into an
+    UnreadableIdentity naming the part (``what``), what cryptography found and the rule."""
+    x509 = _x509()
+    try:
+        return step()
+    # ValueError: DER parse errors, strings that do not decode; TypeError: a BIT STRING
+    # under an attribute type other than x500UniqueIdentifier; KeyError: an attribute value
+    # whose tag is no string type (cryptography 42; later releases raise ValueError);
+    # Warning: its warnings about a certificate (serial <= 0, ...) made errors (-W error).
+    except (ValueError, TypeError, KeyError, Warning, x509.DuplicateExtension,
+            x509.UnsupportedGeneralNameType, x509.InvalidVersion) as e:
+        raise UnreadableIdentity(f"client certificate: {what} cannot be read: {e}; {rule}",
+                                 field=what, value=str(e), rule=rule) from e
 
 
 def certificate_names(der: bytes) -> tuple[bytes, bytes, list[bytes]]:
     """``(issuer DER, subject DER, [subjectAltName entry DER, ...])`` of a certificate,
     the entries sorted and each once (a set), or ``UnreadableIdentity``."""
-    der = bytes(der)
-    tag, start, end = _element(der, 0, len(der), "certificate")
-    _expect(tag, 0x30, 0, "certificate")
-    tag, tbs_start, tbs_end = _element(der, start, end, "tbsCertificate")
-    _expect(tag, 0x30, start, "tbsCertificate")
-    fields = _children(der, tbs_start, tbs_end, "tbsCertificate field")
-    if fields and fields[0][0] == 0xA0:  # [0] version
-        fields = fields[1:]
-    if len(fields) < 6:
-        raise UnreadableIdentity(f"client certificate: tbsCertificate holds {len(fields)} "
-                                 "fields after its version, at least 6 expected",
-                                 field="tbsCertificate", value=len(fields),
-                                 rule="RFC 5280 Certificate")
-    for (tag, pos, _), what in zip(fields[:6], ("serialNumber", "signature", "issuer",
-                                                "validity", "subject",
-                                                "subjectPublicKeyInfo"), strict=True):
-        _expect(tag, 0x02 if what == "serialNumber" else 0x30, pos, what)
-    issuer = der[fields[2][1]:fields[2][2]]
-    subject = der[fields[4][1]:fields[4][2]]
-    sans: list[bytes] | None = None
-    for tag, pos, stop in fields[6:]:
-        if tag != 0xA3:  # [1] / [2] unique identifiers
-            continue
-        _, inner, _ = _element(der, pos, stop, "extensions")
-        etag, estart, eend = _element(der, inner, stop, "extensions")
-        _expect(etag, 0x30, inner, "extensions")
-        for xtag, xpos, xend in _children(der, estart, eend, "extension"):
-            _expect(xtag, 0x30, xpos, "extension")
-            parts = _children(der, _element(der, xpos, xend, "extension")[1], xend,
-                              "extension field")
-            if not parts or der[parts[0][1]:parts[0][2]] != SAN_OID:
-                continue
-            if sans is not None:
-                raise UnreadableIdentity("client certificate: two subjectAltName extensions",
-                                         field="subjectAltName", offset=xpos,
-                                         rule="one subjectAltName extension (RFC 5280)")
-            vtag, vpos, vend = parts[-1]
-            _expect(vtag, 0x04, vpos, "subjectAltName.extnValue")
-            gtag, gstart, gend = _element(der, _element(der, vpos, vend, "extnValue")[1],
-                                          vend, "GeneralNames")
-            _expect(gtag, 0x30, vpos, "GeneralNames")
-            sans = [der[a:b] for t, a, b in _children(der, gstart, gend, "GeneralName")
-                    if _general_name(t, a)]
-    return issuer, subject, sorted(set(sans or []))
-
-
-def _general_name(tag: int, pos: int) -> bool:
-    if tag & 0xC0 != 0x80 or tag & 0x1F > 8:
-        raise UnreadableIdentity(f"client certificate: GeneralName at byte {pos} has tag "
-                                 f"0x{tag:02x}", field="GeneralName", offset=pos, value=tag,
-                                 rule="GeneralName [0]..[8] (RFC 5280)")
-    return True
+    x509 = _x509()
+    cert = _read("certificate", "an X.509 certificate in DER (RFC 5280)",
+                 lambda: x509.load_der_x509_certificate(bytes(der)))
+    issuer = _read("issuer", "a Name of string attributes (RFC 5280 4.1.2.4)",
+                   lambda: cert.issuer.public_bytes())
+    subject = _read("subject", "a Name of string attributes (RFC 5280 4.1.2.6)",
+                    lambda: cert.subject.public_bytes())
+    extensions = _read("extensions", "each extension once, in DER; subjectAltName entries "
+                       "other than x400Address and ediPartyName (RFC 5280 4.2)",
+                       lambda: cert.extensions)
+    try:
+        names = extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        names = None
+    # cryptography hands back parsed values, so the bytes hashed are its encoding of them.
+    # An id must be over the bytes the CA signed, whatever cryptography normalises now or
+    # later: each part has to appear as such in the certificate.
+    tbs = cert.tbs_certificate_bytes
+    parts = [("issuer", issuer), ("subject", subject)]
+    if names is not None:
+        parts.append(("subjectAltName", names.public_bytes()))
+    for what, part in parts:
+        if part not in tbs:
+            raise UnreadableIdentity(
+                f"client certificate: {what} read back as {part.hex()}, which is not in the "
+                "certificate: its names would not be hashed exactly", field=what,
+                value=part.hex(), rule="tenant ids are over the certificate's own bytes")
+    # Each entry's DER: cryptography's encoding of a one-entry GeneralNames, less that
+    # SEQUENCE's header (2 bytes, or 2 + n for a long-form length of n bytes).
+    entries = [x509.SubjectAlternativeName([name]).public_bytes() for name in names or ()]
+    sans = [e[2 + (e[1] & 0x7F if e[1] & 0x80 else 0):] for e in entries]
+    return issuer, subject, sorted(set(sans))
 
 
 def tenant_identity(der: bytes | None, rendered: dict[str, Any] | None = None
