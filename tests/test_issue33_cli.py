@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,16 @@ def test_the_page_store_raises_hurray_errors_for_a_bad_or_unreachable_url():
         PageStore.from_url("redis://127.0.0.1:1")
     with pytest.raises(TransportError, match="cannot reach it"):
         PageStore.from_url("redis+cluster://127.0.0.1:1")
+
+
+def test_an_address_that_cannot_be_used_is_a_config_error():
+    from hurraykv.net.server import parse_address
+
+    for bad in ("http://h:1", ":99999", "ftp://h:1"):
+        with pytest.raises(ConfigError, match=re.escape(repr(bad))):
+            parse_address(bad)
+    with pytest.raises(ConfigError):  # the library's client, as the command line
+        KVClient("http://127.0.0.1:1")
 
 
 @pytest.mark.parametrize(("args", "said"), [
