@@ -169,6 +169,12 @@ def test_usage_errors_exit_2_naming_the_option_value_and_rule(capsys, argv, said
     assert said in capsys.readouterr().err
 
 
+def test_a_cache_url_of_no_store_is_a_usage_error(capsys):
+    assert main(["cache", "ls", "http://127.0.0.1:1"]) == 2  # was 1: "data rejected"
+    assert "url 'http://127.0.0.1:1': scheme 'http' is not one of" in one_line(
+        capsys.readouterr().err)
+
+
 def test_did_you_mean_only_for_a_close_name():
     assert did_you_mean("lod_mode", ["load_mode", "url"]) == "; did you mean 'load_mode'?"
     assert did_you_mean("zzz", ["load_mode", "url"]) == ""
