@@ -351,7 +351,8 @@ MUTANTS = [
             "a_pin",),
            f"{RETAIN}, Retention: a request's ask only adds a pin"),
     Mutant("removal-watch-reports-nothing", "hurraykv/integrations/vllm/retention.py",
-           "                    self._gone.append(name)", "                    pass",
+           "                    del self._names[name]\n                    self._gone.append(name)",
+           "                    del self._names[name]",
            ("tests/test_vllm_retention.py::test_the_watch_finds_the_segments_gone_from_each_"
             "store",),
            f"{RETAIN}, what routers see: a segment gone is announced removed"),

@@ -22,7 +22,9 @@ def test_defaults_and_typed_values():
 
 
 @pytest.mark.parametrize(("extra", "why"), [
-    ({"url": "file:///kv", "max_byte": "1G"}, r"unknown key\(s\) \['max_byte'\]; known: url, "),
+    ({"url": "file:///kv", "max_byte": "1G"},
+     r"unknown key\(s\) \['max_byte'\]; did you mean 'max_bytes'\?; known: url, "),
+    ({"url": "file:///kv", "zzz": 1}, r"unknown key\(s\) \['zzz'\]; known: url, "),
     ({}, r"needs kv_connector_extra_config \{'url'"),
     ({"url": "file:///kv", "save_decode": "no"}, r"'save_decode'\] is 'no'; a boolean is true"),
     ({"url": "file:///kv", "save_decode": 1}, r"a boolean is true or false"),
@@ -115,3 +117,31 @@ def test_every_refusal_is_a_hurray_error_naming_the_key(extra, key, why):
                                  "redis+cluster://h:1"])
 def test_every_part_a_store_reads_is_still_taken(url):
     assert ConnectorConfig.from_extra({"url": url}).url == url
+
+
+def test_the_tls_files_are_checked_at_start_not_as_an_outage_later(tmp_path):
+    """Issue 33 item 7: a tls_cert that did not exist was accepted and failed only as a
+    store outage at the first request."""
+    from tests.certs import PKI, name
+
+    (tmp_path / "pki").mkdir()
+    pki = PKI(tmp_path / "pki")
+    cert, key = pki.client("alice", name(("CN", "alice")))
+    url = "hurray://127.0.0.1:7878"
+    good = ConnectorConfig.from_extra({"url": url, "tls_cert": cert, "tls_key": key,
+                                       "tls_ca": pki.ca_pem})
+    assert good.tls_cert == cert
+    (tmp_path / "empty.pem").write_text("")
+    other_cert, other_key = pki.client("bob", name(("CN", "bob")))
+    for extra, field, why in [
+            ({"tls_cert": str(tmp_path / "missing.pem"), "tls_key": key}, "tls_cert",
+             r"\['tls_cert'\] is '.*missing\.pem': cannot read: No such file"),
+            ({"tls_cert": cert, "tls_key": str(tmp_path / "empty.pem")}, "tls_key",
+             r"\['tls_key'\] is '.*empty\.pem': the file is empty"),
+            ({"tls_ca": key}, "tls_ca", r"\['tls_ca'\] is '.*': not PEM CA certificates"),
+            ({"tls_cert": cert, "tls_key": other_key}, "tls_cert",
+             r"the key is not the certificate's")]:
+        with pytest.raises(hk.HurrayError, match=why) as e:
+            ConnectorConfig.from_extra({"url": url, **extra})
+        assert e.value.field == field
+    assert other_cert  # bob's certificate is not alice's key's

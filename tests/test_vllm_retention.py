@@ -175,6 +175,8 @@ def test_a_requests_retention_ask_is_read_from_kv_transfer_params():
         with pytest.raises(hk.HurrayError) as e:
             keep_of(req({"hurraykv": bad}))
         assert e.value.field.endswith(field), (bad, e.value.field)
+    with pytest.raises(hk.HurrayError, match=r"\['pinned'\]; did you mean 'pin'\?"):
+        keep_of(req({"hurraykv": {"pinned": True}}))
 
 
 def test_a_pinned_request_pins_what_it_finds_and_carries_the_pin_to_its_saves(tmp_path):

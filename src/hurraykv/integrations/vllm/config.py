@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import units
-from ...errors import HurrayError
+from ...errors import HurrayError, did_you_mean
 from ..chunks import url_problem
 from . import store_format
 
@@ -117,8 +117,9 @@ class ConnectorConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - set(known), key=repr)  # keys need not be strings
         if unknown:
-            raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}; "
-                              f"known: {', '.join(known)}", field="kv_connector_extra_config",
+            raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}"
+                              f"{did_you_mean(unknown[0], known)}; known: "
+                              f"{', '.join(known)}", field="kv_connector_extra_config",
                               value=unknown, rule="a key the connector reads")
         if not extra.get("url"):
             raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
@@ -131,6 +132,7 @@ class ConnectorConfig:
                               field="load_mode", value=config.load_mode,
                               rule=f"one of {', '.join(LOAD_MODES)}")
         config._check_url()
+        config._check_tls()
         config.accepted_formats()  # every store format now, not at the first request
         return config
 
@@ -170,6 +172,22 @@ class ConnectorConfig:
         if why:
             raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
                               field="url", value=self.url, rule="a chunk store URL")
+
+
+    def _check_tls(self) -> None:
+        """The TLS files now (readable, PEM of their kind, the key the certificate's),
+        not as an outage at the first request that reaches the store."""
+        if not (self.tls_cert or self.tls_key or self.tls_ca):
+            return
+        from ...net.tls import client_context
+
+        try:
+            client_context(self.tls_cert, self.tls_key, self.tls_ca)
+        except HurrayError as e:
+            key = str(e.field or "--tls-cert").lstrip("-").replace("-", "_")
+            why = str(e).split(": ", 1)[-1].replace("--tls-", "tls_")
+            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {e.value!r}: {why}",
+                              field=key, value=e.value, rule=e.rule) from None
 
 
 def _parse(key: str, kind: Any, value: Any) -> Any:

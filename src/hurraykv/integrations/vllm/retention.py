@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import HurrayError
+from ...errors import HurrayError, did_you_mean
 from ..chunks import suffixed
 from .common import log
 
@@ -80,8 +80,9 @@ def keep_of(request: Any) -> Keep | None:
                           rule="a JSON object")
     unknown = sorted(set(ours) - set(KEEP_FIELDS), key=repr)
     if unknown:
-        raise HurrayError(f"kv_transfer_params[{PARAMS!r}] has unknown key(s) {unknown}; "
-                          f"known: {', '.join(KEEP_FIELDS)}",
+        raise HurrayError(f"kv_transfer_params[{PARAMS!r}] has unknown key(s) {unknown}"
+                          f"{did_you_mean(unknown[0], KEEP_FIELDS)}; known: "
+                          f"{', '.join(KEEP_FIELDS)}",
                           field=f"kv_transfer_params.{PARAMS}", value=unknown,
                           rule="pin and ttl_s only")
     pin, ttl = ours.get("pin", False), ours.get("ttl_s")
