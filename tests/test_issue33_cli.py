@@ -123,6 +123,24 @@ def test_the_page_store_raises_hurray_errors_for_a_bad_or_unreachable_url():
         PageStore.from_url("redis+cluster://127.0.0.1:1")
 
 
+def test_a_page_store_that_goes_away_midway_is_a_transport_error(tmp_path):
+    # before: redis-py's own ConnectionError, though every rejection is a HurrayError
+    from hurraykv.store import PageStore
+    from tests.redis_servers import free_port, redis_server_binary, start_redis
+
+    proc = start_redis(redis_server_binary(), tmp_path, free_port())
+    try:
+        store = PageStore.from_url(f"redis://127.0.0.1:{proc.args[2]}")
+        store.put("a", make_snapshot("int8"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    for call in (lambda: store.get("a"), lambda: store.put("b", make_snapshot("int8")),
+                 store.stats, lambda: store.delete("a")):
+        with pytest.raises(TransportError, match=r"127\.0\.0\.1:\d+: cannot reach it"):
+            call()
+
+
 def test_an_address_that_cannot_be_used_is_a_config_error():
     from hurraykv.net.server import parse_address
 
@@ -263,6 +281,20 @@ def test_validate_without_checksums_says_how_to_get_them(files, capsys):
     assert main(["validate", files["plain"]]) == 0
     assert ("(no checksums: values not verified; write it with save_snapshot(..., "
             "checksums=True), the default since 0.1.0)") in capsys.readouterr().out
+
+
+def test_inspect_counts_the_checksums_instead_of_printing_them(files, capsys):
+    # save_snapshot's default wrote 16 hex digits a page into the metadata line
+    from hurraykv.io import checksums
+
+    n = len(hk.load_snapshot(files["s"]).metadata[checksums.KEY]) // 16
+    assert main(["inspect", files["s"]]) == 0
+    out = capsys.readouterr().out
+    assert f"checksums   : xxh3-64 of {n} pieces (pages and buffers); `hurraykv validate` " \
+           "checks them" in out
+    assert not re.search(r"[0-9a-f]{32}", out), out
+    assert main(["inspect", files["plain"]]) == 0
+    assert "checksums" not in capsys.readouterr().out
 
 
 # ----------------------------------------------- 9 transfers: HTTP, oversize, sizes

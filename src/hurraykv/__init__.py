@@ -22,6 +22,7 @@ import warnings as _warnings
 from . import wire
 from .errors import (
     BufferError,  # deprecated alias of HurrayBufferError (shadows the builtin)
+    ConfigError,
     ContainerError,
     DescriptorError,
     ElementTypeError,
@@ -76,6 +77,7 @@ def __getattr__(name: str):
 __all__ = [
     "BlockPagedTensor",
     "BufferError",
+    "ConfigError",
     "ContainerError",
     "DescriptorError",
     "ElementTypeError",

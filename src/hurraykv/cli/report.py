@@ -13,6 +13,7 @@ import numpy as np
 from .. import units
 from ..integrations.vllm.groups import METADATA_KEY as GROUPS_KEY
 from ..integrations.vllm.groups import STATE_KEY as STATES_KEY
+from ..io import checksums
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, member_name
 from ..wire.annotate import quantization_fields
@@ -209,6 +210,10 @@ def summary_lines(snap: KVCacheSnapshot | None, tot: dict[str, Any]) -> list[str
     lines += groups
     shown = {k: v for k, v in (snap.metadata if snap is not None else {}).items()
              if not (k == GROUPS_KEY and groups)}  # the group map is shown above
+    if checksums.KEY in shown:  # 16 hex digits a page: a count says what they are for
+        digests = str(shown.pop(checksums.KEY))
+        lines.append(f"  checksums   : xxh3-64 of {units.count(len(digests) // 16)} pieces "
+                     "(pages and buffers); `hurraykv validate` checks them")
     if shown:
         lines.append("  metadata    : " + ", ".join(f"{k} = {v}" for k, v in shown.items()))
     return lines

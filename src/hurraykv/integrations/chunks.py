@@ -45,7 +45,7 @@ from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
 import numpy as np
 
-from ..errors import HurrayError
+from ..errors import ConfigError, HurrayError
 from ..io import checksums
 from ..snapshot import KVCacheSnapshot
 
@@ -478,7 +478,7 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
     options = {k: v for k, v in options.items() if v is not None}
     why = url_problem(url, list(options))
     if why:
-        raise HurrayError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
+        raise ConfigError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
                           field="url", value=url, rule="a registered chunk store URL")
     parsed = urlparse(url)
     try:
@@ -488,7 +488,7 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         if isinstance(e, OSError) and e.filename:
             why += f": {e.filename}"
-        raise HurrayError(f"url {url!r}: the store cannot be opened: {why}", field="url",
+        raise ConfigError(f"url {url!r}: the store cannot be opened: {why}", field="url",
                           value=url, rule="a store this process can open") from None
     return Suffixed(store, suffix) if suffix else store
 

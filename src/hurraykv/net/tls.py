@@ -79,6 +79,11 @@ def server_context(cert: str | None, key: str | None, ca: str | None
     if ca:
         _load_ca(ctx, ca)
         ctx.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: the subject scopes the keys
+        # each client's tenant is read from its certificate: without the [tls] extra
+        # every connection would fail, so the server does not start
+        from .tenants import _x509
+
+        _x509()
     return ctx
 
 

@@ -71,8 +71,9 @@ prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the refere
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -138,6 +139,19 @@ def unreachable_as_transport(where: str) -> Iterator[None]:
                              ) from None
 
 
+T = TypeVar("T")
+
+
+def _reaching(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` with a store that goes away midway raised as ``TransportError`` (as one
+    that cannot be reached at all), never as redis-py's own exceptions."""
+    @functools.wraps(method)
+    def call(self: PageStore, *args: Any, **kwargs: Any) -> T:
+        with unreachable_as_transport(_where(self.client)):
+            return method(self, *args, **kwargs)
+    return call
+
+
 class PageStore:
     """Snapshots in Redis/Valkey with page-level deduplication and prefix lookup."""
 
@@ -194,6 +208,7 @@ class PageStore:
                 keys=[manifest_key(snapshot_id), pending_key(snapshot_id)], args=args))
 
     # -- put ---------------------------------------------------------------------------
+    @_reaching
     def put(self, snapshot_id: str, snapshot: KVCacheSnapshot,
             token_ids: Sequence[Any] | np.ndarray | None = None) -> dict[str, int]:
         """Store a snapshot (replacing one under the same id); returns byte counts.
@@ -312,12 +327,14 @@ class PageStore:
             return False
         return bool(removed)
 
+    @_reaching
     def get(self, snapshot_id: str) -> KVCacheSnapshot:
         """The snapshot, pages fetched with pipelined reads and put back into their pools.
         ``MissingPagesError`` if Redis lost one of its pages (evicted or deleted)."""
         scalars, members = self._assemble(snapshot_id, None)
         return KVCacheSnapshot.from_members(scalars + members)
 
+    @_reaching
     def get_layer(self, snapshot_id: str, layer: int) -> tuple[BlockPagedTensor, ...]:
         """One layer's tensors (key, value), fetching only that layer's pages."""
         scalars, members = self._assemble(snapshot_id, layer)
@@ -332,6 +349,7 @@ class PageStore:
         return done[-1][1]
 
     # -- prefix lookup -------------------------------------------------------------------
+    @_reaching
     def lookup_prefix(self, token_ids: Any, page_size: int | None = None
                       ) -> tuple[str, int, int] | None:
         """``(snapshot_id, sequence, matched_tokens)`` of the longest stored prefix of
@@ -370,6 +388,7 @@ class PageStore:
         return best
 
     # -- delete / repair / stats ---------------------------------------------------------
+    @_reaching
     def delete(self, snapshot_id: str) -> None:
         """Delete a snapshot; idempotent: the manifest leaves in one atomic step with its
         release recorded, and a retry after a crash completes that release (without
@@ -381,6 +400,7 @@ class PageStore:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
 
+    @_reaching
     def fsck(self, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
         """Repair the store after a client or server crash, or after Redis evicted keys:
         see ``fsck.py``."""
@@ -390,6 +410,7 @@ class PageStore:
                            "Redis has room"):
             return fsck(self, grace=grace, drop_damaged=drop_damaged)
 
+    @_reaching
     def stats(self) -> dict[str, int]:
         raw = self.client.hgetall(STATS)
         out = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
@@ -400,6 +421,7 @@ class PageStore:
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))
 
+    @_reaching
     def contains_many(self, snapshot_ids: Sequence[str]) -> list[bool]:
         """Which snapshots are stored, in one pipelined round trip (per cluster node)."""
         if not snapshot_ids:
