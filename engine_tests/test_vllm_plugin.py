@@ -26,3 +26,16 @@ def test_the_installed_entry_point_names_the_connector_in_vllms_registry():
     assert KVConnectorFactory.get_connector_class(by_path) is HurrayConnector
     vllm_plugin.register()  # again, as a second load would: no "already registered"
     assert KVConnectorFactory.get_connector_class(by_name) is HurrayConnector
+
+
+def test_a_vllm_whose_registry_refuses_it_still_starts(monkeypatch, caplog):
+    """vLLM runs plugins unguarded: one that raised would stop every vllm serve here."""
+    def refuse(*args, **kwargs):
+        raise AttributeError("a vLLM without register_connector")
+
+    monkeypatch.delitem(KVConnectorFactory._registry, "HurrayConnector", raising=False)
+    monkeypatch.setattr(KVConnectorFactory, "register_connector", refuse)
+    vllm_plugin.register()
+    assert "could not register HurrayConnector with vLLM (AttributeError: a vLLM without " \
+           "register_connector)" in caplog.text
+    assert '"kv_connector_module_path": "hurraykv.integrations.vllm"' in caplog.text

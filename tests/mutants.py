@@ -377,7 +377,7 @@ MUTANTS = [
            "docs/spec-decisions.md H44/H92: the page store keeps members besides the pages"),
     # --- issue 33: the newcomer's defaults ---------------------------------------------
     Mutant("save-without-checksums", "hurraykv/io/snapshots.py",
-           "    if checksums:\n        snapshot = with_checksums(snapshot)",
+           "    if checksums is True:\n        snapshot = with_checksums(snapshot)",
            "    if False:\n        snapshot = with_checksums(snapshot)",
            ("tests/test_checksums.py::test_save_snapshot_writes_checksums_by_default_and_"
             "validate_catches_a_flip",),

@@ -56,8 +56,9 @@ def test_files_keep_them_and_the_reference_reads_them(tmp_path):
 def test_save_snapshot_writes_checksums_by_default_and_validate_catches_a_flip(
         tmp_path, capsys):
     """The default a user gets from ``save_snapshot``: a flipped value byte is an error
-    of ``validate``, not a silent wrong load; ``checksums=False`` writes none, and keeps
-    a caller's own entry unchanged (the connector's saver hashes segments itself)."""
+    of ``validate``, not a silent wrong load; ``checksums=False`` writes none,
+    ``"keep"`` a caller's own entry unchanged (the connector's saver hashes segments
+    itself)."""
     from hurraykv.cli import main
 
     snap = make_snapshot("float16")
@@ -74,12 +75,20 @@ def test_save_snapshot_writes_checksums_by_default_and_validate_catches_a_flip(
 
     hk.save_snapshot(snap, tmp_path / "plain.hrry", checksums=False)
     assert not checksums.has_checksums(hk.load_snapshot(tmp_path / "plain.hrry"))
-    stale = snap.with_info(metadata={checksums.KEY: "0" * len(checksums.digests(snap))})
-    hk.save_snapshot(stale, tmp_path / "kept.hrry", checksums=False)
+    stale = snap.with_info(metadata={checksums.KEY: "0" * len(checksums.digests(snap)),
+                                     "engine": "x"})
+    hk.save_snapshot(stale, tmp_path / "kept.hrry", checksums="keep")
     assert hk.load_snapshot(tmp_path / "kept.hrry").metadata[checksums.KEY] == \
         stale.metadata[checksums.KEY]
+    # False writes none: a stale entry (a loaded file's, its pages since edited) would
+    # make validate report damage that is not there
+    hk.save_snapshot(stale, tmp_path / "none.hrry", checksums=False)
+    assert hk.load_snapshot(tmp_path / "none.hrry").metadata == {"engine": "x"}
+    assert checksums.KEY in stale.metadata  # the caller's snapshot is left as it was
     hk.save_snapshot(stale, tmp_path / "fresh.hrry")  # the default hashes what it writes
     checksums.verify(hk.load_snapshot(tmp_path / "fresh.hrry"))
+    with pytest.raises(hk.SnapshotError, match=r"checksums is 'yes'; it is True, False or"):
+        hk.save_snapshot(snap, tmp_path / "x.hrry", checksums="yes")
 
 
 def segment(pages: int, seed: int) -> hk.KVCacheSnapshot:
@@ -348,7 +357,7 @@ def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(t
                                     (bad_name, bad, theirs, ours)]:  # copy right, entry not
         # the copy first in the file: the text a search for it finds first
         hk.save_snapshot(snap.with_info(metadata={"note": copy, checksums.KEY: entry}),
-                         directory / f"{name}.hrry", fsync=False, checksums=False)
+                         directory / f"{name}.hrry", fsync=False, checksums="keep")
     fresh = open_store(directory.as_uri())
     with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
         fresh.get_verified(bad_name)
@@ -366,7 +375,7 @@ def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(t
     # a file whose copy is the same as the learnt one's takes the known structure, and
     # still its own entry's digests
     hk.save_snapshot(bad.with_info(metadata={"note": ours, checksums.KEY: theirs}),
-                     directory / f"{'c' * 32}-0.hrry", fsync=False, checksums=False)
+                     directory / f"{'c' * 32}-0.hrry", fsync=False, checksums="keep")
     assert learned.get_verified("c" * 32 + "-0").equal(bad)
 
 
@@ -392,7 +401,7 @@ def test_a_wrong_number_of_digests_is_said_as_such(tmp_path, capsys, cut, why):
     assert "damaged" not in str(e.value)
     store = open_store((tmp_path / "kv").as_uri())
     hk.save_snapshot(short, tmp_path / "kv" / f"{'d' * 32}-0.hrry", fsync=False,
-                     checksums=False)
+                     checksums="keep")
     for read in (store.get_verified, lambda name: store.get_checked(name, frozenset(
             {"layers.1.key", "layers.1.value"}))):
         with pytest.raises(checksums.ChecksumError, match=why):

@@ -84,7 +84,7 @@ def test_file_segments_of_one_structure_take_the_fast_paths_and_stay_checked(tmp
     names = store.locate(keys[:3])
     for i, name in enumerate(names):  # files equal to a save_snapshot of the same snapshot
         hk.save_snapshot(segment(1, seed=i), tmp_path / "ref.hrry", fsync=False,
-                         checksums=False)  # as the store writes it
+                         checksums="keep")  # as the store writes it
         assert store.path(name).read_bytes() == (tmp_path / "ref.hrry").read_bytes()
     reader = open_store((tmp_path / "kv").as_uri())
     assert all(reader.get(n).equal(segment(1, seed=i)) for i, n in enumerate(names))

@@ -57,8 +57,11 @@ def test_the_demo_passes_and_leaves_demo_hrry(demo_run):
 def tried(out: str) -> list[list[str]]:
     """The command lines the demo prints after its 'Try:'."""
     tail = out.split("Try:", 1)[1]
-    return [shlex.split(line)[1:] for line in tail.splitlines()
-            if line.strip().startswith("hurraykv ")]
+    lines = [shlex.split(line) for line in tail.splitlines() if line.strip()]
+    # the command as this environment runs it: its name on PATH, else its path
+    assert all(Path(words[0]).name == "hurraykv" and (
+        words[0] == "hurraykv" or Path(words[0]).exists()) for words in lines), lines
+    return [words[1:] for words in lines]
 
 
 def test_every_command_the_demo_suggests_succeeds(demo_run, monkeypatch, capsys):

@@ -167,7 +167,9 @@ def test_client_tls_files_are_checked_before_connecting(files, capsys, args, sai
 # ----------------------------------------------------------------- 8 usage errors
 @pytest.mark.parametrize(("argv", "said"), [
     (["serve", "--listen", ":99999"],
-     "argument --listen: address ':99999': port '99999' is not a number in 0..65535"),
+     "argument --listen: address ':99999': port '99999' is out of range: a port is 0..65535"),
+    (["serve", "--listen", ":http"],
+     "argument --listen: address ':http': port 'http' is not a number: a port is 0..65535"),
     (["push", "http://127.0.0.1:7878", "k", "f.hrry"],
      "argument address: address 'http://127.0.0.1:7878': hurraykv serve speaks the "
      "Hurray protocol over TCP, not HTTP; give HOST:PORT, e.g. 127.0.0.1:7878"),
@@ -179,12 +181,18 @@ def test_client_tls_files_are_checked_before_connecting(files, capsys, args, sai
     (["inspct", "x.hrry"], "; did you mean 'inspect'?"),
     (["cache", "lss", "file:///tmp"], "; did you mean 'ls'?"),
     (["serve", "--log-level", "inof"], "; did you mean 'info'?"),
+    (["inspect", "--sqes", "x.hrry"], "hurraykv inspect: unrecognized arguments: --sqes; did "
+     "you mean '--seqs'? (see `hurraykv inspect --help`)"),
+    (["cache", "ls", "--segmnts", "file:///tmp"], "hurraykv cache ls: unrecognized "
+     "arguments: --segmnts; did you mean '--segments'?"),
+    ([], "hurraykv: the following arguments are required: COMMAND (see `hurraykv --help`)"),
 ])
 def test_usage_errors_exit_2_naming_the_option_value_and_rule(capsys, argv, said):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
-    assert said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err  # one line: not the usage block
 
 
 def test_a_cache_url_of_no_store_is_a_usage_error(capsys):

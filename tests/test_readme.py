@@ -108,7 +108,7 @@ def test_the_readme_server_example_runs(saved):
     block = next(b for b in SHELL if b.startswith("hurraykv serve"))
     serve, push, pull = (shlex.split(line.split("#")[0]) for line in block.splitlines())
     port = str(free_port())
-    swap = {"127.0.0.1:7878": f"127.0.0.1:{port}", "/var/lib/hurraykv": str(saved / "p")}
+    swap = {"127.0.0.1:7878": f"127.0.0.1:{port}", "./hurraykv-data": str(saved / "p")}
     server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli",
                                *[swap.get(a, a) for a in serve[1:]]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,7 +168,7 @@ def test_every_option_the_readme_lists_is_one_its_command_takes(capsys):
 def test_the_demo_commands_the_readme_shows_are_those_the_demo_prints():
     from hurraykv import demo
 
-    shown = re.findall(r"^  hurraykv (.+)$", section("Start here"), re.M)
+    shown = re.findall(r"^  \.venv/bin/hurraykv (.+)$", section("Start here"), re.M)
     assert shown == [t.format(f="demo.hrry", svg="demo.svg") for t in demo.TRY]
 
 
@@ -208,11 +208,11 @@ def test_the_two_setup_commands_are_stated():
 def test_the_install_section_gives_cpu_torch_first_and_every_extra():
     install = section("Install into your own environment")
     cpu = install.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
-    assert cpu < install.index("pip install 'hurraykv[adapters]'", cpu)
+    assert cpu < install.index("pip install '.[adapters]'", cpu)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     for extra in set(extras) - {"test", "bench", "fuzz"}:  # the users' extras
-        assert f"pip install 'hurraykv[{extra}]'" in install, extra
+        assert f"pip install '.[{extra}]'" in install, extra  # from a clone: not on PyPI
 
 
 def results_rows() -> list[list[str]]:

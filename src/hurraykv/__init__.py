@@ -40,6 +40,7 @@ from .errors import (
     TransportError,
     UnsupportedError,
 )
+from .io.checksums import ChecksumError
 from .io.hrry import HrryFile
 from .io.snapshots import load_snapshot, read_snapshot_sequential, save_snapshot
 from .io.stream import (
@@ -77,6 +78,7 @@ def __getattr__(name: str):
 __all__ = [
     "BlockPagedTensor",
     "BufferError",
+    "ChecksumError",
     "ConfigError",
     "ContainerError",
     "DescriptorError",

@@ -14,6 +14,7 @@ without a path keeps it in a temporary directory.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 import time
@@ -118,8 +119,10 @@ def handoff(keep: str | Path | None = None) -> int:
           f"head_dim {snap.head_dim}, {snap.dtype}")
     print(f"batch: {snap.num_seqs} sequences, lengths {snap.seq_lens.tolist()}, "
           f"page_size {snap.page_size}")
-    print(f"snapshot: {pages} pages stored, {shared} of them shared by several sequences "
-          f"(pages whose keys/values came out bitwise equal), {snap.nbytes} bytes")
+    pools = len(snap.tensors())  # counted per pool, as `hurraykv inspect` counts them
+    print(f"snapshot: {pages // pools} pages in each of {pools} pools, {shared // pools} "
+          "shared by several sequences (pages whose keys/values came out bitwise equal), "
+          f"{units.size(snap.nbytes)}")
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(keep) if keep is not None else Path(tmp) / "batch.hrry"
@@ -155,8 +158,22 @@ def handoff(keep: str | Path | None = None) -> int:
         print(f"\n{path}: the prefill's KV cache as a .hrry file, an xxh3-64 checksum for "
               "every page. Try:")
         for line in TRY:
-            print("  hurraykv " + line.format(f=path, svg=path.with_suffix(".svg")))
+            print(f"  {command()} " + line.format(f=path, svg=path.with_suffix(".svg")))
     return 0 if ok else 1
+
+
+def command() -> str:
+    """How to run this environment's ``hurraykv`` from here: by its name when that is the
+    one on PATH, else by its path (``make demo`` runs ``.venv/bin/python`` without the
+    virtualenv activated, so a bare ``hurraykv`` is not found)."""
+    mine = Path(sys.executable).parent / "hurraykv"  # not resolved: a venv's python links
+    found = shutil.which("hurraykv")
+    if not mine.exists() or (found and Path(found).resolve() == mine.resolve()):
+        return "hurraykv"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
 
 
 def run() -> int:

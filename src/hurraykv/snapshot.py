@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import units
 from .arrays import as_numpy
 from .errors import LayoutError, SeqLensRequiredError
 from .info import check_metadata, info_member, parse_info
@@ -293,8 +294,9 @@ class KVCacheSnapshot:
         fp8 = ", fp8 scales" if self.kv_scales is not None else ""
         dims = f"head_dim={self.head_dim}" + (
             f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        return (f"KVCacheSnapshot({self.num_layers} layers x {'/'.join(self.roles)}, "
-                f"{self.num_seqs} seqs, {self.total_tokens} tokens, {self.dtype}, "
+        return (f"KVCacheSnapshot({units.plural(self.num_layers, 'layer')} x "
+                f"{'/'.join(self.roles)}, {units.plural(self.num_seqs, 'seq')}, "
+                f"{units.plural(self.total_tokens, 'token')}, {self.dtype}, "
                 f"heads={self.num_kv_heads}, {dims}, "
                 f"page_size={self.page_size}{fp8})")
 

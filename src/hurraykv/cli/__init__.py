@@ -56,7 +56,8 @@ CLOSED_PIPE = 128 + 13  # SIGPIPE: the exit status of a program the signal ends
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with "did you mean" for a mistyped command or choice."""
+    """argparse with "did you mean" for a mistyped command, choice or option, and a usage
+    error in one line (the usage block is what ``--help`` is for)."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         bad = re.search(r"invalid choice: '?([^' ]*)'?", message)
@@ -64,7 +65,17 @@ class _Parser(argparse.ArgumentParser):
             known = [str(c) for a in self._actions if a.choices is not None
                      for c in a.choices]
             message += did_you_mean(bad.group(1), known)
-        super().error(message)
+        self.exit(USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # the command's own parser says it, with its options to match against
+            command = getattr(parsed, "_parser", self)
+            options = [o for a in command._actions for o in a.option_strings]
+            unknown = next((x for x in extra if x.startswith("-")), extra[0])
+            command.error(f"unrecognized arguments: {' '.join(extra)}"
+                          + did_you_mean(unknown.split("=")[0], options))
+        return parsed
 
 
 def _greater_than_zero(parse: Callable[[str], Any], what: str, rule: str
@@ -129,7 +140,8 @@ def _client_options(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hurraykv", description=__doc__.splitlines()[0],
+    p = _Parser(prog="hurraykv", description="Inspect, validate, serve and move KV caches "
+                "in the Hurray block-paged format.",
                 epilog="exit codes: 0 success, 1 data rejected, 2 usage or cannot "
                 "read/write/reach, 141 standard output closed early (| head)")
     p.add_argument("--version", action="version", version=(
@@ -239,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="The keys a server holds (in memory or persisted), "
                         "each with its size: its data bytes, the tensors' buffers as "
                         "pushed (not the size of its .hrry file on disk), the same before "
-                        "and after a restart of the server.")
+                        "and after a restart of the server.  A server with --store lists "
+                        "what it holds itself: keys only in the Redis store (pushed before "
+                        "its restart, or by another server) are pulled but not listed.")
     _client_options(ls)
     ls.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
     ls.add_argument("--aliases", action="store_true", help="list aliases (LINK) and the "
@@ -274,7 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--json", action="store_true", help="the report as one JSON object")
     fs.set_defaults(func=cmd_store_fsck)
     add_cache_parsers(sub)
+    _name_own_parsers(p)
     return p
+
+
+def _name_own_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each command's parser recorded in what it parses (``_parser``): an unknown option
+    is then said by the command it was given to, against that command's options."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.set_defaults(_parser=sp)
+                _name_own_parsers(sp)
 
 
 def _numeric_options(parser: argparse.ArgumentParser) -> set[str]:
@@ -348,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file the user named
         say(e.strerror or str(e), str(e.filename) if e.filename else None)
         return USAGE
-    except HurrayError as e:
-        say(f"{type(e).__name__}: {e}")
+    except HurrayError as e:  # named once: by the message when it names the subject
+        named = bool(args.subject) and str(e).startswith(str(args.subject))
+        say(f"{type(e).__name__}: {e}", "" if named else None)
         return INVALID
 
 

@@ -184,7 +184,7 @@ def summary_lines(snap: KVCacheSnapshot | None, tot: dict[str, Any]) -> list[str
     if snap is not None:
         s = seq_summary(snap.seq_lens)
         seqs = f"{s['count']}" if not s["count"] else (
-            f"{s['count']}, {units.count(s['tokens'])} tokens (min {s['min']}, median "
+            f"{s['count']}, {units.plural(s['tokens'], 'token')} (min {s['min']}, median "
             f"{s['median']:g}, max {s['max']})")
         lines.append(f"  sequences   : {seqs}")
     if "pages_in_pools" in tot:

@@ -371,7 +371,7 @@ class FileChunks(ChunkStore):
         os.close(fd)
         try:
             # the saver hashed the segment already (checksums.with_checksums)
-            save_snapshot(snapshot, tmp, metadata=metadata, fsync=False, checksums=False)
+            save_snapshot(snapshot, tmp, metadata=metadata, fsync=False, checksums="keep")
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 with contextlib.suppress(OSError):  # without flock: its age protects it

@@ -13,13 +13,23 @@ then imports that module itself and never looks at the registry.
 
 from __future__ import annotations
 
+import logging
+
 NAME = "HurrayConnector"
 MODULE = "hurraykv.integrations.vllm"
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    # vLLM calls plugins without a guard: one that raises stops every `vllm serve` of this
+    # environment, those that never name the connector included (a vLLM that moved the
+    # factory or its registry).  The module path still works then.
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    # vLLM's registry refuses a name twice; another package may also have taken ours
-    if NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(NAME, MODULE, NAME)
+        # vLLM's registry refuses a name twice; another package may also have taken ours
+        if NAME not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(NAME, MODULE, NAME)
+    except Exception as e:
+        logging.getLogger("hurraykv").warning(
+            "hurraykv could not register %s with vLLM (%s: %s); name it with "
+            "\"kv_connector_module_path\": \"%s\"", NAME, type(e).__name__, e, MODULE)

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from ..errors import ContainerError, HurrayError
+from ..errors import ContainerError, HurrayError, SnapshotError
 from ..info import check_metadata
 from ..snapshot import GROUP, KVCacheSnapshot
 from ..wire.layouts import Composite
+from .checksums import KEY as CHECKSUMS_KEY
 from .checksums import with_checksums
 from .hrry import HrryFile, Progress, read_hrry_sequential, write_hrry
 
@@ -42,22 +43,33 @@ def snapshot_kv(snapshot: KVCacheSnapshot) -> dict[str, Any]:
 def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   model: str | None = None, metadata: dict[str, Any] | None = None,
                   alignment: int = 4096, progress: Progress | None = None,
-                  fsync: bool = True, checksums: bool = True) -> Path:
+                  fsync: bool = True, checksums: bool | Literal["keep"] = True) -> Path:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
     ``model`` replaces the snapshot's, ``metadata`` is merged into its own; both come back
     as ``snap.model`` / ``snap.metadata`` from every reader.  ``fsync=False`` skips the
     flushes to disk (the rename stays atomic).
 
     ``checksums=True`` (the default) records an xxh3-64 digest of every page and buffer
-    of the values written (``checksums.py``), so that ``hurraykv validate`` and every
-    verifying reader catch a flipped byte that would otherwise load as wrong keys and
-    values; it costs one pass over the bytes at about the speed of a copy, small beside
-    the write itself.  ``checksums=False`` writes the metadata as it is: a checksum entry
-    the snapshot already carries (one computed by the caller) is kept unchanged."""
+    of the values written, as the metadata entry ``checksum.xxh3_64`` (``checksums.py``),
+    so that ``hurraykv validate`` and ``checksums.verify`` catch a flipped byte that would
+    otherwise load as wrong keys and values; it costs one pass over the bytes at about
+    the speed of a copy, small beside the write itself.  ``load_snapshot`` does not check
+    them (it maps the file and reads nothing it is not asked for).  ``checksums=False``
+    writes none: an entry the snapshot carries (it was loaded from a file that had one)
+    is left out, as it may no longer match.  ``checksums="keep"`` writes the entry the
+    snapshot carries as it is (one its caller has just computed)."""
     if model is not None or metadata:
         snapshot = snapshot.with_info(model, metadata)
-    if checksums:
+    if checksums is True:
         snapshot = with_checksums(snapshot)
+    elif checksums is False and CHECKSUMS_KEY in snapshot.metadata:
+        kept = {k: v for k, v in snapshot.metadata.items() if k != CHECKSUMS_KEY}
+        snapshot = snapshot.with_info()  # a copy: the caller's snapshot keeps its entry
+        snapshot.metadata = kept
+    elif checksums not in (False, "keep"):
+        raise SnapshotError(f"checksums is {checksums!r}; it is True, False or \"keep\"",
+                            field="checksums", value=checksums,
+                            rule="True, False or \"keep\"")
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
     return write_hrry(path, tensors, snapshot_kv(snapshot), alignment=alignment,
                       progress=progress, fsync=fsync)

@@ -140,7 +140,8 @@ def parse_address(address: str) -> tuple[str, int] | str:
     if not sep or (host.count(":") and not host.startswith("[")):
         host, port = text, str(DEFAULT_PORT)  # no port (a bare IPv6 address included)
     if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"address {address!r}: port {port!r} is not a number in 0..65535",
+        what = "is out of range" if port.isdigit() else "is not a number"
+        raise ConfigError(f"address {address!r}: port {port!r} {what}: a port is 0..65535",
                           field="address", value=address, rule="HOST:PORT or a path")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -280,6 +281,7 @@ class KVServer:
         self.close_metrics()
         self.store.close()
         kept = ("the files kept for the next start" if self.store.persist
+                else "every object kept in the backing store" if self.store.backing is not None
                 else "memory only: gone with the process")
         self.announce(f"stopped after {time.monotonic() - self.started:.0f} s: closed "
                       f"{units.plural(closed, 'client connection')}; held {self.held()} "
