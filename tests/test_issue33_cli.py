@@ -109,6 +109,16 @@ def test_serve_on_an_address_in_use_names_listen(served, capsys):
     assert f"--listen {served.address}: cannot listen: Address already in use" in line
 
 
+def test_serve_whose_metrics_port_is_taken_never_says_it_listens(served, capsys):
+    # it said "listening on ..." first, then exited 2: a script took it for started
+    assert main(["serve", "--listen", "127.0.0.1:0", "--metrics-listen",
+                 served.address]) == 2
+    out, err = capsys.readouterr()
+    assert "listening" not in out + err
+    assert f"--metrics-listen {served.address}: cannot listen: Address already in use" in \
+        one_line(err)
+
+
 def test_the_page_store_raises_hurray_errors_for_a_bad_or_unreachable_url():
     from hurraykv.store import PageStore
 

@@ -233,9 +233,8 @@ class KVServer:
                                  field="listen",
                                  value=self.config.listen, rule="a free local HOST:PORT "
                                  "or a socket path the server may create") from None
-        self.announce(f"listening on {self.address}")
-        if self.config.metrics_listen:
-            from .metrics import MetricsEndpoint
+        if self.config.metrics_listen:  # before "listening": a server that says it
+            from .metrics import MetricsEndpoint  # listens is one that started
 
             try:
                 self.metrics = MetricsEndpoint(self, self.config.metrics_listen, loop)
@@ -243,6 +242,8 @@ class KVServer:
                 self._server.close()
                 raise
             self.metrics_address = self.metrics.address
+        self.announce(f"listening on {self.address}")  # the first line ends in it
+        if self.metrics is not None:
             self.announce(f"metrics on http://{self.metrics_address}/metrics, health on "
                           "/healthz")
         return self.address
