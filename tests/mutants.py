@@ -377,12 +377,12 @@ MUTANTS = [
            "docs/spec-decisions.md H44/H92: the page store keeps members besides the pages"),
     # --- issue 33: the newcomer's defaults ---------------------------------------------
     Mutant("save-without-checksums", "hurraykv/io/snapshots.py",
-           "    if checksums is True:\n        snapshot = with_checksums(snapshot)",
-           "    if False:\n        snapshot = with_checksums(snapshot)",
+           "            snapshot = with_checksums(unchecked)",
+           "            snapshot = unchecked",
            ("tests/test_checksums.py::test_save_snapshot_writes_checksums_by_default_and_"
             "validate_catches_a_flip",),
-           "save_snapshot's docstring: checksums=True (the default) lets validate catch a "
-           "flipped value byte"),
+           "save_snapshot's docstring: checksums (the default, \"auto\") let validate catch "
+           "a flipped value byte"),
     Mutant("connector-tls-unchecked", "hurraykv/integrations/vllm/config.py",
            "        config._check_tls()\n", "",
            ("tests/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"

@@ -87,8 +87,31 @@ def test_save_snapshot_writes_checksums_by_default_and_validate_catches_a_flip(
     assert checksums.KEY in stale.metadata  # the caller's snapshot is left as it was
     hk.save_snapshot(stale, tmp_path / "fresh.hrry")  # the default hashes what it writes
     checksums.verify(hk.load_snapshot(tmp_path / "fresh.hrry"))
-    with pytest.raises(hk.SnapshotError, match=r"checksums is 'yes'; it is True, False or"):
+    with pytest.raises(hk.SnapshotError, match=r"checksums is 'yes'; it is \"auto\", True"):
         hk.save_snapshot(snap, tmp_path / "x.hrry", checksums="yes")
+
+
+def test_checksums_that_do_not_fit_the_info_member_are_left_out_with_a_warning(
+        tmp_path, monkeypatch):
+    """A whole engine's pool has more pages than the info member's 1 MiB holds digests
+    for (a 2 GiB snapshot of 65,600 pages failed to save): ``"auto"`` writes none and
+    says so, ``True`` refuses, naming the count."""
+    from hurraykv.io import snapshots
+
+    snap = make_snapshot("float16").with_info(metadata={"engine": "x"})
+    n = checksums.pieces(snap)
+    assert n == len(checksums.digests(snap)) // 16
+    monkeypatch.setattr(snapshots, "MAX_BYTES", 16 * n + 60)  # the info, but not the digests
+    with pytest.warns(snapshots.ChecksumsNotWritten, match=rf"no checksums written: {n} "
+                      r"pages and buffers would take \d+ bytes of metadata, more than"):
+        hk.save_snapshot(snap, tmp_path / "big.hrry")
+    back = hk.load_snapshot(tmp_path / "big.hrry")
+    assert back.metadata == {"engine": "x"} and back.equal(snap)
+    with pytest.raises(hk.SnapshotError, match=rf"checksums of {n} pages and buffers take "):
+        hk.save_snapshot(snap, tmp_path / "big.hrry", checksums=True)
+    monkeypatch.setattr(snapshots, "MAX_BYTES", 16 * n + 200)  # room for them: written
+    hk.save_snapshot(snap, tmp_path / "fits.hrry")
+    checksums.verify(hk.load_snapshot(tmp_path / "fits.hrry"))
 
 
 def segment(pages: int, seed: int) -> hk.KVCacheSnapshot:

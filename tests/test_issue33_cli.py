@@ -297,8 +297,8 @@ def test_json_on_ls_stat_and_validate(served, files, capsys):
 # -------------------------------------------------------------------- 5 checksums
 def test_validate_without_checksums_says_how_to_get_them(files, capsys):
     assert main(["validate", files["plain"]]) == 0
-    assert ("(no checksums: values not verified; write it with save_snapshot(..., "
-            "checksums=True), the default since 0.1.0)") in capsys.readouterr().out
+    assert ("(no checksums: values not verified; save_snapshot writes them by default "
+            "(checksums=True to insist, up to about 65,000 pages))") in capsys.readouterr().out
 
 
 def test_inspect_counts_the_checksums_instead_of_printing_them(files, capsys):

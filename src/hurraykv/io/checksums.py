@@ -145,6 +145,12 @@ def digests(snapshot: KVCacheSnapshot) -> str:
     return found.astype(">u8").tobytes().hex()  # 16 hex digits a piece, in order
 
 
+def pieces(snapshot: KVCacheSnapshot) -> int:
+    """How many digests ``snapshot``'s entry holds (every page of every pool, every other
+    buffer), counted without hashing."""
+    return len(_columns(snapshot)[0])
+
+
 def with_checksums(snapshot: KVCacheSnapshot) -> KVCacheSnapshot:
     """``snapshot`` (nothing copied) with its checksum entry."""
     return snapshot.with_info(metadata={KEY: digests(snapshot)})

@@ -13,17 +13,18 @@ views onto the mapping; members are recognised by their fields, never by their n
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
 from ..errors import ContainerError, HurrayError, SnapshotError
-from ..info import check_metadata
+from ..info import MAX_BYTES, check_metadata, info_member
 from ..snapshot import GROUP, KVCacheSnapshot
 from ..wire.layouts import Composite
 from .checksums import KEY as CHECKSUMS_KEY
-from .checksums import with_checksums
+from .checksums import WIDTH, pieces, with_checksums
 from .hrry import HrryFile, Progress, read_hrry_sequential, write_hrry
 
 HEAD_NAME = "snapshot"
@@ -43,36 +44,70 @@ def snapshot_kv(snapshot: KVCacheSnapshot) -> dict[str, Any]:
 def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   model: str | None = None, metadata: dict[str, Any] | None = None,
                   alignment: int = 4096, progress: Progress | None = None,
-                  fsync: bool = True, checksums: bool | Literal["keep"] = True) -> Path:
+                  fsync: bool = True,
+                  checksums: bool | Literal["auto", "keep"] = "auto") -> Path:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
     ``model`` replaces the snapshot's, ``metadata`` is merged into its own; both come back
     as ``snap.model`` / ``snap.metadata`` from every reader.  ``fsync=False`` skips the
     flushes to disk (the rename stays atomic).
 
-    ``checksums=True`` (the default) records an xxh3-64 digest of every page and buffer
-    of the values written, as the metadata entry ``checksum.xxh3_64`` (``checksums.py``),
-    so that ``hurraykv validate`` and ``checksums.verify`` catch a flipped byte that would
-    otherwise load as wrong keys and values; it costs one pass over the bytes at about
-    the speed of a copy, small beside the write itself.  ``load_snapshot`` does not check
-    them (it maps the file and reads nothing it is not asked for).  ``checksums=False``
-    writes none: an entry the snapshot carries (it was loaded from a file that had one)
-    is left out, as it may no longer match.  ``checksums="keep"`` writes the entry the
-    snapshot carries as it is (one its caller has just computed)."""
+    Checksums: an xxh3-64 digest of every page and buffer of the values written, as the
+    metadata entry ``checksum.xxh3_64`` (``checksums.py``), so that ``hurraykv validate``
+    and ``checksums.verify`` catch a flipped byte that would otherwise load as wrong keys
+    and values; one pass over the bytes at about the speed of a copy, small beside the
+    write itself.  ``load_snapshot`` does not check them (it maps the file and reads
+    nothing it is not asked for).  The entry takes 16 bytes a page in the info member,
+    whose model and metadata are at most 1 MiB (``info.MAX_BYTES``): about 65,000 pages.
+
+    * ``"auto"`` (the default): recorded when they fit; beyond, none, with a
+      ``ChecksumsNotWritten`` warning (``validate`` then says the values are not
+      verified).
+    * ``True``: recorded, or ``SnapshotError`` when they do not fit.
+    * ``False``: none; an entry the snapshot carries (it was loaded from a file that had
+      one) is left out, as it may no longer match.
+    * ``"keep"``: the entry the snapshot carries, as it is (its caller has just computed
+      it: the connector's segments)."""
     if model is not None or metadata:
         snapshot = snapshot.with_info(model, metadata)
-    if checksums is True:
-        snapshot = with_checksums(snapshot)
-    elif checksums is False and CHECKSUMS_KEY in snapshot.metadata:
-        kept = {k: v for k, v in snapshot.metadata.items() if k != CHECKSUMS_KEY}
-        snapshot = snapshot.with_info()  # a copy: the caller's snapshot keeps its entry
-        snapshot.metadata = kept
-    elif checksums not in (False, "keep"):
-        raise SnapshotError(f"checksums is {checksums!r}; it is True, False or \"keep\"",
-                            field="checksums", value=checksums,
-                            rule="True, False or \"keep\"")
+    if checksums not in (True, False, "auto", "keep"):
+        raise SnapshotError(f"checksums is {checksums!r}; it is \"auto\", True, False or "
+                            "\"keep\"", field="checksums", value=checksums,
+                            rule="\"auto\", True, False or \"keep\"")
+    if checksums in (True, "auto"):
+        unchecked = _without_checksums(snapshot)
+        count = pieces(unchecked)
+        room = MAX_BYTES - len(info_member(unchecked.model, unchecked.metadata)[1][0])
+        need = WIDTH * count + len(f',"{CHECKSUMS_KEY}":""')
+        if need <= room:
+            snapshot = with_checksums(unchecked)
+        elif checksums is True:
+            raise SnapshotError(f"checksums of {count} pages and buffers take {need} bytes of "
+                                f"metadata, {room} are left (info.MAX_BYTES): write them "
+                                "with checksums=\"auto\" or False", field="checksums",
+                                value=count, rule=f"at most {room // WIDTH} checksums")
+        else:
+            warnings.warn(ChecksumsNotWritten(
+                f"{path}: no checksums written: {count} pages and buffers would take "
+                f"{need} bytes of metadata, more than the {room} left"), stacklevel=2)
+            snapshot = unchecked
+    elif checksums is False:
+        snapshot = _without_checksums(snapshot)
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
     return write_hrry(path, tensors, snapshot_kv(snapshot), alignment=alignment,
                       progress=progress, fsync=fsync)
+
+
+class ChecksumsNotWritten(UserWarning):
+    """``save_snapshot`` wrote no checksums: they would not fit in the info member."""
+
+
+def _without_checksums(snapshot: KVCacheSnapshot) -> KVCacheSnapshot:
+    if CHECKSUMS_KEY not in snapshot.metadata:
+        return snapshot
+    kept = {k: v for k, v in snapshot.metadata.items() if k != CHECKSUMS_KEY}
+    out = snapshot.with_info()  # a copy: the caller's snapshot keeps its entry
+    out.metadata = kept
+    return out
 
 
 def load_snapshot(path: str | os.PathLike, *, mmap: bool = True) -> KVCacheSnapshot:
