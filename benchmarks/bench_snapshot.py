@@ -130,7 +130,13 @@ def main() -> None:
         # the raw write's work: the bytes, no checksums (the default adds a hash pass)
         t_save = best_new_file(lambda p: hk.save_snapshot(snap, p, checksums=False), tmp,
                                "s.hrry", r)
-        t_sums = best_new_file(lambda p: hk.save_snapshot(snap, p), tmp, "s.hrry", r)
+        # checksums fit the info member up to about 65,000 pages: 2 GiB of pages of 32 KiB
+        # is just past it, so the row with them saves 31 of the 32 layers (checksums=True
+        # insists), its rate against the raw write's
+        sums = make(layers - 1, pages)
+        sums_total = sum(t.page_pool.nbytes for t in sums.tensors())
+        t_sums = best_new_file(lambda p: hk.save_snapshot(sums, p, checksums=True), tmp,
+                               "c.hrry", r)
         t_nosync = best_new_file(lambda p: hk.save_snapshot(snap, p, fsync=False,
                                                             checksums=False), tmp, "s.hrry", r)
         t_st = best_new_file(lambda p: save_file(st_arrays, p), tmp, "s.st", r)
@@ -156,8 +162,8 @@ def main() -> None:
         ("raw write + fsync", f"{total / t_raw / gib:.2f} GiB/s", "1.00x", ""),
         ("save_snapshot(checksums=False) (atomic, fsync)",
          f"{total / t_save / gib:.2f} GiB/s", f"{t_raw / t_save:.2f}x", ">= 0.9x"),
-        ("save_snapshot default (+ xxh3 checksums)", f"{total / t_sums / gib:.2f} GiB/s",
-         f"{t_raw / t_sums:.2f}x", "one hash pass more"),
+        ("save_snapshot(checksums=True), 31 layers", f"{sums_total / t_sums / gib:.2f} GiB/s",
+         f"{sums_total / t_sums / (total / t_raw):.2f}x", "one hash pass more"),
         ("save_snapshot(fsync=False, checksums=False)", f"{total / t_nosync / gib:.2f} GiB/s",
          f"{t_raw / t_nosync:.2f}x", ""),
         ("safetensors save_file (no fsync)", f"{total / t_st / gib:.2f} GiB/s",
