@@ -63,7 +63,7 @@ test-engine: $(VLLM_STAMP)
 
 # Documented behaviour that the tests must catch when it is removed: each mutant in
 # tests/mutants.py breaks one claim of the docs in a copy of src/ (never the tree) and
-# runs the tests named with it; any that still pass fail this target.  About 1.5 min on
+# runs the tests named with it; any that still pass fail this target.  About 4 min on
 # 2 cores, so not part of `make test`.
 mutants: $(STAMP)
 	$(PY) tests/mutants.py
