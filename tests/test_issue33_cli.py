@@ -119,6 +119,14 @@ def test_serve_whose_metrics_port_is_taken_never_says_it_listens(served, capsys)
         one_line(err)
 
 
+def test_a_socket_path_that_is_not_there_is_said_as_such(tmp_path, served, capsys):
+    assert main(["stat", str(tmp_path / "nosock.sock")]) == 2  # was "connection refused"
+    assert "nosock.sock: no such socket: is `hurraykv serve --listen PATH` running?" in \
+        one_line(capsys.readouterr().err)
+    assert main(["ls", "--aliases", served.address, "nothing-here/"]) == 0
+    assert capsys.readouterr().out.strip() == "0 aliases"  # no "`rm` removes one"
+
+
 def test_the_page_store_raises_hurray_errors_for_a_bad_or_unreachable_url():
     from hurraykv.store import PageStore
 

@@ -154,7 +154,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         width = max((len(a) for a, _ in aliases), default=5)
         for alias, target in aliases:
             print(f"{alias:<{width}}  -> {target}")
-        print(f"{units.plural(len(aliases), 'alias')} (`hurraykv rm` removes one)")
+        print(units.plural(len(aliases), "alias") + (" (`hurraykv rm` removes one)"
+                                                      if aliases else ""))
         return 0
     with _client(args) as client:
         keys = sorted(client.list_keys(args.prefix))

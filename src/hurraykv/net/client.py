@@ -98,7 +98,9 @@ class KVClient:
         """A socket failure as a HurrayError that names the address and what to do."""
         if isinstance(e, TimeoutError | socket.timeout):
             why = f"no answer within {self.timeout:g} s (timeout=)"
-        elif isinstance(e, ConnectionRefusedError | FileNotFoundError):
+        elif isinstance(e, FileNotFoundError):
+            why = "no such socket: is `hurraykv serve --listen PATH` running?"
+        elif isinstance(e, ConnectionRefusedError):
             why = "connection refused: is `hurraykv serve` running there?"
         elif isinstance(e, ssl.SSLError):
             why = f"TLS failed: {e.reason or e}"
