@@ -122,9 +122,14 @@ def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path,
             assert seconds < healthy + LOOKUP_S + MARGIN
         redis.kill()  # stopped for good, mid-run (SIGKILL reaches a stopped process)
         redis.wait(10)
-        for _ in range(3):
+        lookups = eng.core.scheduler.connector.lookups
+        # until the lookups see it down: one batched lookup a round, the first maybe
+        # skipped while the hung call ends, so how many rounds that takes is timing
+        for _ in range(8):
             tokens, _, _ = generate(eng, both)
             assert tokens == want
+            if lookups.stats["outages"]:
+                break
         # one line per outage and connection (lookups, loads, saves), not per request
         assert 1 <= lines.count("is failing") <= 3, lines.messages
         failing = lines.count("is failing")
@@ -135,7 +140,7 @@ def test_redis_stopped_hung_and_back_never_fails_a_request(tiny_llama, tmp_path,
         tokens2, cached, _ = generate(eng, both)
         assert tokens == want and tokens2 == want and cached == [192, 160]
         assert lines.count("is back") >= 1 and lines.count("is failing") == failing
-        assert eng.core.scheduler.connector.lookups.stats["outages"] == 1
+        assert lookups.stats["outages"] == 1  # one outage, however long
     finally:
         with contextlib.suppress(Exception):
             redis.send_signal(signal.SIGCONT)
