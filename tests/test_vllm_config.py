@@ -135,13 +135,14 @@ def test_the_tls_files_are_checked_at_start_not_as_an_outage_later(tmp_path):
     other_cert, other_key = pki.client("bob", name(("CN", "bob")))
     for extra, field, why in [
             ({"tls_cert": str(tmp_path / "missing.pem"), "tls_key": key}, "tls_cert",
-             r"\['tls_cert'\] is '.*missing\.pem': cannot read: No such file"),
+             r"\['tls_cert'\] .*missing\.pem: cannot read: No such file"),
             ({"tls_cert": cert, "tls_key": str(tmp_path / "empty.pem")}, "tls_key",
-             r"\['tls_key'\] is '.*empty\.pem': the file is empty"),
-            ({"tls_ca": key}, "tls_ca", r"\['tls_ca'\] is '.*': not PEM CA certificates"),
+             r"\['tls_key'\] .*empty\.pem: the file is empty"),
+            ({"tls_ca": key}, "tls_ca", r"\['tls_ca'\] .*: not PEM CA certificates"),
             ({"tls_cert": cert, "tls_key": other_key}, "tls_cert",
-             r"the key is not the certificate's")]:
+             r"\['tls_cert'\] .* and kv_connector_extra_config\['tls_key'\] .*: the key "
+             r"is not the certificate's")]:
         with pytest.raises(hk.HurrayError, match=why) as e:
             ConnectorConfig.from_extra({"url": url, **extra})
-        assert e.value.field == field
+        assert e.value.field == f"kv_connector_extra_config[{field!r}]"
     assert other_cert  # bob's certificate is not alice's key's

@@ -30,7 +30,7 @@ def count(n: int) -> str:
     return f"{n:,}"
 
 
-_IRREGULAR = {"identity": "identities", "alias": "aliases", "pass": "passes"}
+_IRREGULAR = {"identity": "identities"}
 
 
 def plural(n: int, noun: str, many: str | None = None) -> str:
@@ -39,7 +39,7 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     if n == 1:
         return f"{count(n)} {noun}"
     if many is None:
-        many = _IRREGULAR.get(noun) or (noun + "es" if noun.endswith(("sh", "ch", "x"))
+        many = _IRREGULAR.get(noun) or (noun + "es" if noun.endswith(("s", "sh", "ch", "x"))
                                         else noun + "s")
     return f"{count(n)} {many}"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import units
-from ..errors import ConfigError, HurrayError
+from ..errors import HurrayError
 from .inputs import CannotRead
 
 TLS = ("tls_cert", "tls_key", "tls_ca", "server_hostname")
@@ -68,13 +68,10 @@ def add_parsers(sub: Any) -> None:
 def _open(args: argparse.Namespace) -> Any:
     from urllib.parse import unquote, urlparse
 
-    from ..integrations.chunks import open_store, url_forms, url_problem
+    from ..integrations.chunks import check_url, open_store
 
-    given = {k: getattr(args, k) for k in TLS if getattr(args, k) is not None}
-    why = url_problem(args.url, list(given))
-    if why:  # a usage error (exit 2), as open_store would refuse it (exit 1)
-        raise ConfigError(f"url {args.url!r}: {why}; the chunk store is {url_forms()}",
-                          field="url", value=args.url, rule="a registered chunk store URL")
+    # before the directory check below: a URL of no store is said as such
+    check_url(args.url, [k for k in TLS if getattr(args, k) is not None])
     parsed = urlparse(args.url)
     if parsed.scheme == "file" and parsed.path.startswith("/") and not os.path.isdir(
             unquote(parsed.path)):  # opening one makes it: not for a typo

@@ -22,14 +22,12 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
 
 def cmd_store_fsck(args: argparse.Namespace) -> int:
     from ..store import PageStore
-    from ..store.pages import unreachable_as_transport
 
-    # a URL of another scheme is ConfigError, a store out of reach TransportError: both
-    # exit 2 with one line naming the URL (cli/__init__.py)
+    # a URL of another scheme is ConfigError, a store out of reach (at the start or
+    # midway) TransportError: both exit 2 with one line naming the URL (cli/__init__.py)
     store = PageStore.from_url(args.url)
     try:
-        with unreachable_as_transport(args.url):  # a store that goes away midway
-            report = store.fsck(grace=args.grace)
+        report = store.fsck(grace=args.grace)
     finally:
         store.client.close()
     if args.json:

@@ -470,16 +470,22 @@ class Suffixed(ChunkStore):
         self.inner.close()
 
 
+def check_url(url: str, options: Sequence[str] = ()) -> None:
+    """``ConfigError`` when ``url`` (with open_store keywords ``options``) names no store:
+    why, and the forms the registered stores take."""
+    why = url_problem(url, options)
+    if why:
+        raise ConfigError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
+                          field="url", value=url, rule="a registered chunk store URL")
+
+
 def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
                **options: Any) -> ChunkStore:
     """The store a URL names (see ``url_forms()``); ``suffix`` marks every key and name
     (tensor-parallel ranks); ``timeout``: seconds a network store waits on a socket;
     ``options``: those its class takes (``OPTIONS``: TLS files, ``max_bytes``)."""
     options = {k: v for k, v in options.items() if v is not None}
-    why = url_problem(url, list(options))
-    if why:
-        raise ConfigError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
-                          field="url", value=url, rule="a registered chunk store URL")
+    check_url(url, list(options))
     parsed = urlparse(url)
     try:
         store = _REGISTRY[parsed.scheme].open(  # type: ignore[attr-defined]

@@ -57,6 +57,8 @@ class ServerConfig:
 # GiB takes seconds over a fast link
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class Latencies:
     """Seconds from a request's arrival to its answer, per request (``handlers.REQUESTS``:
     push, pull, and the private messages answered at once, by name), in

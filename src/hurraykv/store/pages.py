@@ -125,17 +125,19 @@ def _where(client: Any) -> str:
 
 
 @contextlib.contextmanager
-def unreachable_as_transport(where: str) -> Iterator[None]:
+def unreachable_as_transport(where: str | Callable[[], str]) -> Iterator[None]:
     """redis-py's errors for a store it cannot reach (refused, timed out, unknown host, a
-    cluster with no reachable node) raised as ``TransportError`` naming ``where``."""
+    cluster with no reachable node) raised as ``TransportError`` naming ``where`` (or what
+    ``where()`` says, asked only then)."""
     redis = require("redis", "redis", "the Redis page store")
     from redis.exceptions import RedisClusterException
 
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as e:
-        raise TransportError(f"redis store {where}: cannot reach it: {e}", field="url",
-                             value=where, rule="a reachable Redis or Valkey server"
+        name = where() if callable(where) else where
+        raise TransportError(f"redis store {name}: cannot reach it: {e}", field="url",
+                             value=name, rule="a reachable Redis or Valkey server"
                              ) from None
 
 
@@ -147,7 +149,7 @@ def _reaching(method: Callable[..., T]) -> Callable[..., T]:
     that cannot be reached at all), never as redis-py's own exceptions."""
     @functools.wraps(method)
     def call(self: PageStore, *args: Any, **kwargs: Any) -> T:
-        with unreachable_as_transport(_where(self.client)):
+        with unreachable_as_transport(lambda: _where(self.client)):
             return method(self, *args, **kwargs)
     return call
 

@@ -177,18 +177,11 @@ class ConnectorConfig:
     def _check_tls(self) -> None:
         """The TLS files now (readable, PEM of their kind, the key the certificate's),
         not as an outage at the first request that reaches the store."""
-        if not (self.tls_cert or self.tls_key or self.tls_ca):
-            return
         from ...net.tls import client_context
 
-        try:
-            client_context(self.tls_cert, self.tls_key, self.tls_ca)
-        except HurrayError as e:
-            key = str(e.field or "--tls-cert").lstrip("-").replace("-", "_")
-            why = str(e).split(": ", 1)[-1].replace("--tls-", "tls_")
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {e.value!r}: {why}",
-                              field=key, value=e.value, rule=e.rule) from None
-
+        client_context(self.tls_cert, self.tls_key, self.tls_ca,
+                       names={kind: f"kv_connector_extra_config['tls_{kind}']"
+                              for kind in ("cert", "key", "ca")})
 
 def _parse(key: str, kind: Any, value: Any) -> Any:
     kind = str(kind)
