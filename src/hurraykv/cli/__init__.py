@@ -34,8 +34,8 @@ import io
 import os
 import re
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, Protocol
 
 from .. import __version__, units
 from ..errors import (
@@ -139,6 +139,13 @@ def _client_options(sp: argparse.ArgumentParser) -> None:
                     "(default: the host of ADDRESS)")
 
 
+class _Commands(Protocol):
+    """What ``add_subparsers`` returns (its class is argparse's own, private): where a
+    command's parser is added."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hurraykv", description="Inspect, validate, serve and move KV caches "
                 "in the Hurray block-paged format.",
@@ -148,6 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
         f"hurraykv {__version__} (Hurray descriptor 1.0, .hrry container 1.0, "
         "interchange protocol 1)"))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_file_commands(sub)
+    _add_serve_command(sub)
+    _add_transfer_commands(sub)
+    _add_server_admin_commands(sub)
+    _add_store_commands(sub)
+    add_cache_parsers(sub)
+    _name_own_parsers(p)
+    return p
+
+
+def _add_file_commands(sub: _Commands) -> None:
+    """inspect, validate, compact: files, streams and descriptors (``local.py``)."""
     i = sub.add_parser("inspect", help="what a descriptor, stream or .hrry file holds: "
                        "tokens, pages, bytes, members")
     i.add_argument("--json", action="store_true", help="every number as one JSON object")
@@ -176,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "output (the summary then goes to stderr)")
     c.set_defaults(func=cmd_compact)
 
+
+def _add_serve_command(sub: _Commands) -> None:
     sv = sub.add_parser("serve", help="run a KV cache server", description="Run a KV "
                         "cache server.  Start-up lines go to stdout, once each (the first "
                         "ends in the address clients use); the log goes to stderr; SIGTERM "
@@ -185,6 +206,27 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--listen", default="127.0.0.1:7878", type=_address,
                     help="HOST:PORT or a Unix socket path (default: loopback 127.0.0.1:7878; "
                     "a port of 0 picks a free one)")
+    _serve_budgets(sv)
+    sv.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics and a health "
+                    "check at /healthz (needs the [metrics] extra: prometheus_client); "
+                    "default: off")
+    sv.add_argument("--store", metavar="URL", help="backing tier: redis://HOST:PORT or "
+                    "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
+    _serve_connection_limits(sv)
+    sv.add_argument("--no-zero-unused", action="store_true",
+                    help="do not zero unused page slots before data leaves the process")
+    sv.add_argument("--log-level", default="info",
+                    choices=["debug", "info", "warning", "error"], help="default info")
+    sv.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    sv.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sv.add_argument("--tls-ca", help="PEM CA bundle; the server then requires client "
+                    "certificates, whose identity scopes each client's keys (mutual TLS)")
+    sv.set_defaults(func=cmd_serve)
+
+
+def _serve_budgets(sv: argparse.ArgumentParser) -> None:
+    """What the server holds: memory, its --persist directory, per tenant, pinned."""
     sv.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
                     help="most bytes of snapshot data held in memory, pushes in flight "
                     "included, e.g. 8G or 512M (binary units); beyond it the least "
@@ -208,12 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "it the least recently pushed or pulled files are deleted, and a "
                     "snapshot whose file alone is larger is refused with STORE_FULL; "
                     "default: unlimited")
-    sv.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
-                    help="serve Prometheus metrics at http://HOST:PORT/metrics and a health "
-                    "check at /healthz (needs the [metrics] extra: prometheus_client); "
-                    "default: off")
-    sv.add_argument("--store", metavar="URL", help="backing tier: redis://HOST:PORT or "
-                    "redis+cluster://HOST:PORT (pages stored once, shared by servers)")
+
+
+def _serve_connection_limits(sv: argparse.ArgumentParser) -> None:
+    """What one connection may send, how long it may take, and how many there are."""
     sv.add_argument("--max-message-size", type=_size, default=16 << 20, metavar="SIZE",
                     help="largest message payload accepted (data frames included); "
                     "default 16M")
@@ -224,15 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a connection silent this long is closed; default 600")
     sv.add_argument("--max-connections", type=_positive, default=256, metavar="N",
                     help="connections beyond this are answered SERVER_BUSY; default 256")
-    sv.add_argument("--no-zero-unused", action="store_true",
-                    help="do not zero unused page slots before data leaves the process")
-    sv.add_argument("--log-level", default="info",
-                    choices=["debug", "info", "warning", "error"], help="default info")
-    sv.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
-    sv.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    sv.add_argument("--tls-ca", help="PEM CA bundle; the server then requires client "
-                    "certificates, whose identity scopes each client's keys (mutual TLS)")
-    sv.set_defaults(func=cmd_serve)
+
+
+def _add_transfer_commands(sub: _Commands) -> None:
+    """push, pull: a snapshot to or from a server."""
     for name, helptext in (("push", "push a snapshot (.hrry file or stream) to a server"),
                            ("pull", "pull a snapshot from a server into a .hrry file")):
         sp = sub.add_parser(name, help=helptext)
@@ -247,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "standard output (the summary then goes to stderr)")
         _quiet(sp)
         sp.set_defaults(func=cmd_push if name == "push" else cmd_pull)
+
+
+def _add_server_admin_commands(sub: _Commands) -> None:
+    """ls, stat, rm: what a server holds, and its removal."""
     ls = sub.add_parser("ls", help="the keys a server holds, with their sizes",
                         description="The keys a server holds (in memory or persisted), "
                         "each with its size: its data bytes, the tensors' buffers as "
@@ -274,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     _quiet(rm, "line per key removed")
     rm.add_argument("keys", nargs="+", metavar="KEY")
     rm.set_defaults(func=cmd_rm)
+
+
+def _add_store_commands(sub: _Commands) -> None:
+    """store fsck: a Redis/Valkey page store (``store.py``)."""
     store = sub.add_parser("store", help="maintain a Redis/Valkey page store")
     ssub = store.add_subparsers(dest="store_command", required=True, metavar="COMMAND")
     fs = ssub.add_parser("fsck", help="after a client or server crash: recompute page "
@@ -287,19 +330,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "running and are kept; default 3600")
     fs.add_argument("--json", action="store_true", help="the report as one JSON object")
     fs.set_defaults(func=cmd_store_fsck)
-    add_cache_parsers(sub)
-    _name_own_parsers(p)
-    return p
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parsers of ``parser``'s commands: the choices of its subparsers action, the one
+    action whose choices map names to parsers."""
+    for action in parser._actions:
+        if isinstance(action.choices, dict):
+            yield from (c for c in action.choices.values()
+                        if isinstance(c, argparse.ArgumentParser))
 
 
 def _name_own_parsers(parser: argparse.ArgumentParser) -> None:
     """Each command's parser recorded in what it parses (``_parser``): an unknown option
     is then said by the command it was given to, against that command's options."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sp in action.choices.values():
-                sp.set_defaults(_parser=sp)
-                _name_own_parsers(sp)
+    for sp in _subcommands(parser):
+        sp.set_defaults(_parser=sp)
+        _name_own_parsers(sp)
 
 
 def _numeric_options(parser: argparse.ArgumentParser) -> set[str]:
@@ -308,9 +355,8 @@ def _numeric_options(parser: argparse.ArgumentParser) -> set[str]:
     for action in parser._actions:
         if action.option_strings and (action.type in (_size, _seconds, _positive, int, float)):
             found.update(action.option_strings)
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                found |= _numeric_options(sub)
+    for sub in _subcommands(parser):
+        found |= _numeric_options(sub)
     return found
 
 

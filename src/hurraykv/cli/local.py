@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -23,9 +17,20 @@ from ..io.snapshots import save_snapshot
 from ..snapshot import KVCacheSnapshot
 from ..wire.annotate import format_rows, layout_fields, to_json
 from ..wire.descriptor import TensorDescriptor
-from . import blockmap, report
+from .blockmap import render as render_map
 from .inputs import CannotRead, Input, check_tensors, load_contents, torn_head
+from .outputs import STDOUT, check_output, check_writable, human, write_output
 from .progress import Progress
+from .report import (
+    collapse,
+    member_row,
+    seq_lines,
+    seq_summary,
+    snapshot_rows,
+    summary_lines,
+    table,
+    totals,
+)
 
 
 def _jsonable(v: Any) -> Any:
@@ -72,12 +77,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     snap, f = contents.snapshot, contents.file
     if snap is not None:
-        rows = report.snapshot_rows(snap)
+        rows = snapshot_rows(snap)
     else:
-        rows = [report.member_row(name, desc, t) for (name, desc, _), t in
+        rows = [member_row(name, desc, t) for (name, desc, _), t in
                 zip(contents.tensors, check_tensors(contents), strict=True)]
     file_size = inp.size if contents.kind == "hrry" else None
-    tot = report.totals(rows, file_size)
+    tot = totals(rows, file_size)
     if args.map:
         _write_map(args.map, snap, contents, inp.name)
     if args.json:
@@ -89,7 +94,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if snap is not None:
             out |= {"num_layers": snap.num_layers, "num_seqs": snap.num_seqs,
                     "seq_lens": _jsonable(snap.seq_lens),
-                    "seq_summary": report.seq_summary(snap.seq_lens),
+                    "seq_summary": seq_summary(snap.seq_lens),
                     "page_size": snap.page_size, "num_kv_heads": snap.num_kv_heads,
                     "head_dim": snap.head_dim, "head_dim_v": snap.head_dim_v,
                     "dtype": snap.dtype, "model": snap.model, "metadata": snap.metadata,
@@ -99,13 +104,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     kind = {"hrry": ".hrry file", "stream": "stream"}[contents.kind]
     print(f"{inp.name}: {kind}, " + (f"{snap!r}" if snap is not None else
                                      f"{len(rows)} tensors, no KV snapshot"))
-    for line in report.summary_lines(snap, tot):
+    for line in summary_lines(snap, tot):
         print(line)
     if snap is not None and args.seqs:
         print()
-        print("\n".join(report.seq_lines(snap)))
+        print("\n".join(seq_lines(snap)))
     print()
-    print(report.table(report.collapse(rows)))
+    print(table(collapse(rows)))
     if f is not None:
         other = {k: v for k, v in f.kv.items() if not k.startswith("hurraykv.")}
         if snap is None and other:
@@ -126,49 +131,9 @@ def _write_map(path: str, snap: KVCacheSnapshot | None, contents: Any, name: str
             raise CannotRead(f"{name} holds no block-paged tensor to map")
         n, t = built[0]
         lens, title = t.seq_lens, f"{name} {n or 'tensor 0'}"
-    svg = blockmap.render(t, lens, title)
-    _check_writable(path)
+    svg = render_map(t, lens, title)
+    check_writable(path)
     write_bytes(path, svg.encode("utf-8"))  # O_EXCL | O_NOFOLLOW temporary, then rename
-
-
-def _check_writable(path: str) -> None:
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise CannotRead(f"cannot write {path}: the directory {parent} does not exist")
-
-
-STDOUT = "-"
-
-
-def check_output(path: str) -> None:
-    """Before the work: ``path`` can be written; ``-`` (standard output) must not be a
-    terminal, which a binary .hrry file would garble."""
-    if path != STDOUT:
-        _check_writable(path)
-    elif sys.stdout.isatty():
-        raise CannotRead("refusing to write a binary .hrry file to a terminal: redirect "
-                         "standard output (> FILE) or pipe it, or name a file instead of -")
-
-
-def human(path: str) -> TextIO:
-    """Where the summary line goes: stderr when the .hrry file goes to standard output."""
-    return sys.stderr if path == STDOUT else sys.stdout
-
-
-def write_output(path: str, write: Callable[[str], Any]) -> None:
-    """``write(file)`` writes the .hrry file: to ``path``, or for ``-`` to a temporary
-    file (``$TMPDIR``; the format ends in an index, written last) copied to standard
-    output, then removed."""
-    if path != STDOUT:
-        write(path)
-        return
-    out = sys.stdout.buffer
-    with tempfile.TemporaryDirectory(prefix="hurraykv-") as tmp:
-        name = os.path.join(tmp, "out.hrry")
-        write(name)
-        with open(name, "rb") as f:
-            shutil.copyfileobj(f, out, 1 << 20)
-    out.flush()
 
 
 def _build_all(snap: KVCacheSnapshot, quiet: bool) -> None:

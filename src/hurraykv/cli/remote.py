@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import units
 from .inputs import CannotRead, Input, load_contents
-from .local import STDOUT, check_output, human, write_output
+from .outputs import STDOUT, check_output, human, write_output
 from .progress import Progress
 
 
