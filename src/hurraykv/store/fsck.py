@@ -33,6 +33,7 @@ from typing import Any
 from .capacity import best_effort
 from .manifest import manifest_generation, parse_manifest, with_generation
 from .members import ZERO
+from .refs import Refs
 from .scripts import (
     STATS,
     generation_age,
@@ -64,22 +65,41 @@ def _chunks(items: list[Any]) -> Iterator[list[Any]]:
         yield items[a:a + BATCH]
 
 
-def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
-    """Repair ``store``; returns what was found and changed."""
-    refs, client = store._refs, store.client
+def fsck(refs: Refs, *, grace: float = 3600.0, drop_damaged: bool = True
+         ) -> dict[str, Any]:
+    """Repair the store ``refs`` reaches; returns what was found and changed."""
     report: dict[str, Any] = {
         "releases_completed": 0, "manifests": 0, "manifests_upgraded": 0,
         "references_dropped": 0, "references_added": 0, "pages_freed": 0,
         "orphan_pages_freed": 0, "legacy_counters_removed": 0, "missing_pages": {},
-        "damaged_removed": 0, "dangling_owners_removed": 0, "stats_before": store.stats()}
-    # 1. pending releases
-    for sid in list(_scan(client, "d")):
+        "damaged_removed": 0, "dangling_owners_removed": 0, "stats_before": refs.stats()}
+    _complete_releases(refs, report)
+    named, snapshot_of, logical_of = _read_manifests(refs, report)
+    lost = _damaged(refs, named, snapshot_of, report, drop_damaged)
+    logical = sum(logical_of[g] for g in snapshot_of)
+    _remove_legacy_counters(refs, report)
+    _reconcile_owners(refs, named, snapshot_of, lost, grace, report)
+    kept, stored_bytes = _free_orphans(refs, report)
+    _write_stats(refs, {"logical_bytes": logical, "stored_bytes": stored_bytes,
+                        "pages": kept, "snapshots": len(snapshot_of)})
+    report["stats_after"] = refs.stats()
+    return report
+
+
+def _complete_releases(refs: Refs, report: dict[str, Any]) -> None:
+    """1. Releases left pending."""
+    for sid in list(_scan(refs.client, "d")):
         report["releases_completed"] += len(drain(refs, sid))
-    # 2. manifests: who should own what
+
+
+def _read_manifests(refs: Refs, report: dict[str, Any]
+                    ) -> tuple[dict[bytes, set[bytes]], dict[bytes, str], dict[bytes, int]]:
+    """2. Who should own what: the generations naming each page, the snapshot of each
+    generation and its logical bytes; a version 1 manifest is given a generation first."""
     named: dict[bytes, set[bytes]] = {}
     snapshot_of: dict[bytes, str] = {}
     logical_of: dict[bytes, int] = {}
-    for ids in _chunks(list(_scan(client, "m"))):
+    for ids in _chunks(list(_scan(refs.client, "m"))):
         pipe = refs.pipe()
         for sid in ids:
             pipe.get(manifest_key(sid))
@@ -89,7 +109,7 @@ def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dic
             generation = manifest_generation(raw)
             if generation is None:
                 generation = new_generation()
-                client.set(manifest_key(sid), with_generation(raw, generation))
+                refs.client.set(manifest_key(sid), with_generation(raw, generation))
                 report["manifests_upgraded"] += 1
             items, table, _ = parse_manifest(sid, raw)
             logical_of[generation] = logical_bytes(items, table)
@@ -97,17 +117,25 @@ def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dic
             for d in set(table) - {ZERO}:
                 named.setdefault(d, set()).add(generation)
             report["manifests"] += 1
-    lost = _damaged(refs, named, snapshot_of, report, drop_damaged)
-    logical = sum(logical_of[g] for g in snapshot_of)
-    # 3. owners: drop what no manifest holds, add what one lacks (the counters of before
-    # generations go first: every manifest now has a generation its pages will own)
-    for hexes in _chunks(list(_scan(client, "r"))):
+    return named, snapshot_of, logical_of
+
+
+def _remove_legacy_counters(refs: Refs, report: dict[str, Any]) -> None:
+    """3, first: the counters of before generations go (every manifest now has a generation
+    its pages will own)."""
+    for hexes in _chunks(list(_scan(refs.client, "r"))):
         pipe = refs.pipe()
         for h in hexes:
             pipe.delete(legacy_ref_key(bytes.fromhex(h)))
         report["legacy_counters_removed"] += sum(int(n) for n in pipe.execute())
+
+
+def _reconcile_owners(refs: Refs, named: dict[bytes, set[bytes]],
+                      snapshot_of: dict[bytes, str], lost: set[bytes], grace: float,
+                      report: dict[str, Any]) -> None:
+    """3. Owners: drop what no manifest holds (older than ``grace``), add what one lacks."""
     now = time.time()
-    stored = [bytes.fromhex(h) for h in _scan(client, "o")]
+    stored = [bytes.fromhex(h) for h in _scan(refs.client, "o")]
     add: list[tuple[bytes, bytes]] = []
     drops: list[tuple[bytes, bytes]] = []
     for digests in _chunks(stored):
@@ -124,8 +152,11 @@ def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dic
     _add(refs, add, snapshot_of, report)  # first: a drop must not free a named page
     for batch in _chunks(drops):
         _drop(refs, batch, report)
-    # 4. pages nobody owns
-    pages = [bytes.fromhex(h) for h in _scan(client, "p")]
+
+
+def _free_orphans(refs: Refs, report: dict[str, Any]) -> tuple[int, int]:
+    """4. Pages nobody owns are freed; returns the pages kept and their bytes."""
+    pages = [bytes.fromhex(h) for h in _scan(refs.client, "p")]
     kept, stored_bytes = 0, 0
     for digests in _chunks(pages):
         pipe = refs.pipe()
@@ -141,17 +172,17 @@ def fsck(store: Any, *, grace: float = 3600.0, drop_damaged: bool = True) -> dic
         sizes = [int(n) for n in pipe.execute()]
         kept += sum(1 for n in sizes if n)
         stored_bytes += sum(sizes)
-    # 5. statistics
-    after = {"logical_bytes": logical, "stored_bytes": stored_bytes, "pages": kept,
-             "snapshots": len(snapshot_of)}
+    return kept, stored_bytes
+
+
+def _write_stats(refs: Refs, after: dict[str, int]) -> None:
+    """5. The statistics, recomputed."""
     pipe = refs.pipe()
     pipe.hset(STATS, mapping=after)
     best_effort(pipe)  # refused at Redis's memory limit: the old figures stay
-    report["stats_after"] = store.stats()
-    return report
 
 
-def _damaged(refs: Any, named: dict[bytes, set[bytes]], snapshot_of: dict[bytes, str],
+def _damaged(refs: Refs, named: dict[bytes, set[bytes]], snapshot_of: dict[bytes, str],
              report: dict[str, Any], drop: bool) -> set[bytes]:
     """The named pages the store lacks; each manifest naming one is reported and, with
     ``drop``, removed with its release completed (its generations leave ``named`` and
@@ -179,7 +210,7 @@ def _damaged(refs: Any, named: dict[bytes, set[bytes]], snapshot_of: dict[bytes,
     return lost
 
 
-def _drop(refs: Any, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -> None:
+def _drop(refs: Refs, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -> None:
     if not drops:
         return
     one = refs.scripts["dropref"]
@@ -193,7 +224,7 @@ def _drop(refs: Any, drops: list[tuple[bytes, bytes]], report: dict[str, Any]) -
     report["dangling_owners_removed"] += sum(1 for r in results if r == -1)
 
 
-def _add(refs: Any, add: list[tuple[bytes, bytes]], snapshot_of: dict[bytes, str],
+def _add(refs: Refs, add: list[tuple[bytes, bytes]], snapshot_of: dict[bytes, str],
          report: dict[str, Any]) -> None:
     """Give pages the references their manifests lack, if those manifests still hold
     them (a delete completed meanwhile must not be undone)."""

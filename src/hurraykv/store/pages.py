@@ -82,6 +82,7 @@ from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..threads import executor
 from .capacity import MissingPagesError, StoreFullError, best_effort, is_full, refusing_full
+from .fsck import fsck as repair
 from .manifest import (
     encode_manifest,
     manifest_generation,
@@ -307,7 +308,7 @@ class PageStore:
     def _assemble(self, snapshot_id: str, layer: int | None) -> tuple[list, list]:
         items, table, generation = self._load_manifest(snapshot_id)
         try:
-            return assemble(self, snapshot_id, items, table, layer)
+            return assemble(self._refs, snapshot_id, items, table, layer)
         except MissingPagesError as e:
             if not self.drop_damaged or generation is None:
                 raise
@@ -406,19 +407,13 @@ class PageStore:
     def fsck(self, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
         """Repair the store after a client or server crash, or after Redis evicted keys:
         see ``fsck.py``."""
-        from .fsck import fsck
-
         with refusing_full(self.client, "fsck", "it stopped there: run it again when "
                            "Redis has room"):
-            return fsck(self, grace=grace, drop_damaged=drop_damaged)
+            return repair(self._refs, grace=grace, drop_damaged=drop_damaged)
 
     @_reaching
     def stats(self) -> dict[str, int]:
-        raw = self.client.hgetall(STATS)
-        out = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
-        for k in ("logical_bytes", "stored_bytes", "pages", "snapshots"):
-            out.setdefault(k, 0)
-        return out
+        return self._refs.stats()
 
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))

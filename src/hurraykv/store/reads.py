@@ -12,10 +12,11 @@ from ..errors import StoreError
 from ..wire.descriptor import TensorDescriptor
 from ..wire.dtypes import BY_NAME
 from ..wire.layouts import BlockPaged, Composite
-from . import resp
 from .capacity import MissingPagesError
 from .members import ZERO
-from .refs import BATCH_BYTES
+from .refs import BATCH_BYTES, Refs
+from .resp import get as get_command
+from .resp import open_wire
 from .scripts import page_key
 
 
@@ -59,7 +60,7 @@ def missing_error(snapshot_id: str, plan: list, missing: set[bytes]) -> MissingP
                              field="page")
 
 
-def assemble(store: Any, snapshot_id: str, items: list, table: list[bytes],
+def assemble(refs: Refs, snapshot_id: str, items: list, table: list[bytes],
              only_layer: int | None) -> tuple[list, list]:
     """(non-page members, block-paged members) as ``(None, descriptor, buffers)``."""
     plan = []
@@ -81,7 +82,7 @@ def assemble(store: Any, snapshot_id: str, items: list, table: list[bytes],
         if take:
             rows = rows_for(desc, ds, jobs)
             members.append((desc, skeleton, ds, rows))
-    fetch(store, snapshot_id, jobs, plan)
+    fetch(refs, snapshot_id, jobs, plan)
     out = [(None, desc, member_buffers(desc, skeleton, ds, rows))
            for desc, skeleton, ds, rows in members]
     scalars = [(None, d, b) for d, b in items if not isinstance(d.layout, BlockPaged)
@@ -101,7 +102,7 @@ def rows_for(desc: TensorDescriptor, digests: list[bytes],
     return rows
 
 
-def fetch(store: Any, snapshot_id: str, jobs: list[tuple[bytes, np.ndarray]], plan: list
+def fetch(refs: Refs, snapshot_id: str, jobs: list[tuple[bytes, np.ndarray]], plan: list
           ) -> None:
     """Fill every job's row: each distinct page is fetched once, its GET reply received
     straight into its first row (BATCH_BYTES per round trip); later rows of the same
@@ -116,12 +117,12 @@ def fetch(store: Any, snapshot_id: str, jobs: list[tuple[bytes, np.ndarray]], pl
             first[d] = row
             fetch.append((d, row))
     missing: list[bytes] = []
-    with resp.open_wire(store.client) as wire:
+    with open_wire(refs.client) as wire:
         for a, b in rounds([row.nbytes for _, row in fetch]):
             batch = fetch[a:b]
             if wire is None:
-                values = store._refs.batched([d for d, _ in batch], [0] * len(batch),
-                                       lambda p, d: p.get(page_key(d)))
+                values = refs.batched([d for d, _ in batch], [0] * len(batch),
+                                      lambda p, d: p.get(page_key(d)))
                 for (d, row), v in zip(batch, values, strict=True):
                     if v is None:
                         missing.append(d)
@@ -132,7 +133,7 @@ def fetch(store: Any, snapshot_id: str, jobs: list[tuple[bytes, np.ndarray]], pl
                     else:
                         row[...] = np.frombuffer(v, np.uint8)
                 continue
-            wire.send([resp.get(page_key(d)) for d, _ in batch])
+            wire.send([get_command(page_key(d)) for d, _ in batch])
             for d, row in batch:
                 if not wire.bulk_into(memoryview(row)):
                     missing.append(d)

@@ -103,3 +103,13 @@ class Refs:
         pipe.hincrby(STATS, "stored_bytes", -sum(freed))
         pipe.hincrby(STATS, "pages", -len(freed))
         return pipe
+
+    # -- statistics --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """The statistics hash (``hkv:stats``), each of its four counts there (0 if
+        absent)."""
+        raw = self.client.hgetall(STATS)
+        out = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
+        for k in ("logical_bytes", "stored_bytes", "pages", "snapshots"):
+            out.setdefault(k, 0)
+        return out

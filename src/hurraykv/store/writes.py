@@ -21,12 +21,12 @@ import numpy as np
 from ..errors import StoreError
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.layouts import BlockPaged
-from . import resp
 from .capacity import best_effort
 from .manifest import parse_manifest, prefix_value, split_tokens, token_chains
 from .members import ZERO
 from .reads import page_width
 from .refs import BATCH_BYTES, Refs
+from .resp import mset, open_wire
 from .scripts import PAGE_SIZES, STATS, page_key, pending_key, prefix_key
 
 MSET_BYTES = 1 << 20  # page bytes per MSET
@@ -76,7 +76,7 @@ def store_pages(refs: Refs, snapshot_id: str, values: dict[bytes, memoryview],
 def set_pages(refs: Refs, digests: list[bytes], values: dict[bytes, memoryview]) -> None:
     """Page bytes under their keys: MSETs of ~1 MiB sent straight from the pages'
     memory, BATCH_BYTES per round trip (redis-py pipelines where that cannot be)."""
-    with resp.open_wire(refs.client) as wire:
+    with open_wire(refs.client) as wire:
         if wire is None:
             refs.batched(digests, [values[d].nbytes for d in digests],
                          lambda p, d: p.set(page_key(d), values[d]))
@@ -88,7 +88,7 @@ def set_pages(refs: Refs, digests: list[bytes], values: dict[bytes, memoryview])
             group.append(d)
             group_bytes += values[d].nbytes
             if group_bytes >= MSET_BYTES or i == len(digests) - 1:
-                parts += resp.mset([page_key(g) for g in group], [values[g] for g in group])
+                parts += mset([page_key(g) for g in group], [values[g] for g in group])
                 commands += 1
                 pending += group_bytes
                 group, group_bytes = [], 0
