@@ -51,7 +51,7 @@ demo-vllm: $(VLLM_STAMP)
 test: envs
 	$(VENV)/bin/ruff check src tests benchmarks engine_tests docs
 	$(PY) -m pytest
-	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/test_kernels.py
+	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/paged/test_kernels.py
 	$(VLLM_PY) -m pytest engine_tests
 
 # The quick loop while developing: the main suite without the tests marked slow.

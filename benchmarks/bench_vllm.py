@@ -235,7 +235,7 @@ def peers(work: Path, n_prompts: int, repeats: int) -> list[tuple[str, str, str,
                               text=True)
         stack.callback(lambda: (hs.terminate(), hs.wait(10)))
         address = hs.stdout.readline().split()[-1]
-        from tests.redis_servers import single_server
+        from tests.support.redis_servers import single_server
 
         redis_url = stack.enter_context(single_server(work))
         time.sleep(8)  # the LMCache server binds its ZMQ socket after imports
@@ -1408,8 +1408,8 @@ def start_slow_proxy(stack: contextlib.ExitStack, target: str, delay_ms: float,
 
 
 def start_redis_server(stack: contextlib.ExitStack, work: Path) -> str:
-    from tests.redis_servers import free_port as redis_port
-    from tests.redis_servers import redis_server_binary, start_redis
+    from tests.support.redis_servers import free_port as redis_port
+    from tests.support.redis_servers import redis_server_binary, start_redis
 
     proc = start_redis(redis_server_binary(), work, redis_port())
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))

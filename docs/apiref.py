@@ -11,7 +11,7 @@ for each class, its public methods and properties, with the first paragraph of t
 (the full text is a ``help()`` away); for each module, its docstring.  Names are listed
 in ``__all__`` order, methods in the order the class defines them, so the output depends
 only on the code:
-``tests/test_api_reference.py`` regenerates it and fails when ``docs/api.md`` differs.
+``tests/docs/test_api_reference.py`` regenerates it and fails when ``docs/api.md`` differs.
 
 The vLLM connector (``hurraykv.integrations.vllm``) imports vLLM, which the main
 environment does not hold; its interface is its configuration, documented and tested
@@ -171,7 +171,7 @@ def entry(qualified: str, obj, seen: dict[int, str]) -> list[str]:
 def build() -> str:
     out = ["# API reference", "",
            "Generated from the docstrings by `python docs/apiref.py`; do not edit by hand",
-           "(`tests/test_api_reference.py` fails when this file and the code differ). The",
+           "(`tests/docs/test_api_reference.py` fails when this file and the code differ). The",
            "vLLM connector is configured, not called: see `docs/vllm.md`.", ""]
     toc, body, seen = [], [], {}
     for name, why in MODULES:

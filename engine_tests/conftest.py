@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-from tests.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
+from tests.support.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
 
 from hurraykv.integrations import engine_run, tiny_models
 

@@ -244,7 +244,7 @@ def test_a_consumer_with_an_unreachable_server_computes_instead(tiny_llama, tmp_
     """Nothing listens: each request waits no more than docs/vllm.md promises (the first
     store call waits up to 2 s for the connection opened at start, each failing call its
     deadline, none once 3 in a row failed), one request at a time."""
-    from tests.test_vllm_stalls import CONNECT_S, FAILURES, LOOKUP_S, MARGIN
+    from tests.integrations.vllm.test_vllm_stalls import CONNECT_S, FAILURES, LOOKUP_S, MARGIN
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.holding_proxy import HoldingProxy
-from tests.redis_servers import free_port, redis_server_binary, start_redis
-from tests.test_vllm_stalls import LOAD_S, LOOKUP_S, MARGIN
+from tests.integrations.vllm.test_vllm_stalls import LOAD_S, LOOKUP_S, MARGIN
+from tests.support.holding_proxy import HoldingProxy
+from tests.support.redis_servers import free_port, redis_server_binary, start_redis
 
 from engine_tests.conftest import Engine, ask, run_engine, skip_unless_cpu_takes
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
@@ -157,7 +157,7 @@ def test_a_hung_hurraykv_server_stalls_no_request(tiny_llama, tmp_path, want, li
     vLLM's scheduler thread never waits on it (each ``get_num_new_matched_tokens``
     returns at once), a request waits at most its lookup's deadline, then computes.  The
     waits are measured in the engine, against the values docs/vllm.md gives."""
-    from tests.test_vllm_stalls import QUICK
+    from tests.integrations.vllm.test_vllm_stalls import QUICK
 
     server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                                "127.0.0.1:0", "--log-level", "warning"],

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
-from tests.redis_servers import free_port
+from tests.support.redis_servers import free_port
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 import hurraykv as hk

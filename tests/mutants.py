@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FC, FS = "hurraykv/integrations/file_capacity.py", "hurraykv/integrations/file_store.py"
 GUARD, KS = "hurraykv/integrations/guard.py", "hurraykv/net/keystore.py"
 PT = "hurraykv/net/persisted.py"
-CAP = "tests/test_file_capacity.py"
+CAP = "tests/store/test_file_capacity.py"
 CAPACITY = "docs/vllm.md, Capacity and eviction"
 WRONG = "docs/vllm.md, When things go wrong"
 RETAIN = "docs/vllm.md, Running it in production"
@@ -112,30 +112,30 @@ MUTANTS = [
     Mutant("file-damaged-segment-not-quarantined", FS,
            'os.replace(self.path(name), quarantine / f"{name}.hrry")',
            "os.unlink(self.path(name))",
-           ("tests/test_checksums.py::"
+           ("tests/io/test_checksums.py::"
             "test_file_segments_of_one_structure_keep_their_own_checksums",),
            "docs/vllm.md, Limits: a damaged object is quarantined (DIR/quarantine/)"),
     Mutant("file-replaced-log-read-on", "hurraykv/integrations/file_tenants.py",
            "restart = (st.st_dev, st.st_ino) != self._id or st.st_size < self._read_upto",
            "restart = st.st_size < self._read_upto",
-           ("tests/test_chunks.py::test_a_log_replaced_by_a_longer_one_is_read_from_its_start",),
+           ("tests/store/test_chunks.py::test_a_log_replaced_by_a_longer_one_is_read_from_its_start",),
            f"{WRONG}: a log that shrank or is another file is read again from its start"),
     # --- checksums on load ---------------------------------------------------------------
     Mutant("checksums-never-raise", "hurraykv/io/checksums.py",
            "_raise_for(what, mismatches(snapshot, computed), snapshot)",
            "mismatches(snapshot, computed)",
-           ("tests/test_checksums.py",),
+           ("tests/io/test_checksums.py",),
            f"{WRONG}: a damaged value's checksum does not match: it is recomputed"),
     Mutant("file-load-unverified", FS,
            "checksums.verify(snap, what, plan.complete(snap, computed, skipped))",
            "plan.complete(snap, computed, skipped)",
-           ("tests/test_chunk_stores.py::TestFileStore::"
+           ("tests/store/test_chunk_stores.py::TestFileStore::"
             "test_damaged_values_are_refused_and_discarded",),
            "docs/vllm.md, Limits: checked before any byte reaches the engine on every "
            "backend (file://)"),
     Mutant("server-load-unverified", "hurraykv/integrations/chunks.py",
            'checksums.verify(snap, f"segment {name}")', "None",
-           ("tests/test_chunk_stores.py::TestServerStore::"
+           ("tests/store/test_chunk_stores.py::TestServerStore::"
             "test_damaged_values_are_refused_and_discarded",),
            "docs/vllm.md, Limits: checked before any byte reaches the engine on every "
            "backend (hurray://, redis://)"),
@@ -143,16 +143,16 @@ MUTANTS = [
     Mutant("guard-deadline-30x", GUARD,
            "deadline = self.timeout if timeout is None else timeout",
            "deadline = 30 * (self.timeout if timeout is None else timeout)",
-           ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
+           ("tests/store/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
            f"{WRONG}: a lookup waits at most lookup_timeout_ms, then is a miss"),
     Mutant("config-lookup-deadline-30x", "hurraykv/integrations/vllm/config.py",
            "lookup_timeout_ms: float = 2000.0", "lookup_timeout_ms: float = 60000.0",
-           ("tests/test_vllm_config.py::test_the_docs_table_defaults_are_the_configs",),
+           ("tests/integrations/vllm/test_vllm_config.py::test_the_docs_table_defaults_are_the_configs",),
            f"{WRONG}: lookup_timeout_ms (2000 ms)"),
     Mutant("guard-queues-behind-a-hung-call", GUARD,
            "skip = hung is not None or (self.down and now < self._retry_at)",
            "skip = self.down and now < self._retry_at",
-           ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
+           ("tests/store/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
            f"{WRONG}: while a call has not returned, the next calls give up at once"),
     Mutant("guard-a-call-in-flight-is-a-failure", GUARD,
            "            if skip:\n                self._skipped += 1",
@@ -160,28 +160,28 @@ MUTANTS = [
            "                self._failed_in_flight = True\n"
            "                self._count_failure(\"call\", \"an earlier call has not returned\")\n"
            "            if skip:\n                self._skipped += 1",
-           ("tests/test_guard.py::test_calls_from_several_threads_queue_and_none_fails_for_"
+           ("tests/store/test_guard.py::test_calls_from_several_threads_queue_and_none_fails_for_"
             "another",),
            f"{WRONG}: the next calls are not failures of their own (issue 30: a healthy "
            "store declared down under load)"),
     Mutant("guard-hung-call-never-charged-again", GUARD,
            "            if overdue:\n                hung[1] += 1",
            "            overdue = False",
-           ("tests/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
+           ("tests/store/test_guard.py::test_a_hung_call_never_holds_the_caller_past_its_deadline",),
            f"{WRONG}: the hung call counts once more per deadline it runs past"),
     Mutant("guard-down-one-failure-late", GUARD,
            "if self._in_a_row >= self._failures:", "if self._in_a_row > self._failures:",
-           ("tests/test_guard.py::test_down_after_failures_skipped_during_backoff_then_probed",),
+           ("tests/store/test_guard.py::test_down_after_failures_skipped_during_backoff_then_probed",),
            f"{WRONG}: after 3 failed calls in a row the store is left alone for a backoff"),
     Mutant("guard-backoff-not-doubled", GUARD,
            "self._backoff = min(self._backoff * 2, self._max_backoff)",
            "self._backoff = min(self._backoff, self._max_backoff)",
-           ("tests/test_guard.py::test_down_after_failures_skipped_during_backoff_then_probed",),
+           ("tests/store/test_guard.py::test_down_after_failures_skipped_during_backoff_then_probed",),
            f"{WRONG}: a backoff of 1 s doubling up to max_backoff_s"),
     Mutant("guard-some-errors-escape", GUARD,
            "except Exception as exc:  # every error a store can raise is a miss",
            "except (ValueError, KeyError) as exc:",
-           ("tests/test_guard.py::test_answers_in_time_and_misses_on_any_error",),
+           ("tests/store/test_guard.py::test_answers_in_time_and_misses_on_any_error",),
            f"{WRONG}: every exception any store can raise is caught"),
     # --- the server's memory tier (--memory-budget) ------------------------------------
     Mutant("memory-lru-by-name", KS,
@@ -189,60 +189,60 @@ MUTANTS = [
            "            if self._used() + nbytes <= budget:",
            "        for key in sorted(self._objects):\n"
            "            if self._used() + nbytes <= budget:",
-           ("tests/test_memory_budget.py",),
+           ("tests/net/test_memory_budget.py",),
            "docs/vllm.md capacity table and net/keystore.py: objects leave memory least "
            "recently used first"),
     Mutant("memory-pull-not-a-use", KS, "self._objects.move_to_end(key)", "None",
-           ("tests/test_memory_budget.py",),
+           ("tests/net/test_memory_budget.py",),
            "net/keystore.py: LRU under the memory budget (a pull is a use)"),
     Mutant("memory-evicts-the-key-being-replaced", KS,
            "                break\n            if key != keep and (lossy or self._objects[key]"
            ".durable) and not self.pinned(key):\n                self._evict_key",
            "                break\n            if (lossy or self._objects[key]"
            ".durable) and not self.pinned(key):\n                self._evict_key",
-           ("tests/test_memory_budget.py::"
+           ("tests/net/test_memory_budget.py::"
             "test_a_put_that_fails_evicts_others_never_the_value_it_replaces",),
            "net/keystore.py: never the current value of the key being replaced"),
     # --- the server's persist tier (--persist-budget) ----------------------------------
     Mutant("disk-lru-by-name", PT,
            "for key in list(self._files):", "for key in sorted(self._files):",
-           ("tests/test_persist_budget.py::"
+           ("tests/net/test_persist_budget.py::"
             "test_disk_evicts_the_least_recently_used_in_exact_order_across_a_restart",),
            "docs/vllm.md capacity table: objects leave disk least recently used first"),
     Mutant("disk-pull-not-a-use", PT,
            "        self._files.move_to_end(key)\n        t = self._tick()",
            "        t = self._tick()",
-           ("tests/test_persist_budget.py::"
+           ("tests/net/test_persist_budget.py::"
             "test_disk_evicts_the_least_recently_used_in_exact_order_across_a_restart",),
            "net/persisted.py: each read of a persisted object is a use"),
     Mutant("disk-use-not-recorded-in-mtime", PT,
            "os.utime(self._files[key], ns=(t, t))", "None",
-           ("tests/test_persist_budget.py::"
+           ("tests/net/test_persist_budget.py::"
             "test_disk_evicts_the_least_recently_used_in_exact_order_across_a_restart",),
            "net/persisted.py: recency survives a restart in the files' mtimes"),
     Mutant("disk-restart-ordered-by-name", PT,
            "for mtime, _, key, path, size in sorted(found):",
            "for mtime, _, key, path, size in sorted(found, key=lambda f: f[1]):",
-           ("tests/test_persist_budget.py::"
+           ("tests/net/test_persist_budget.py::"
             "test_disk_evicts_the_least_recently_used_in_exact_order_across_a_restart",),
            "net/persisted.py: a restart orders the files by mtime"),
     Mutant("disk-full-decided-after-evicting", PT,
            "if pinned + self.persist_reserved + nbytes > budget:",
            "if False:",
-           ("tests/test_persist_budget.py::"
+           ("tests/net/test_persist_budget.py::"
             "test_an_object_larger_than_the_whole_budget_is_refused",),
            "net/persisted.py: PersistFull before anything is written or evicted"),
     # --- the connector's counters ------------------------------------------------------
     Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/loads.py",
            "chunks_corrupt=self.corrupt,", "chunks_corrupt=0,",
-           ("tests/test_vllm_worker.py::test_failed_and_corrupt_chunks_are_counted_per_chunk"
+           ("tests/integrations/vllm/test_vllm_worker.py::test_failed_and_corrupt_chunks_are_counted_per_chunk"
             "_and_loaded_ones_only_if_loaded",),
            "docs/vllm.md, Limits and Metrics: chunks_corrupt + the chunks loads wanted from "
            "a damaged object"),
     Mutant("resumed-request-not-loaded", "hurraykv/integrations/vllm/scheduler.py",
            "self._set_blocks(st, new_blocks)\n                self._plan_load(plan, st)",
            "self._set_blocks(st, new_blocks)",
-           ("tests/test_vllm_scheduler.py::test_a_request_resumed_after_preemption_loads_"
+           ("tests/integrations/vllm/test_vllm_scheduler.py::test_a_request_resumed_after_preemption_loads_"
             "what_vllm_takes_as_computed",),
            "docs/vllm.md: a hit's tokens are loaded into the blocks vLLM allocated, "
            "preempted requests included"),
@@ -250,15 +250,15 @@ MUTANTS = [
     Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/loads.py",
            "            if self.cancelled or not self.ok:\n                return 0",
            "            if not self.ok:\n                return 0",
-           ("tests/test_vllm_stalls.py::test_a_request_aborted_while_its_load_hangs_is_"
-            "released_at_once_and_never_written", "tests/test_vllm_async.py::"
+           ("tests/integrations/vllm/test_vllm_stalls.py::test_a_request_aborted_while_its_load_hangs_is_"
+            "released_at_once_and_never_written", "tests/integrations/vllm/test_vllm_async.py::"
             "test_job_states_follow_the_load"),
            f"{WRONG}: an aborted request's job writes nothing into its blocks after it is "
            "reported"),
     Mutant("async-load-failed-blocks-not-reported", "hurraykv/integrations/vllm/loads.py",
            "                failed.update(job.failed_blocks())\n        return out, failed",
            "        return out, failed",
-           ("tests/test_vllm_async.py::test_an_async_load_with_a_damaged_segment_fails_from_"
+           ("tests/integrations/vllm/test_vllm_async.py::test_an_async_load_with_a_damaged_segment_fails_from_"
             "its_first_chunk",),
            "docs/vllm.md, How a request flows: an async load's failed blocks are returned "
            "in the step that reports it finished"),
@@ -266,7 +266,7 @@ MUTANTS = [
            "            return PENDING\n",
            "            self._cv.wait_for(lambda: req_id in self._answers)\n"
            "            return self._answers[req_id]\n",
-           ("tests/test_vllm_stalls.py::test_a_lookup_that_hangs_delays_only_its_request_"
+           ("tests/integrations/vllm/test_vllm_stalls.py::test_a_lookup_that_hangs_delays_only_its_request_"
             "then_misses",),
            "docs/vllm.md, How a request flows: get_num_new_matched_tokens never waits on "
            "the store"),
@@ -274,17 +274,17 @@ MUTANTS = [
            "batch, self._queued = self._queued, {}",
            "batch = dict([next(iter(self._queued.items()))])\n"
            "                del self._queued[next(iter(batch))]",
-           ("tests/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
+           ("tests/integrations/vllm/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
            "docs/vllm.md, How a request flows: one round trip per batch of requests"),
     Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/scheduler.py",
            "                self.planned.pop(key, None)", "                pass",
-           ("tests/test_vllm_async.py::test_a_chunk_is_planned_again_once_its_save_is_"
+           ("tests/integrations/vllm/test_vllm_async.py::test_a_chunk_is_planned_again_once_its_save_is_"
             "reported_written_or_dropped",),
            "docs/vllm.md, How a request flows: chunks another request is storing are not "
            "copied out again only until that segment is reported written or dropped"),
     Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/scheduler.py",
            "boundary = rewrite and c < len(st.located)", "boundary = False and c < len(st.located)",
-           ("tests/test_vllm_async.py::test_chunks_that_failed_to_load_are_stored_again_under_"
+           ("tests/integrations/vllm/test_vllm_async.py::test_chunks_that_failed_to_load_are_stored_again_under_"
             "their_segments_names",),
            "docs/vllm.md, How a request flows: a damaged segment is replaced, not left beside "
            "a new one"),
@@ -292,100 +292,100 @@ MUTANTS = [
     Mutant("empty-pieces-kept", "hurraykv/io/atomic.py",
            "views = [v for v in (memoryview(p).cast(\"B\") for p in pieces) if v.nbytes]",
            "views = [memoryview(p).cast(\"B\") for p in pieces]",
-           ("tests/test_atomic_writes.py::test_an_empty_or_partly_empty_rewrite_returns",),
+           ("tests/io/test_atomic_writes.py::test_an_empty_or_partly_empty_rewrite_returns",),
            "io/atomic.py: a rewrite of zero bytes returns (docs/reliability.md, issue 29)",
            ),
     Mutant("alias-compaction-on-the-caller", "hurraykv/net/aliases.py",
            "thread.start()\n        return thread",
            "thread.run()\n        return thread",
-           ("tests/test_atomic_writes.py::test_a_compaction_runs_beside_the_caller_and_keeps_"
+           ("tests/io/test_atomic_writes.py::test_a_compaction_runs_beside_the_caller_and_keeps_"
             "links_made_meanwhile",),
            "net/aliases.py: the alias log is compacted on its own thread, never the "
            "event loop's"),
     # --- hybrid models (issue 31) --------------------------------------------------------
     Mutant("sliding-window-keeps-every-page", "hurraykv/integrations/vllm/groups.py",
            "return end - index <= self.need", "return end - index >= 0",
-           ("tests/test_vllm_hybrid.py::test_a_sliding_window_group_needs_the_blocks_of_its_"
+           ("tests/integrations/vllm/test_vllm_hybrid.py::test_a_sliding_window_group_needs_the_blocks_of_its_"
             "window_before_a_hit",
-            "tests/test_vllm_hybrid.py::test_a_sliding_layer_keeps_its_window_pages_and_names_"
+            "tests/integrations/vllm/test_vllm_hybrid.py::test_a_sliding_layer_keeps_its_window_pages_and_names_"
             "one_zero_page_for_the_rest"),
            "docs/vllm.md, Hybrid models: a segment stores the sliding-window pages a hit "
            "at one of its chunk ends needs"),
     Mutant("mamba-hit-anywhere", "hurraykv/integrations/vllm/scheduler.py",
            "if ctx.hybrid and ctx.layout.mamba:\n            # a Mamba state",
            "if False:\n            # a Mamba state",
-           ("tests/test_vllm_hybrid.py::test_a_mamba_hit_ends_where_a_stored_segment_ends",),
+           ("tests/integrations/vllm/test_vllm_hybrid.py::test_a_mamba_hit_ends_where_a_stored_segment_ends",),
            "docs/vllm.md, Hybrid models: a hit ends at the end of a segment (its states)"),
     Mutant("hybrid-loads-sync", "hurraykv/integrations/vllm/scheduler.py",
            "        if self.ctx.hybrid:\n            # vLLM takes no block-level",
            "        if False:\n            # vLLM takes no block-level",
-           ("tests/test_vllm_hybrid.py::test_hybrid_loads_carry_every_groups_blocks_and_fail_"
+           ("tests/integrations/vllm/test_vllm_hybrid.py::test_hybrid_loads_carry_every_groups_blocks_and_fail_"
             "by_request",),
            "docs/vllm.md, Hybrid models: loads are asynchronous whatever load_mode says"),
     # --- retention (issue 32) ---------------------------------------------------------
     # --- retention (issue 32) --------------------------------------------------------
     Mutant("reset-clears-nothing", "hurraykv/integrations/vllm/scheduler.py",
            "removed = store.clear(identity_key(ctx.identity))", "removed = []",
-           ("tests/test_vllm_retention.py::test_reset_clears_this_identity_and_forgets_what_"
+           ("tests/integrations/vllm/test_vllm_retention.py::test_reset_clears_this_identity_and_forgets_what_"
             "was_found",),
            f"{RETAIN}, Reset: every segment of this engine's identity is removed"),
     Mutant("stale-segments-served-after-a-reset", "hurraykv/integrations/vllm/scheduler.py",
            "if not holds(name, i) or name in stale)", "if not holds(name, i))",
-           ("tests/test_vllm_retention.py::test_a_segment_planned_before_a_reset_and_written_"
+           ("tests/integrations/vllm/test_vllm_retention.py::test_a_segment_planned_before_a_reset_and_written_"
             "after_it_is_removed",),
            f"{RETAIN}, Reset: a segment written after the reset is not served"),
     Mutant("file-evicts-pinned-segments", FC,
            "if entry.name == keep or (k is not None and k.pinned):", "if entry.name == keep:",
-           ("tests/test_chunk_stores.py::TestFileStore::test_a_pinned_segment_outlives_a_"
+           ("tests/store/test_chunk_stores.py::TestFileStore::test_a_pinned_segment_outlives_a_"
             "flood_until_released",),
            f"{RETAIN}, Retention: pinned segments are never evicted to make room"),
     Mutant("server-evicts-pinned-files", PT,
            "if not self._writing[key] and not self.pinned(key):",
            "if not self._writing[key]:",
-           ("tests/test_server_retention.py::test_a_pin_holds_through_disk_evictions_and_a_"
+           ("tests/net/test_server_retention.py::test_a_pin_holds_through_disk_evictions_and_a_"
             "restart",),
            "docs/operations.md: a pinned object never leaves memory or disk to make room"),
     Mutant("a-requests-ttl-undoes-a-pin", "hurraykv/io/retention.py",
            "pinned = bool(old and old.pinned) or pin is True", "pinned = pin is True",
-           ("tests/test_chunk_stores.py::TestFileStore::test_a_requests_lifetime_never_undoes_"
+           ("tests/store/test_chunk_stores.py::TestFileStore::test_a_requests_lifetime_never_undoes_"
             "a_pin",),
            f"{RETAIN}, Retention: a request's ask only adds a pin"),
     Mutant("removal-watch-reports-nothing", "hurraykv/integrations/vllm/retention.py",
            "                    del self._names[name]\n                    self._gone.append(name)",
            "                    del self._names[name]",
-           ("tests/test_vllm_retention.py::test_the_watch_finds_the_segments_gone_from_each_"
+           ("tests/integrations/vllm/test_vllm_retention.py::test_the_watch_finds_the_segments_gone_from_each_"
             "store",),
            f"{RETAIN}, what routers see: a segment gone is announced removed"),
     Mutant("file-tenant-quota-ignored", FC,
            "done += self._within_quota(entries, kept, nbytes, keep, tenant, trash)",
            "done += []",
-           ("tests/test_file_tenants.py::test_a_noisy_tenant_evicts_only_its_own_segments",),
+           ("tests/store/test_file_tenants.py::test_a_noisy_tenant_evicts_only_its_own_segments",),
            f"{RETAIN}, Quotas: a noisy tenant evicts only its own segments"),
     Mutant("server-tenant-quota-ignored", KS,
            "            self._within_quota(nbytes, keep, lossy, owner)", "            pass",
-           ("tests/test_server_tenant_quota.py",),
+           ("tests/net/test_server_tenant_quota.py",),
            "docs/operations.md: --max-bytes-per-tenant evicts only that tenant's objects"),
     Mutant("store-threshold-ignored", "hurraykv/integrations/vllm/admission.py",
            "if self.threshold <= 1:", "if True:",
-           ("tests/test_vllm_scheduler.py::test_store_threshold_stores_a_chunk_the_second_"
+           ("tests/integrations/vllm/test_vllm_scheduler.py::test_store_threshold_stores_a_chunk_the_second_"
             "time_it_is_computed",),
            "docs/vllm.md, store_threshold: a chunk is stored the Nth time it is computed"),
     Mutant("page-store-drops-states", "hurraykv/store/manifest.py",
            "        write_tensor(buf, desc, bufs)\n    hurray = buf.getvalue()",
            "        pass\n    hurray = buf.getvalue()",
-           ("tests/test_chunk_stores.py",),
+           ("tests/store/test_chunk_stores.py",),
            "docs/spec-decisions.md H44/H92: the page store keeps members besides the pages"),
     # --- issue 33: the newcomer's defaults ---------------------------------------------
     Mutant("save-without-checksums", "hurraykv/io/snapshots.py",
            "            snapshot = with_checksums(unchecked)",
            "            snapshot = unchecked",
-           ("tests/test_checksums.py::test_save_snapshot_writes_checksums_by_default_and_"
+           ("tests/io/test_checksums.py::test_save_snapshot_writes_checksums_by_default_and_"
             "validate_catches_a_flip",),
            "save_snapshot's docstring: checksums (the default, \"auto\") let validate catch "
            "a flipped value byte"),
     Mutant("connector-tls-unchecked", "hurraykv/integrations/vllm/config.py",
            "        config._check_tls()\n", "",
-           ("tests/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"
+           ("tests/integrations/vllm/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"
             "outage_later",),
            "docs/vllm.md, the config table: TLS files are checked at start"),
 ]

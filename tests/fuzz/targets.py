@@ -1,5 +1,5 @@
 """Fuzz targets: every input must end in success or a HurrayError, in bounded time and
-memory.  Shared by the suite (``tests/test_fuzz.py``: a fixed, seeded set of mutations)
+memory.  Shared by the suite (``tests/fuzz/test_fuzz.py``: a fixed, seeded set of mutations)
 and by ``make fuzz`` (``tests/fuzz/run.py``: coverage-guided with atheris, for longer).
 
 Targets:
@@ -209,7 +209,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 # --------------------------------------------------------------------------- seeds
 def _snapshots() -> list[hk.KVCacheSnapshot]:
-    from tests.snapshots import make_fused, make_snapshot
+    from tests.support.snapshots import make_fused, make_snapshot
 
     return [make_snapshot("float16", layers=2), make_snapshot("int8", layers=1, seed=2),
             make_snapshot("fp8", layers=1, seed=3), make_snapshot("int4", layers=1, seed=4),
@@ -227,7 +227,7 @@ def seeds(target: str) -> list[bytes]:
             out.append(_hrry_bytes(snap))
         return out
     if target == "tenant":
-        from tests.tenant_certs import load
+        from tests.support.tenant_certs import load
 
         return [case["der"] for case in load().values() if case["der"]]
     if target == "stream":

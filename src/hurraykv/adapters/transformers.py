@@ -1,7 +1,7 @@
 """Transformers caches <-> KVCacheSnapshot.
 
 Checked against transformers 5.24.0 (``transformers/cache_utils.py``), with real caches
-filled by real models (tests/test_transformers_adapter.py).  A ``Cache`` holds one layer
+filled by real models (tests/adapters/test_transformers_adapter.py).  A ``Cache`` holds one layer
 object per model layer; the keys and values of an attention layer are ``[batch,
 num_kv_heads, seq, head_dim]`` (``v_head_dim`` may differ).  A batch of ragged prompts is
 padded; the attention mask (1 = token, 0 = padding, left or right) says which positions

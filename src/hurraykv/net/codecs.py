@@ -3,7 +3,7 @@
 Every message type this implementation speaks has one :class:`Codec` here: ``encode``
 turns the message's value into payload bytes and ``decode`` turns payload bytes back
 into that value, raising :class:`~hurraykv.net.messages.ProtocolError` for anything
-malformed (``tests/test_messages.py`` pins every entry byte by byte).  The server's
+malformed (``tests/net/test_messages.py`` pins every entry byte by byte).  The server's
 handlers (``handlers.py``) receive what ``decode`` returns; the client sends what
 ``encode`` makes.  The values:
 

@@ -1,6 +1,6 @@
 """The connector's scheduler part: which prompt tokens the store holds, what each step's
 workers load and store (no vLLM or torch import: tested without an engine,
-``tests/test_vllm_scheduler.py``).
+``tests/integrations/vllm/test_vllm_scheduler.py``).
 
 ``matched`` finds the longest run of stored chunks at the start of a prompt: it starts a
 lookup on the lookup thread (``lookups.py``) and answers ``None`` ("ask again") until the

@@ -1,0 +1,62 @@
+"""Pins and lifetimes on a ``hurraykv serve`` with a persist directory (the RETAIN
+message, decision H93): a pinned object stays through both tiers' evictions and through
+a restart; an expired one is gone for every client."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hurraykv.errors import RemoteError
+from hurraykv.net.client import KVClient
+from hurraykv.net.server import KVServer
+from tests.support.store_contract import segment
+
+
+@contextlib.contextmanager
+def client_of(**server) -> Iterator[KVClient]:
+    """A client of a new server on a free loopback port."""
+    with KVServer(listen="127.0.0.1:0", **server).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        yield c
+
+
+def test_a_pin_holds_through_disk_evictions_and_a_restart(tmp_path):
+    persist = tmp_path / "persist"
+    snap = segment(16, 1)
+    with client_of(persist=str(persist)) as c:  # an object's bytes and its file's
+        c.push("probe", snap)
+        held = c.stat()["memory_bytes"]
+    size = max(p.stat().st_size for p in persist.glob("*.hrry"))
+    budgets = {"persist": str(persist), "memory_budget": 3 * held,
+               "persist_budget": 6 * size, "max_pinned_bytes": 2 * size}
+    with client_of(**budgets) as c:
+        c.push("system", snap)
+        assert c.retain(["system", "nothing"], pin=True, ttl_s=None) == ["system"]
+        for i in range(20):
+            c.push(f"flood-{i}", segment(16, 10 + i))
+        assert c.has(["system", "flood-0"]) == [True, False]
+        assert c.pull("system").equal(snap)
+    with client_of(**budgets) as c:
+        assert c.retention()["system"][0] is True  # the record survived
+        for i in range(20):
+            c.push(f"again-{i}", segment(16, 40 + i))
+        assert c.pull("system").equal(snap)
+        assert c.retain(["system"], pin=False, ttl_s=0.3) == ["system"]
+        assert c.retention()["system"][:1] == (False,)
+        time.sleep(0.5)
+        assert c.has(["system"]) == [False] and c.retention() == {}
+
+
+def test_pins_past_max_pinned_bytes_are_refused_with_store_full():
+    with client_of(max_pinned_bytes=20_000) as c:
+        for key in ("a", "b", "c"):
+            c.push(key, segment(16, 1))
+        assert c.retain(["a", "b"], pin=True, ttl_s=None) == ["a", "b"]
+        with pytest.raises(RemoteError, match="max_pinned_bytes 20000") as e:
+            c.retain(["c"], pin=True, ttl_s=None)
+        assert e.value.code == 0xF1  # STORE_FULL
+        assert sorted(c.retention()) == ["a", "b"]

@@ -1,0 +1,180 @@
+"""Every registered chunk store against the one contract (``tests/support/store_contract.py``),
+plus what the registry itself promises: the URL forms in messages, the config and the
+docs are the registered ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hurraykv.errors import HurrayError
+from hurraykv.integrations.chunks import open_store, schemes, store_class, url_forms
+from hurraykv.net.server import KVServer
+from tests.support.redis_servers import free_port, redis_server_binary, start_redis
+from tests.support.store_contract import ChunkStoreContract, segment
+
+ROOT = Path(__file__).resolve().parents[2]
+SEGMENT_BYTES = 16 * 4 * 2 * 8 * 2 * 4  # pages x tokens x heads x dim x fp16 x pools
+
+
+class TestFileStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self, tmp_path):
+        return lambda: open_store((tmp_path / "kv").as_uri())
+
+    @pytest.fixture
+    def capped(self, tmp_path):
+        # twelve segments of the contract's, as files (headers and alignment included)
+        probe = open_store((tmp_path / "probe").as_uri())
+        probe.put(["0" * 32], 0, segment(16, 0), {})
+        size = (tmp_path / "probe" / f"{'0' * 32}-0.hrry").stat().st_size
+        return open_store((tmp_path / "capped").as_uri(), max_bytes=12 * size)
+
+
+class TestServerStore(ChunkStoreContract):
+    @pytest.fixture
+    def make(self):
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+            yield lambda: open_store(f"hurray://{st.address}")
+
+    @pytest.fixture
+    def capped(self):
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:  # an object's bytes
+            probe = open_store(f"hurray://{st.address}")
+            probe.put(["0" * 32], 0, segment(16, 0), {})
+            (_, size), = probe._call(lambda c: c.list_keys(probe.prefix))
+            probe.close()
+        with KVServer(listen="127.0.0.1:0", memory_budget=12 * size).run_in_thread() as st:
+            s = open_store(f"hurray://{st.address}")
+            yield s
+            s.close()
+
+
+class TestRedisStore(ChunkStoreContract):
+    KEEPS_RECENT = False  # allkeys-lru samples keys, and aliases are keys too (H91)
+    PINS = False  # Redis evicts by its own policy: a pin is refused, saying so
+
+    def test_a_pin_is_refused_saying_why(self, store):
+        k = ["1" * 32]
+        store.put(k, 0, segment(1, 9), {})
+        with pytest.raises(HurrayError, match="maxmemory-policy") as e:
+            store.retain(store.locate(k), pin=True, ttl_s=None)
+        assert e.value.field == "pin"
+
+    @pytest.fixture
+    def make(self, redis_url):
+        return lambda: open_store(redis_url)
+
+    @pytest.fixture
+    def capped(self, tmp_path):
+        proc = start_redis(redis_server_binary(), tmp_path, port := free_port(),
+                           "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+        try:
+            s = open_store(f"redis://127.0.0.1:{port}")
+            yield s
+            s.close()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+class TestRedisClusterStore(ChunkStoreContract):
+    PINS = False
+    @pytest.fixture
+    def make(self, redis_cluster_url):
+        return lambda: open_store(redis_cluster_url)
+
+    @pytest.fixture
+    def capped(self):
+        return None  # each node's maxmemory, as TestRedisStore's
+
+
+def test_every_scheme_is_registered_once_with_a_form():
+    assert set(schemes()) == {"file", "hurray", "redis", "rediss", "redis+cluster"}
+    for scheme in schemes():
+        cls = store_class(scheme)
+        assert scheme in cls.SCHEMES and cls.FORM
+    assert {store_class(s).__name__ for s in schemes()} == {
+        "FileChunks", "ServerChunks", "RedisChunks"}
+
+
+@pytest.mark.parametrize(("url", "options", "why"), [
+    ("ftp://x/y", {}, r"scheme 'ftp' is not one of file, hurray, redis"),
+    ("file://host/x", {}, "local directory"),
+    ("hurray://", {}, "HOST:PORT"),
+    ("hurray://h:notaport", {}, r"HOST:PORT \(hurray://HOST:PORT\), not 'h:notaport'"),
+    ("hurray://:5", {}, "HOST:PORT"),
+    ("file://", {}, "absolute directory"),
+    ("file:relative/dir", {}, "absolute directory"),
+    ("redis://127.0.0.1:1", {"max_bytes": 10}, r"\['max_bytes'\] apply to file:///DIR"),
+    ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"apply to hurray://HOST:PORT"),
+])
+def test_a_bad_url_is_refused_with_the_registered_forms(url, options, why):
+    with pytest.raises(HurrayError, match=why) as e:
+        open_store(url, **options)
+    assert url_forms() in str(e.value)
+
+
+def test_the_docs_and_the_module_docstring_name_every_form():
+    from hurraykv.integrations import chunks
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    url_row = next(line for line in text.splitlines() if line.startswith("| `url` |"))
+    for scheme in schemes():
+        form = store_class(scheme).FORM
+        assert all(f in url_row or f.replace("HOST:PORT", "...") in url_row
+                   for f in form.split(" or ")), form
+        assert store_class(scheme).__name__ in chunks.__doc__
+
+
+def test_a_segment_reads_back_through_every_scheme_alias(tmp_path):
+    # the same class serves each of its schemes: file:// and file://localhost
+    for url in ((tmp_path / "a").as_uri(), f"file://localhost{tmp_path / 'b'}"):
+        s = open_store(url)
+        assert type(s).__name__ == "FileChunks"
+        assert s.locate([]) == []
+        s.put(["a" * 32], 0, segment(1, 0), {})
+        assert s.get_verified(s.locate(["a" * 32])[0]).equal(segment(1, 0))
+
+
+def test_a_store_class_naming_schemes_must_say_how_it_opens():
+    from hurraykv.integrations.chunks import ChunkStore
+
+    with pytest.raises(TypeError, match=r"defines no classmethod open"):
+        type("NoOpen", (ChunkStore,), {"SCHEMES": ("noopen",), "FORM": "noopen://X"})
+    assert store_class("noopen") is None
+
+
+def test_a_read_buffer_is_never_reused_while_a_snapshot_over_it_lives(tmp_path):
+    """Issue 30: a segment of 4 MiB or more is read into a mapped buffer, and NumPy bases
+    every view of it on the mapping, not on the buffer: the pool took the buffer for free
+    while the loads of one step still read the segment in it, and the next read
+    overwrote it (the loads' checksums caught it, as damage of valid segments)."""
+    import numpy as np
+
+    import hurraykv as hk
+    from hurraykv.io import checksums
+    from tests.support.store_contract import CHUNK, keys
+
+    def big(seed: int) -> hk.KVCacheSnapshot:  # 8 MiB: 2 layers x K, V x 2 MiB each
+        rng = np.random.default_rng(seed)
+        pools = [rng.standard_normal((256, CHUNK, 8, 128)).astype(np.float16)
+                 for _ in range(2)]
+        return checksums.with_checksums(hk.KVCacheSnapshot.from_arrays(
+            pools, [-p for p in pools], np.arange(256), [0, 256], [256 * CHUNK]))
+
+    store = open_store((tmp_path / "kv").as_uri())
+    names = []
+    for seed in (1, 2, 3):
+        ks = keys(256)
+        store.put(ks, 0, big(seed), {})
+        names.append(store.locate(ks)[0])
+    reader = open_store((tmp_path / "kv").as_uri())
+    held = [reader.get_verified(name) for name in names]  # all alive at once
+    for snap, seed in zip(held, (1, 2, 3), strict=True):
+        assert snap.equal(big(seed)), f"segment {seed} was overwritten by a later read"
+    del held, snap
+    reader.get_verified(names[0])
+    reader.get_verified(names[1])
+    assert len(reader._buffers._free) == 3  # freed buffers are reused, not added

@@ -1,0 +1,4 @@
+"""The wire format: descriptors, dtypes, quantization schemes, conformance vectors.
+
+Fixtures only these tests use go here; shared ones stay in tests/conftest.py, helpers that
+are not fixtures in tests/support."""
