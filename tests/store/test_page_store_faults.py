@@ -73,6 +73,7 @@ def _worker(url: str, wid: int, seconds: float) -> None:
                 store.delete(sid)  # "no snapshot": another process deleted it first
 
 
+@pytest.mark.slow  # ~11 s (single), ~7 s (cluster) alone on 2 cores
 def test_concurrent_puts_and_deletes_keep_every_reference_right(url):
     store = PageStore.from_url(url)
     store.put("S", snap(7))  # stored once, never touched again
@@ -139,7 +140,7 @@ def _run_killed(url: str, op: str, seed: int, kill_at: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("op", ["delete", "put"])
+@pytest.mark.parametrize("op", ["delete", pytest.param("put", marks=pytest.mark.slow)])  # ~8 s
 def test_a_client_killed_at_every_step_never_costs_another_snapshot(redis_url, op):
     url = redis_url  # one sweep, on the single server: the cluster runs the same scripts
     store = PageStore.from_url(url)

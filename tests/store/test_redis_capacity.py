@@ -105,6 +105,7 @@ def check_whole(store: PageStore) -> int:
 
 
 # ------------------------------------------------------------------ allkeys-lru
+@pytest.mark.slow  # ~5 s for each path alone on 2 cores
 def test_allkeys_lru_evicts_and_every_read_is_exact_or_a_miss(tmp_path, path):
     n = 240  # ~96 KiB of pages of its own each: about twice what 12 MiB holds
     with limited_redis(tmp_path, "allkeys-lru", "12mb") as url:
