@@ -18,17 +18,19 @@ are held packed, one byte-aligned row per page (decision D11).
 
 The class is written in three modules, one concept each: this one holds construction,
 geometry, validation and the wire view (descriptor, buffers); ``paged_reads`` the data
-paths that read tokens out (gather, to_dense, element, dequantizing reads);
+paths that read tokens or pages out (gather, to_dense, element, decode_pages);
 ``paged_derived`` the tensors and buffers made from one (used slots, zeroing, clean
 buffers, compact, quantize, dequantize).  ``paging`` holds the input checks and the
-paging of dense sequences they share.
+paging of dense sequences they share.  The two mixins and every other module use the
+tensor's public low-level surface only: ``pool_rows`` (the pool as stored, one row per
+page), ``token_counts()``, ``param_count()``, ``derive()`` and ``from_rows()``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -105,11 +107,29 @@ class BlockPagedTensor(PagedReads, PagedDerived):
         self.fp8_scale = check_fp8_scale(et, fp8_scale)
         self.validate()
 
+    @classmethod
+    def from_rows(cls, pool_rows: np.ndarray, element_type: ElementType, page_size: int,
+                  num_heads: int, head_dim: int, block_table: np.ndarray, seq_ptr: np.ndarray,
+                  seq_lens: Any = None, *, kv_role: str | int = "key",
+                  layer_index: int | None = None, index_type: str | None = None,
+                  quantization: Quantization | None = None,
+                  quant_params: tuple[np.ndarray, ...] = (), total_tokens: int | None = None,
+                  fp8_scale: float | None = None) -> Self:
+        """A tensor over pool rows as stored (``pool_rows``: one row per page, packed for
+        sub-byte types), no copy and no check: the caller validates (``validate``,
+        ``check_quant_params``) what it did not build itself."""
+        out = cls.__new__(cls)
+        out._setup(pool_rows, element_type, page_size, num_heads, head_dim, block_table,
+                   seq_ptr, seq_lens, role_code(kv_role), layer_index, index_type,
+                   quantization, quant_params, total_tokens)
+        out.fp8_scale = fp8_scale
+        return out
+
     def _setup(self, rows: np.ndarray, et: ElementType, page_size: int, heads: int, dim: int,
                block_table: np.ndarray, seq_ptr: np.ndarray, seq_lens: Any, role: int,
                layer_index: int | None, index_type: str | None, quantization: Quantization | None,
                params: tuple[np.ndarray, ...], total_tokens: int | None = None) -> None:
-        self._rows = rows
+        self.pool_rows = rows
         self.element_type = et
         self.page_size = page_size
         self.num_heads = heads
@@ -216,22 +236,23 @@ class BlockPagedTensor(PagedReads, PagedDerived):
         bt = np.frombuffer(views[1], idx)
         sp = np.frombuffer(views[2], idx)
         params = tuple(np.frombuffer(v, np.uint8) for v in views[3:])
-        self = cls.__new__(cls)
-        self._setup(rows, et, ps, heads, dim, bt, sp, None, layout.kv_role,
-                    layout.layer_index, layout.index_type_name, desc.quantization, params,
-                    total_tokens=total)
+        self = cls.from_rows(rows, et, ps, heads, dim, bt, sp, kv_role=layout.kv_role,
+                             layer_index=layout.layer_index,
+                             index_type=layout.index_type_name,
+                             quantization=desc.quantization, quant_params=params,
+                             total_tokens=total)
         self._check_index_buffers()
         self.seq_lens = self._derive_seq_lens() if seq_lens is None else as_index(
             seq_lens, "seq_lens").astype(np.int64)
         self._check_seq_lens()
-        self._check_quant_params()
+        self.check_quant_params()
         self.fp8_scale = check_fp8_scale(et, fp8_scale)
         return self
 
     # ------------------------------------------------------------------ geometry
     @property
     def num_pages(self) -> int:
-        return int(self._rows.shape[0])
+        return int(self.pool_rows.shape[0])
 
     @property
     def num_seqs(self) -> int:
@@ -254,8 +275,8 @@ class BlockPagedTensor(PagedReads, PagedDerived):
         """``[num_pages, page_size, H, D]``: a view, or an unpacked copy for sub-byte types."""
         shape = (self.num_pages, self.page_size, self.num_heads, self.head_dim)
         if self.element_type.sub_byte:
-            return unpack(self._rows, self.element_type, math.prod(shape)).reshape(shape)
-        return self._rows.reshape(shape)
+            return unpack(self.pool_rows, self.element_type, math.prod(shape)).reshape(shape)
+        return self.pool_rows.reshape(shape)
 
     @property
     def pages_per_seq(self) -> np.ndarray:
@@ -279,7 +300,7 @@ class BlockPagedTensor(PagedReads, PagedDerived):
                 f"num_pages={self.num_pages}, num_seqs={self.num_seqs}, "
                 f"index_type={self.index_type})")
 
-    def _has_data(self) -> bool:
+    def has_data(self) -> bool:
         """False when heads or head_dim is 0: every token is empty, and token counts (which
         then cost no bytes) must not size any index array."""
         return self.num_heads * self.head_dim > 0
@@ -347,12 +368,13 @@ class BlockPagedTensor(PagedReads, PagedDerived):
         full = self.pages_per_seq * self.page_size
         return full if int(full.sum()) == self.total_tokens else None
 
-    def _check_quant_params(self) -> None:
-        """Row 31 and the zero-point range, on the parameter arrays themselves."""
+    def check_quant_params(self) -> None:
+        """Row 31 and the zero-point range, on the parameter arrays themselves (a tensor
+        from ``from_rows`` or ``derive`` with new parameters is not checked)."""
         q = self.quantization
         if q is None or not q.AFFINE or not q.buffers:
             return  # per-tensor parameters are checked by the decoder
-        scales, zps = _quant.params_arrays(q, self.quant_params, self._param_count())
+        scales, zps = _quant.params_arrays(q, self.quant_params, self.param_count())
         bad = ~np.isfinite(scales) | (scales == 0)
         if bad.any():
             i = first_true(bad)
@@ -367,18 +389,16 @@ class BlockPagedTensor(PagedReads, PagedDerived):
                                            f"zero-points MUST lie in [{lo}, {hi}]",
                                            where="index")
 
-    @property
-    def _per_slot(self) -> bool:
-        """Quantization parameters per page slot (per-block-affine, D4)."""
-        return self.quantization is not None and self.quantization.per_slot
-
-    def _param_count(self) -> int:
+    def param_count(self) -> int:
+        """Entries of each quantization parameter array: one per page slot
+        (per-block-affine), else what the scheme needs for ``shape``."""
         q = self.quantization
         if q is not None and not q.per_slot:
             return q.param_count(self.shape)
         return self.num_pages * self.page_size
 
-    def _lens(self) -> np.ndarray:
+    def token_counts(self) -> np.ndarray:
+        """``seq_lens``, or :class:`SeqLensRequiredError` where they are not known (D6)."""
         if self.seq_lens is None:
             raise SeqLensRequiredError(
                 f"per-sequence token counts are not on the wire and cannot be derived: "
@@ -389,25 +409,24 @@ class BlockPagedTensor(PagedReads, PagedDerived):
 
     # ------------------------------------------------------------------ copies
     def copy(self) -> BlockPagedTensor:
-        return self._derive(self._rows.copy(), params=tuple(p.copy() for p in self.quant_params))
+        return self.derive(self.pool_rows.copy(), params=tuple(p.copy() for p in self.quant_params))
 
-    def _derive(self, rows: np.ndarray, *, element_type: ElementType | None = None,
+    def derive(self, rows: np.ndarray, *, element_type: ElementType | None = None,
                 block_table: np.ndarray | None = None, quantization: Any = "keep",
                 params: tuple[np.ndarray, ...] | None = None,
                 fp8_scale: Any = "keep") -> BlockPagedTensor:
-        """A tensor over new pool rows with this tensor's sequences (tables copied)."""
-        out = self.__class__.__new__(self.__class__)
-        out._setup(rows, element_type or self.element_type, self.page_size, self.num_heads,
-                   self.head_dim,
-                   self.block_table.copy() if block_table is None else block_table,
-                   self.seq_ptr.copy(), None if self.seq_lens is None else self.seq_lens.copy(),
-                   ROLE_CODES[self.kv_role], self.layer_index,
-                   self.index_type if block_table is None else None,
-                   self.quantization if quantization == "keep" else quantization,
-                   self.quant_params if params is None else params,
-                   total_tokens=self._total_tokens)
-        out.fp8_scale = self.fp8_scale if fp8_scale == "keep" else fp8_scale
-        return out
+        """A tensor over new pool rows (``pool_rows``' layout) with this tensor's
+        sequences (tables copied); what is not given is kept."""
+        return self.from_rows(
+            rows, element_type or self.element_type, self.page_size, self.num_heads,
+            self.head_dim, self.block_table.copy() if block_table is None else block_table,
+            self.seq_ptr.copy(), None if self.seq_lens is None else self.seq_lens.copy(),
+            kv_role=self.kv_role, layer_index=self.layer_index,
+            index_type=self.index_type if block_table is None else None,
+            quantization=self.quantization if quantization == "keep" else quantization,
+            quant_params=self.quant_params if params is None else params,
+            total_tokens=self._total_tokens,
+            fp8_scale=self.fp8_scale if fp8_scale == "keep" else fp8_scale)
 
     # ------------------------------------------------------------------ wire
     def layout(self) -> BlockPaged:
@@ -426,7 +445,7 @@ class BlockPagedTensor(PagedReads, PagedDerived):
 
     def buffers(self) -> tuple[memoryview, ...]:
         """Zero-copy byte views: page_pool, block_table, seq_ptr, then quantization params."""
-        return tuple(byte_view(a) for a in (self._rows, self.block_table, self.seq_ptr,
+        return tuple(byte_view(a) for a in (self.pool_rows, self.block_table, self.seq_ptr,
                                              *self.quant_params))
 
     def equal(self, other: BlockPagedTensor) -> bool:

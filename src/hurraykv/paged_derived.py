@@ -1,7 +1,8 @@
 """BlockPagedTensor's derived tensors and buffers: what is made from one tensor.
 
-A mixin of ``BlockPagedTensor`` (``paged.py``), whose attributes and helpers
-(``_rows``, ``_lens``, ``_derive``, ``_has_data``, ``_float_values``, ...) it uses.
+A mixin of ``BlockPagedTensor`` (``paged.py``): it uses the tensor's low-level surface
+(``pool_rows``, ``token_counts``, ``derive``, the geometry and tables) and imports no
+other part of the class.
 It holds the slots in use (``used_slots``) and what depends on them: unused slots zeroed
 in place or in the buffers handed out (``zero_unused_slots``, ``clean_buffers``), only
 the referenced pages kept (``compact``), and the quantized and dequantized copies
@@ -12,7 +13,7 @@ the referenced pages kept (``compact``), and the quantized and dequantized copie
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Self
 
 import numpy as np
 
@@ -20,9 +21,6 @@ from . import quant as _quant
 from .errors import BufferError, QuantizationError
 from .paging import byte_view, check_subbyte_pages
 from .wire.dtypes import element_type, pack, unpack
-
-if TYPE_CHECKING:
-    from .paged import BlockPagedTensor
 
 
 class PagedDerived:
@@ -36,7 +34,7 @@ class PagedDerived:
         further (look-ahead) pages hold none."""
         ps = self.page_size
         mask = np.zeros((self.num_pages, ps), dtype=bool)
-        lens = self._lens()
+        lens = self.token_counts()
         pages = self.pages_per_seq
         starts = self.seq_ptr[:-1].astype(np.int64)
         position = np.arange(len(self.block_table)) - np.repeat(starts, pages)
@@ -52,14 +50,14 @@ class PagedDerived:
         """Zero every slot no sequence reads (partial-page tails, unreferenced pages), in
         place, before the pool crosses a trust boundary.  Returns the number of slots
         zeroed."""
-        if not self._rows.flags.writeable:
+        if not self.pool_rows.flags.writeable:
             raise BufferError("page_pool is read-only (e.g. memory-mapped); copy() first",
                               field="page_pool", rule="zeroing needs a writable pool")
-        if not self._has_data():
+        if not self.has_data():
             return 0
         unused = ~self.used_slots()
-        self._zero_rows(self._rows, unused)
-        if self._per_slot:
+        self._zero_rows(self.pool_rows, unused)
+        if self.quantization is not None and self.quantization.per_slot:
             self.quant_params = _quant.reset_unused(self.quantization, self.quant_params,
                                                     unused)
         return int(unused.sum())
@@ -83,7 +81,7 @@ class PagedDerived:
         for pages every slot of which is in use, zeroed copies for the others - so the
         tensor is not modified and the bulk is not copied."""
         views = list(self.buffers())
-        if self.seq_lens is None or self.num_pages == 0 or not self._has_data():
+        if self.seq_lens is None or self.num_pages == 0 or not self.has_data():
             return views
         unused = ~self.used_slots()
         dirty = unused.reshape(self.num_pages, self.page_size).any(axis=1)
@@ -94,20 +92,20 @@ class PagedDerived:
         start = 0
         for a, b in zip(edges[0::2], edges[1::2], strict=True):  # runs of dirty pages
             if a > start:
-                segments.append(byte_view(self._rows[start:a]))
-            copy = self._rows[a:b].copy()
+                segments.append(byte_view(self.pool_rows[start:a]))
+            copy = self.pool_rows[a:b].copy()
             self._zero_rows(copy, unused[a * self.page_size:b * self.page_size])
             segments.append(byte_view(copy))
             start = b
         if start < self.num_pages:
-            segments.append(byte_view(self._rows[start:]))
+            segments.append(byte_view(self.pool_rows[start:]))
         return [*segments, *views[1:]]
 
-    def compact(self) -> BlockPagedTensor:
+    def compact(self) -> Self:
         """A copy holding only referenced pages, renumbered in ascending order; aliasing
         (shared prefixes) and per-page-slot scales follow their pages."""
         keep = self.referenced_pages.astype(np.int64)
-        return self._derive(np.take(self._rows, keep, axis=0),
+        return self.derive(np.take(self.pool_rows, keep, axis=0),
                             block_table=np.searchsorted(keep, self.block_table),
                             params=self._page_params(keep))
 
@@ -126,7 +124,7 @@ class PagedDerived:
 
     # ------------------------------------------------------------------ quantization
     def quantize(self, scheme: str, dtype: str, symmetric: bool = True, axis: int | None = None,
-                 *, scale_dtype: str = "float32") -> BlockPagedTensor:
+                 *, scale_dtype: str = "float32") -> Self:
         """A quantized copy of a float pool.
 
         ``scheme``: "per_tensor", "per_channel" (``axis`` 1 heads or 2 head_dim) or
@@ -143,10 +141,10 @@ class PagedDerived:
                                        "scale_dtype is float32, float16 or bfloat16")
         if et.sub_byte:
             check_subbyte_pages(et, self.page_size * self.num_heads * self.head_dim)
-        slots = self._rows.reshape(-1, self.num_heads, self.head_dim)
         # Converted to float32 chunk by chunk inside; only fp8 needs its scale first.
-        values = slots if self.fp8_scale is None else self._float_values(
-            slots, np.arange(len(slots)))
+        values = self.pool_rows if self.fp8_scale is None else self.decode_pages(
+            0, self.num_pages)
+        values = values.reshape(-1, self.num_heads, self.head_dim)
         codes, q, params = _quant.quantize_slots(
             values, self.used_slots(), scheme, et, symmetric, axis,
             _quant.SCALE_TAGS[scale_dtype])
@@ -156,21 +154,14 @@ class PagedDerived:
             rows = _quant.pack_codes(codes, et).reshape(self.num_pages, -1)
         else:
             rows = codes.reshape(self.num_pages, -1)
-        return self._derive(rows, element_type=et, quantization=q, params=params,
+        return self.derive(rows, element_type=et, quantization=q, params=params,
                             fp8_scale=None)
 
-    def dequantize(self) -> BlockPagedTensor:
+    def dequantize(self) -> Self:
         """A float32 copy: quantized pools per the spec formula, fp8 pools times
         ``fp8_scale``, float pools widened.  Tables and aliasing are unchanged."""
-        slots = np.arange(self.num_pages * self.page_size)
-        values = _quant.gather_dequantized(
-            self._rows, self.element_type, self.page_size, self.num_heads, self.head_dim,
-            slots, *self._slot_params()) if self._per_slot and self.quantization.AFFINE \
-            and self._has_data() else None
-        if values is None:
-            codes = self.page_pool.reshape(-1, self.num_heads, self.head_dim)
-            values = self._float_values(codes, slots)
-        return self._derive(values.reshape(self.num_pages, -1), element_type=element_type(
+        values = self.decode_pages(0, self.num_pages)
+        return self.derive(values.reshape(self.num_pages, -1), element_type=element_type(
             "float32"), quantization=None, params=(), fp8_scale=None)
 
     to_float = dequantize

@@ -125,6 +125,30 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
     parameter buffers at 3 (scales) and 4 (zero-points, asymmetric only), and the
     parameter buffers as byte arrays.
     """
+    cls = _scheme_for(scheme, et, symmetric, axis, scale_type)
+    codes = alloc.empty(x.shape, _code_dtype(et))
+    if cls.GRANULARITY == "slot":
+        scales, zps = _slot_params(x, used, et, symmetric, scale_type, codes)
+        q = cls.for_buffers(axis=0, symmetric=symmetric, scale_type=scale_type)
+        return codes, q, _param_buffers(scales, zps, symmetric, scale_type)
+    if cls.GRANULARITY == "channel" and symmetric and scale_type == 3:
+        qmin, qmax = storage_range(et.name)
+        fast = _channel_kernel(x, used, axis, qmin, qmax, codes)
+        if fast is not None:
+            q = cls.for_buffers(axis=axis, symmetric=True, scale_type=scale_type)
+            return codes, q, (fast.view(np.uint8),)
+    s, z = _range_params(x, used, et, symmetric, cls.GRANULARITY, axis, codes)
+    if cls.GRANULARITY == "tensor":
+        return codes, cls.for_buffers(axis=None, symmetric=symmetric, scale_type=scale_type,
+                                      scale=float(s.reshape(-1)[0]),
+                                      zero_point=int(z.reshape(-1)[0])), ()
+    q = cls.for_buffers(axis=axis, symmetric=symmetric, scale_type=scale_type)
+    return codes, q, _param_buffers(s.reshape(-1), z.reshape(-1), symmetric, scale_type)
+
+
+def _scheme_for(scheme: str, et: ElementType, symmetric: bool, axis: int | None,
+                scale_type: int) -> type[Quantization]:
+    """The affine scheme class ``scheme`` names, once its arguments are valid for it."""
     cls = scheme_by_name(scheme)
     if cls is None or not cls.AFFINE:
         *first, last = SCHEMES
@@ -148,40 +172,54 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
         raise QuantizationError.at("scale_dtype", None, SCALE_TYPES[scale_type],
                                    f"{scheme} scales are "
                                    f"{' or '.join(SCALE_TYPES[t] for t in cls.SCALE_TYPES)}")
+    return cls
+
+
+def _param_buffers(scales: np.ndarray, zps: np.ndarray, symmetric: bool, scale_type: int
+                   ) -> tuple[np.ndarray, ...]:
+    """Scales in their stored type, then zero-points (int32, asymmetric only), as bytes."""
+    stype = BY_NAME[SCALE_TYPES[scale_type]].numpy
+    params = [scales.astype(stype).view(np.uint8)]
+    if not symmetric:
+        params.append(zps.astype("<i4").view(np.uint8))
+    return tuple(params)
+
+
+def _slot_params(x: np.ndarray, used: np.ndarray, et: ElementType, symmetric: bool,
+                 scale_type: int, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block-affine: a scale and zero-point per slot (1.0 and 0 for unused slots),
+    the codes written into ``codes``; compiled in one pass where it applies."""
     qmin, qmax = storage_range(et.name)
     n = x.shape[0]
-    codes = alloc.empty(x.shape, _code_dtype(et))
+    scales = np.ones(n, np.float32)
+    zps = np.zeros(n, np.int32)
+    done = _block_affine_kernel(x, used, qmin, qmax, symmetric, scale_type, codes, scales,
+                                zps)
     step = _chunk_rows(x.shape[1] * x.shape[2])
-    stype = BY_NAME[SCALE_TYPES[scale_type]].numpy
-    if granularity == "slot":
-        scales = np.ones(n, np.float32)
-        zps = np.zeros(n, np.int32)
-        done = _block_affine_kernel(x, used, qmin, qmax, symmetric, scale_type, codes, scales,
-                                    zps)
-        for a in range(0 if not done else n, n, step):
-            b = min(a + step, n)
-            xc = x[a:b].reshape(b - a, -1).astype(np.float32)
-            u = used[a:b]
-            if not u.all():
-                xc[~u] = 0
-            lo, hi = xc.min(axis=1), xc.max(axis=1)
-            _check_finite(lo, hi, a)
-            s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type, a)
-            s[~u], z[~u] = 1.0, 0
-            scales[a:b], zps[a:b] = s, z
-            _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
-                    symmetric)
-        q = cls.for_buffers(axis=0, symmetric=symmetric, scale_type=scale_type)
-        params = [scales.astype(stype).view(np.uint8)]
-        if not symmetric:
-            params.append(zps.view(np.uint8))
-        return codes, q, tuple(params)
-    if granularity == "channel" and symmetric and scale_type == 3:
-        fast = _channel_kernel(x, used, axis, qmin, qmax, codes)
-        if fast is not None:
-            q = cls.for_buffers(axis=axis, symmetric=True, scale_type=scale_type)
-            return codes, q, (fast.view(np.uint8),)
-    # per-tensor and per-channel: ranges over the used slots only (unused are undefined)
+    for a in range(0 if not done else n, n, step):
+        b = min(a + step, n)
+        xc = x[a:b].reshape(b - a, -1).astype(np.float32)
+        u = used[a:b]
+        if not u.all():
+            xc[~u] = 0
+        lo, hi = xc.min(axis=1), xc.max(axis=1)
+        _check_finite(lo, hi, a)
+        s, z = _affine(lo, hi, qmin, qmax, symmetric, scale_type, a)
+        s[~u], z[~u] = 1.0, 0
+        scales[a:b], zps[a:b] = s, z
+        _encode(xc, s[:, None], z[:, None], qmin, qmax, codes[a:b].reshape(b - a, -1),
+                symmetric)
+    return scales, zps
+
+
+def _range_params(x: np.ndarray, used: np.ndarray, et: ElementType, symmetric: bool,
+                  granularity: str | None, axis: int | None, codes: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tensor and per-channel: scales and zero-points from the ranges over the used
+    slots only (unused are undefined), then the codes written into ``codes``."""
+    qmin, qmax = storage_range(et.name)
+    n = x.shape[0]
+    step = _chunk_rows(x.shape[1] * x.shape[2])
     red = (0, 1, 2) if granularity == "tensor" else tuple(i for i in (0, 1, 2) if i != axis)
     lo = np.full([1 if i in red else x.shape[i] for i in range(3)], np.inf, np.float32)
     hi = np.full(lo.shape, -np.inf, np.float32)
@@ -202,15 +240,7 @@ def quantize_slots(x: np.ndarray, used: np.ndarray, scheme: str, et: ElementType
         if not used[a:b].all():
             xc[~used[a:b]] = 0
         _encode(xc, s, z, qmin, qmax, codes[a:b], symmetric)
-    if granularity == "tensor":
-        return codes, cls.for_buffers(axis=None, symmetric=symmetric, scale_type=scale_type,
-                                      scale=float(s.reshape(-1)[0]),
-                                      zero_point=int(z.reshape(-1)[0])), ()
-    q = cls.for_buffers(axis=axis, symmetric=symmetric, scale_type=scale_type)
-    params = [s.reshape(-1).astype(stype).view(np.uint8)]
-    if not symmetric:
-        params.append(z.reshape(-1).astype("<i4").view(np.uint8))
-    return codes, q, tuple(params)
+    return s, z
 
 
 def _check_finite(lo: np.ndarray, hi: np.ndarray, first_slot: int) -> None:
@@ -402,6 +432,132 @@ def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads:
         run_bands(lambda a, b: kern.dequantize_gather(slot_rows, idx, scales, zps, has_zp, o2,
                                                     a, b), n, o2.nbytes)
     return out
+
+
+# How the compiled decode (``decode_rows``) reads the scales of a scheme, by the
+# ``GRANULARITY`` the scheme declares: (row scales [slots] or None for ones, column
+# scales [heads * dim] or None), from its float32 scales, the first slot and the count.
+def _slot_plan(q, scales, first, n, heads, dim):
+    return np.ascontiguousarray(scales[first:first + n], np.float32), None
+
+
+def _channel_plan(q, scales, first, n, heads, dim):
+    if q.axis not in (1, 2):
+        return None
+    cols = np.tile(scales, heads) if q.axis == 2 else np.repeat(scales, dim)
+    return None, np.ascontiguousarray(cols, np.float32)
+
+
+def _tensor_plan(q, scales, first, n, heads, dim):
+    return np.full(n, scales[0], np.float32), None
+
+
+KERNEL_PLANS = {"slot": _slot_plan, "channel": _channel_plan, "tensor": _tensor_plan}
+
+
+def kernel_scales(q: Quantization, params: tuple[np.ndarray, ...], count: int, first: int,
+                  n: int, heads: int, dim: int
+                  ) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+    """Row and column scales of slots ``first .. first + n - 1`` for the compiled decode,
+    or None where it does not apply (zero-points, a scheme without a plan):
+    ``KERNEL_PLANS`` by the scheme's ``GRANULARITY``; ``count``: its parameter entries."""
+    plan = KERNEL_PLANS.get(q.GRANULARITY) if q.AFFINE else None
+    if plan is None:
+        return None
+    scales, zps = params_arrays(q, params, count)
+    if zps is not None and zps.any():
+        return None
+    return plan(q, scales, first, n, heads, dim)
+
+
+DECODE_CODES = ("int8", "int4", "float8_e4m3")  # the element types decode_rows reads
+DECODE_OUTPUTS = {np.dtype(np.float32): False, np.dtype(ml_dtypes.bfloat16): True}  # to_bf16
+_NO_SCALES = np.ones(1, np.float32)  # what the kernels get for scales they skip
+
+
+def decode_rows(codes: np.ndarray, et: ElementType, rows: np.ndarray | None,
+                cols: np.ndarray | None, out: np.ndarray) -> bool:
+    """``out[i, j] = value(codes[i, j]) * rows[i] * cols[j]`` in one compiled pass:
+    ``codes`` ``[n, bytes]`` of int8, packed int4 or float8 e4m3 elements, ``out``
+    ``[n, elements]`` float32 or bfloat16 (rounded to nearest even, as torch converts).
+    False where the kernels do not apply (no numba, another type), nothing written."""
+    kern = _k.impl()
+    to_bf16 = DECODE_OUTPUTS.get(out.dtype)
+    if kern is None or to_bf16 is None or et.name not in DECODE_CODES \
+            or not codes.flags.c_contiguous:
+        return False
+    n = codes.shape[0]
+    rows = np.ones(n, np.float32) if rows is None else rows
+    per_column = cols is not None
+    cols = cols if per_column else _NO_SCALES
+    o2 = out.view(np.uint16) if to_bf16 else out
+    if et.name == "int4":
+        run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, per_column, o2,
+                                                           to_bf16, a, b), n, out.nbytes)
+    else:
+        fp8 = et.name == "float8_e4m3"
+        c = codes.view(np.uint8) if fp8 else codes.view(np.int8)
+        run_bands(lambda a, b: kern.dequantize_rows(c, fp8, rows, cols, per_column, o2,
+                                                    to_bf16, a, b), n, out.nbytes)
+    return True
+
+
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+def fp8_e4m3(pages: np.ndarray, what: str = "page_pool") -> tuple[np.ndarray, float]:
+    """float8 e4m3 codes of ``pages`` (a float array) and their scale ``absmax / 448``
+    (1.0 for an all-zero array, or one whose peak is below float32's range for a scale):
+    ``clip(pages / scale, -448, 448)`` rounded to nearest even, in one compiled pass from
+    the input's bits where the kernels apply, else NumPy's conversion (the same bits).
+    A non-finite value is refused, naming ``what``."""
+    peak = _peak(pages)
+    if not np.isfinite(peak):  # named where it is (a rare path: the copy is affordable)
+        values = np.asarray(pages, np.float32)
+        where = np.unravel_index(int(np.flatnonzero(~np.isfinite(values))[0]), values.shape)
+        index = ", ".join(str(int(i)) for i in where)
+        raise QuantizationError.at(f"{what}[{index}]", None, float(values[where]),
+                                   "fp8 stores finite values")
+    scale = np.float32(peak / FP8_MAX) if peak > 0 else np.float32(1.0)
+    if not scale > 0:
+        scale = np.float32(1.0)
+    compiled = _slot_bits(pages)
+    if compiled is None:
+        values = np.asarray(pages, np.float32)
+        codes = np.clip(values / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        return codes, float(scale)
+    kern, kind, rows = compiled
+    out = alloc.empty(rows.shape, np.uint8)
+    run_bands(lambda a, b: kern.fp8_e4m3_encode(rows, kind, scale, out, a, b),
+              rows.shape[0], pages.nbytes)
+    return out.view(ml_dtypes.float8_e4m3fn).reshape(pages.shape), float(scale)
+
+
+def _slot_bits(pages: np.ndarray):
+    """``(kernels, input kind, rows of the unsigned bits the kernels read)``, or None
+    where the compiled path does not apply (no numba, another dtype, a view)."""
+    kind = _k.input_kind(pages.dtype)
+    kern = _k.impl() if kind is not None and pages.flags.c_contiguous else None
+    if kern is None or not pages.size:
+        return None
+    return kern, kind, _k.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1), kind)
+
+
+def _peak(pages: np.ndarray) -> float:
+    """The largest magnitude in ``pages`` (inf or nan when one is not finite)."""
+    compiled = _slot_bits(pages)
+    if compiled is None:
+        return float(np.abs(np.asarray(pages, np.float32)).max()) if pages.size else 0.0
+    kern, kind, rows = compiled
+    n = rows.shape[0]
+    used = np.ones(n, np.bool_)
+    lo, hi = np.empty(n, np.float32), np.empty(n, np.float32)
+    ok: list[bool] = []
+    run_bands(lambda a, b: ok.append(kern.row_ranges(rows, kind, used, lo, hi, a, b)), n,
+              pages.nbytes)
+    if not all(ok):
+        return float("nan")
+    return float(max(-lo.min(), hi.max()))
 
 
 def pack_codes(codes: np.ndarray, et: ElementType) -> np.ndarray:

@@ -394,7 +394,7 @@ class KVCacheSnapshot:
             raw = _sized(pools[key], desc.buffers[0].byte_size, f"{member_name(*key)}: "
                          "page_pool")
             t = self.tensor(*key)
-            rows = np.frombuffer(raw, t._rows.dtype).reshape(t._rows.shape)
+            rows = np.frombuffer(raw, t.pool_rows.dtype).reshape(t.pool_rows.shape)
             params = None
             if any((*key, i) in pools for i in range(3, 3 + len(t.quant_params))):
                 params = tuple(np.frombuffer(_sized(
@@ -405,9 +405,9 @@ class KVCacheSnapshot:
             if out.kv_scales is not None and out.kv_scales is not self.kv_scales:
                 scale = check_fp8_scale(t.element_type, float(
                     out.kv_scales[key[0], 1 if key[1] == "value" else 0]))
-            derived = t._derive(rows, params=params, fp8_scale=scale)
+            derived = t.derive(rows, params=params, fp8_scale=scale)
             if params is not None:
-                derived._check_quant_params()
+                derived.check_quant_params()
             out._cache[key] = derived
             out._members[key] = (desc, derived.buffers)
         return out
@@ -420,7 +420,7 @@ class KVCacheSnapshot:
             out[KV_SCALES] = byte_view(np.ascontiguousarray(self.kv_scales, "<f4"))
         for key in self._members:
             t = self.tensor(*key)
-            out[key] = byte_view(t._rows)
+            out[key] = byte_view(t.pool_rows)
             for j, p in enumerate(t.quant_params):
                 out[(*key, 3 + j)] = byte_view(p)
         return out

@@ -162,7 +162,8 @@ def test_sub_byte_pools_are_packed_in_spec_bit_order():
 
 def test_compact_keeps_dequantized_values():
     _, t = batch(seed=8)
-    t._rows = np.concatenate([t._rows, np.ones((3, t._rows.shape[1]), t._rows.dtype)])
+    rows = t.pool_rows
+    t.pool_rows = np.concatenate([rows, np.ones((3, rows.shape[1]), rows.dtype)])
     q = t.quantize("per_block_affine", "int8", symmetric=False)
     c = q.compact()
     assert c.num_pages == q.num_pages - 3

@@ -69,10 +69,10 @@ def _device_member(pool: Any, block_table: np.ndarray, seq_ptr: np.ndarray,
 
     num_pages, page_size, heads, dim = (int(x) for x in pool.shape)
     et = element_type(numpy_dtype(pool.dtype))
-    probe = BlockPagedTensor.__new__(BlockPagedTensor)  # geometry and indices, no data
-    probe._setup(np.empty((num_pages, 0), et.numpy), et, page_size, heads, dim,
-                 np.asarray(block_table), np.asarray(seq_ptr), seq_lens,
-                 {"key": 0, "value": 1, "fused": 2}[role], layer, None, None, ())
+    probe = BlockPagedTensor.from_rows(  # geometry and indices, no data
+        np.empty((num_pages, 0), et.numpy), et, page_size, heads, dim,
+        np.asarray(block_table), np.asarray(seq_ptr), seq_lens, kv_role=role,
+        layer_index=layer)
     probe.validate()
     device = DEVICE_TAGS.get(pool.device.type, 0)
     layout = probe.layout()

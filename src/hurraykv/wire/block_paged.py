@@ -13,7 +13,7 @@ in ``hurraykv.paged``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import BufferError, LayoutError, QuantizationError, UnsupportedError
 from .cursor import Cursor
@@ -21,8 +21,23 @@ from .layouts import BlockPaged
 from .quant_registry import SCALE_WIDTHS
 from .quantization import RawQuantization, check_in_context, check_param_sizes
 
-if TYPE_CHECKING:
-    from .descriptor import TensorDescriptor
+
+class TensorDescriptor(Protocol):
+    """What these rules read of a decoded descriptor (``descriptor.TensorDescriptor``,
+    which calls them: typed here by its fields so this module imports nothing above)."""
+
+    rank: int
+    shape: tuple[int, ...]
+    flags: int
+    byte_offset: int
+    layout: Any
+    buffers: tuple[Any, ...]
+    quantization: Any
+    composite_member: Any
+    shard: Any
+    element_type: Any
+    extension_type: Any
+    element_type_name: str
 
 DYNAMIC = 0xFFFFFFFFFFFFFFFF
 U32_MAX = 0xFFFFFFFF
@@ -40,13 +55,31 @@ def pool_nbytes(d: TensorDescriptor, elements: int) -> int | None:
 
 
 def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
-    L: BlockPaged = d.layout  # type: ignore[assignment]
-    at = cur.at
-    table = at("buffer_count") or 0
+    """Every rule of the block-paged layout the descriptor alone decides (the index
+    invariants on buffer contents are ``paged.BlockPagedTensor``'s)."""
+    L: BlockPaged = d.layout
+    table = cur.at("buffer_count") or 0
 
     def handle_off(i: int) -> int:
         return table + 1 + 16 * i
 
+    _check_sections(d, cur)
+    _check_geometry(d, cur, L)
+    _check_pool(d, cur, L, table, handle_off)
+    logical_pages = _check_index_buffers(d, cur, L, handle_off)
+    total = d.shape[0]
+    if total > logical_pages * L.page_size:
+        raise LayoutError.at(
+            "shape[0]", 20, total,
+            f"total_tokens MUST NOT exceed the capacity of the block table's pages "
+            f"({logical_pages} pages * page_size {L.page_size} = "
+            f"{logical_pages * L.page_size} tokens)")
+    if d.quantization is not None:
+        _check_quantization(d, cur, L, handle_off)
+
+
+def _check_sections(d: TensorDescriptor, cur: Cursor) -> None:
+    """Rank 3, and none of the sections a block-paged tensor cannot have."""
     if d.rank != 3:
         raise LayoutError.at("rank", 16, d.rank, "a block-paged tensor MUST have rank 3")
     if d.composite_member is not None:
@@ -58,20 +91,28 @@ def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
                              "HAS_SHARD: a shard descriptor MUST NOT be applied to a "
                              "block-paged tensor")
     if d.byte_offset != 0:
-        raise LayoutError.at("byte_offset", at("byte_offset"), d.byte_offset,
+        raise LayoutError.at("byte_offset", cur.at("byte_offset"), d.byte_offset,
                              "byte_offset MUST be 0 for block-paged")
+
+
+def _check_geometry(d: TensorDescriptor, cur: Cursor, L: BlockPaged) -> None:
+    """page_size, paged_axis and the shape's sizes."""
     if L.page_size == 0:
-        raise LayoutError.at("layout.page_size", at("layout.page_size"), 0,
+        raise LayoutError.at("layout.page_size", cur.at("layout.page_size"), 0,
                              "page_size MUST be >= 1")
     if L.paged_axis != 0:
-        cur.relax(LayoutError.at("layout.paged_axis", at("layout.paged_axis"), L.paged_axis,
-                                 "paged_axis MUST be 0 (invariant 6)"))
-    total, heads, dim = d.shape
+        cur.relax(LayoutError.at("layout.paged_axis", cur.at("layout.paged_axis"),
+                                 L.paged_axis, "paged_axis MUST be 0 (invariant 6)"))
     for axis, name in ((1, "num_heads"), (2, "head_dim"), (0, "total_tokens")):
         if d.shape[axis] == DYNAMIC:
             raise LayoutError.at(f"shape[{axis}]", 20 + 8 * axis, DYNAMIC,
                                  f"{name} MUST NOT be the dynamic sentinel: the pool and "
                                  "sequences cannot be sized from it")
+
+
+def _check_pool(d: TensorDescriptor, cur: Cursor, L: BlockPaged, table: int,
+                handle_off: Any) -> None:
+    """The buffer count and the page pool's size (invariant 4, byte-aligned pages)."""
     nbuf = len(d.buffers)
     if nbuf < 3:
         raise BufferError.at("buffer_count", table, nbuf,
@@ -80,12 +121,12 @@ def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
     if nbuf > 3 and d.quantization is None:
         raise BufferError.at("buffer_count", table, nbuf,
                              "buffers 3 and up exist only with HAS_QUANTIZATION")
-    slot_elems = heads * dim
-    page_elems = L.page_size * slot_elems
+    _, heads, dim = d.shape
+    page_elems = L.page_size * heads * dim
     et = d.element_type
     if et is not None and et.sub_byte and not et.whole_bytes(page_elems):
         raise UnsupportedError.at(
-            "layout.page_size", at("layout.page_size"), L.page_size,
+            "layout.page_size", cur.at("layout.page_size"), L.page_size,
             f"unsupported: a {et.name} page of {page_elems} elements does not end on a byte "
             "boundary; hurraykv needs byte-aligned pages (decision D11)")
     want = pool_nbytes(d, L.num_pages * page_elems)
@@ -95,6 +136,12 @@ def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
             f"page_pool MUST hold num_pages*page_size*num_heads*head_dim = "
             f"{L.num_pages}*{L.page_size}*{heads}*{dim} {d.element_type_name} elements "
             f"= {want} bytes (invariant 4)")
+
+
+def _check_index_buffers(d: TensorDescriptor, cur: Cursor, L: BlockPaged,
+                         handle_off: Any) -> int:
+    """block_table and seq_ptr sizes and their index type; returns the block table's
+    entry count (the logical pages)."""
     w = L.index_width
     bt, sp = d.buffers[1].byte_size, d.buffers[2].byte_size
     for i, size, name in ((1, bt, "block_table"), (2, sp, "seq_ptr")):
@@ -112,22 +159,16 @@ def check_descriptor(d: TensorDescriptor, cur: Cursor) -> None:
                                  "an empty batch (num_seqs 0) has an empty block_table "
                                  "(invariant 1)"))
     logical_pages = bt // w
+    field = "layout.block_table_index_type"
     if L.index_type == 0 and L.num_pages > U32_MAX:
-        raise LayoutError.at("layout.block_table_index_type", at("layout.block_table_index_type"),
-                             0, f"num_pages {L.num_pages} exceeds what uint32 page IDs address; "
+        raise LayoutError.at(field, cur.at(field), 0,
+                             f"num_pages {L.num_pages} exceeds what uint32 page IDs address; "
                              "larger pools MUST use uint64 (0x01)")
     if L.index_type == 0 and logical_pages > U32_MAX:
-        raise LayoutError.at("layout.block_table_index_type", at("layout.block_table_index_type"),
-                             0, f"the block table has {logical_pages} entries, more than "
+        raise LayoutError.at(field, cur.at(field), 0,
+                             f"the block table has {logical_pages} entries, more than "
                              "uint32 seq_ptr offsets address; it MUST use uint64 (0x01)")
-    if total > logical_pages * L.page_size:
-        raise LayoutError.at(
-            "shape[0]", 20, total,
-            f"total_tokens MUST NOT exceed the capacity of the block table's pages "
-            f"({logical_pages} pages * page_size {L.page_size} = "
-            f"{logical_pages * L.page_size} tokens)")
-    if d.quantization is not None:
-        _check_quantization(d, cur, L, handle_off)
+    return logical_pages
 
 
 def _check_quantization(d: TensorDescriptor, cur: Cursor, L: BlockPaged, handle_off) -> None:

@@ -1,17 +1,24 @@
 """The quantization scheme registry and the base class every scheme subclasses.
 
 A scheme is one frozen dataclass subclassing ``QuantScheme`` and decorated with
-``@register`` (the five the spec assigns are in ``quant_schemes.py``); everything that
-enumerates schemes asks the registry (``scheme_class``, ``scheme_by_name``, ``schemes``,
-``RegistryView``) or a scheme's properties.  The recipe: docs/architecture.md,
-"Extending hurraykv".
+``@register``; everything that enumerates schemes asks the registry (``scheme_class``,
+``scheme_by_name``, ``schemes``, ``RegistryView``) or a scheme's properties.  The
+registry fills itself on the first lookup: the five schemes the spec assigns
+(``BUILTIN``, ``quant_schemes.py``), then every module or class named in the entry point
+group ``hurraykv.quant_schemes`` of an installed distribution, so a scheme from outside
+the package needs no edit inside it.  A plugin that cannot be imported or collides with
+a scheme already registered is skipped with a warning naming it; the built-ins always
+stand.  The recipe: docs/architecture.md, "Extending hurraykv".
 """
 
 from __future__ import annotations
 
+import importlib
 import struct
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from ..errors import QuantizationError
@@ -25,8 +32,31 @@ SCALE_WIDTHS = {t: BY_NAME[n].itemsize for t, n in SCALE_TYPE_NAMES.items()}
 INT_STORAGE = ("int8", "uint8", "int4", "uint4", "int2", "uint2")
 _HEAD = struct.Struct("<BBH")
 
+BUILTIN = "hurraykv.wire.quant_schemes"  # the spec's schemes, registered on import
+ENTRY_POINTS = "hurraykv.quant_schemes"  # plugins: a module (registering) or a class
+
 _REGISTRY: dict[int, type[QuantScheme]] = {}
 _LISTENERS: list[Callable[[], object]] = []
+_loaded = False
+
+
+def _load() -> None:
+    """Register the built-in schemes, then the plugins, once (on the first lookup)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module(BUILTIN)
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            found = ep.load()
+            if isinstance(found, type) and scheme_class(found.TAG) is not found:
+                register(found)
+        except Exception as e:  # a broken plugin must not take the built-ins with it
+            dist = getattr(ep.dist, "name", "?")
+            warnings.warn(f"quantization scheme plugin {ep.name!r} = {ep.value!r} "
+                          f"(distribution {dist}, entry point group {ENTRY_POINTS}) was "
+                          f"not registered: {type(e).__name__}: {e}", stacklevel=2)
 
 
 def on_registry_change(fn: Callable[[], object]) -> None:
@@ -49,6 +79,8 @@ def _assignable(tag: int) -> bool:
 def register(cls: type[QuantScheme]) -> type[QuantScheme]:
     """Class decorator: make ``cls`` the scheme of its ``TAG`` for every table, the
     decoder, the validation and the reports."""
+    if cls.__module__ != BUILTIN:
+        _load()  # the built-ins and plugins first: a collision is this class's
     if not _assignable(cls.TAG):
         raise ValueError(f"scheme tag 0x{cls.TAG:02x} is invalid or reserved")
     missing = [m for m in ("decode_body", "encode_body") if not callable(getattr(cls, m, None))]
@@ -72,16 +104,19 @@ def unregister(cls: type[QuantScheme]) -> None:
 
 
 def scheme_class(tag: int) -> type[QuantScheme] | None:
+    _load()
     return _REGISTRY.get(tag)
 
 
 def scheme_by_name(name: str) -> type[QuantScheme] | None:
+    _load()
     found = [c for c in _REGISTRY.values() if c.NAME == name]  # noqa: SIM300
     return found[0] if found else None
 
 
 def schemes() -> tuple[type[QuantScheme], ...]:
     """The registered scheme classes, by tag."""
+    _load()
     return tuple(_REGISTRY[t] for t in sorted(_REGISTRY))
 
 
@@ -238,18 +273,16 @@ class RawQuantization(QuantScheme):
 
 
 def scheme_name(tag: int) -> str:
-    cls = _REGISTRY.get(tag)
+    cls = scheme_class(tag)
     if cls is not None:
         return cls.NAME
     return f"private_0x{tag:02x}" if 0xF0 <= tag <= 0xFE else f"0x{tag:02x}"
 
 
 __all__ = [
-    "INT_STORAGE", "NO_BUFFER", "SCALE_TYPE_NAMES", "SCALE_WIDTHS", "SYMMETRIC", "QuantScheme",
+    "BUILTIN", "ENTRY_POINTS", "INT_STORAGE", "NO_BUFFER", "SCALE_TYPE_NAMES", "SCALE_WIDTHS",
+    "SYMMETRIC", "QuantScheme",
     "RawQuantization", "RegistryView", "check_param_sizes", "is_pow2", "on_registry_change",
     "product", "register",
     "scheme_by_name", "scheme_class", "scheme_name", "schemes", "storage_range", "unregister",
 ]
-
-# The schemes the spec assigns register themselves when their module is imported.
-from . import quant_schemes as _builtin  # noqa: E402, F401

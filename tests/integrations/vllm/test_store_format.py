@@ -29,13 +29,14 @@ from hurraykv.integrations.vllm.store_format import (
     decode,
     max_error,
     reconstruction_error,
+    scheme_names,
 )
 from hurraykv.io import checksums
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match
 
-FORMATS = [StoreFormat("int8", "per_block_affine"), StoreFormat("int4", "per_block_affine"),
-           StoreFormat("int8", "per_channel"), StoreFormat("int4", "per_channel"),
-           StoreFormat("fp8")]
+# every scheme the registry offers the connector (a scheme registered later is tested too)
+FORMATS = [StoreFormat(dtype, scheme) for scheme in scheme_names()
+           for dtype in ("int8", "int4")] + [StoreFormat("fp8")]
 IDS = [f.name for f in FORMATS]
 
 
@@ -75,6 +76,8 @@ def test_formats_parse_with_the_engines_scheme_for_bare_names():
                               r"auto, int8, int4, fp8"),
     ({"store_dtype": "int8", "quantization": "per_tensor"},
      r"\['quantization'\] is 'per_tensor'; it is one of per_block_affine, per_channel"),
+    ({"store_dtype": "int8", "quantization": "nf4"},
+     r"\['quantization'\] is 'nf4'; it is one of per_block_affine, per_channel"),
     ({"store_dtype": "fp8", "quantization": "per_channel"},
      r"applies to store_dtype int8 and int4"),
     ({"quantization": "per_block_affine"}, r"with store_dtype 'auto'"),

@@ -455,8 +455,8 @@ def test_a_hybrid_load_is_done_only_once_its_states_are_written(mamba_side):
     written; a segment without states is a failed receive, not a load."""
     from hurraykv.adapters.vllm import LayerView
     from hurraykv.integrations.vllm.common import Transfer
+    from hurraykv.integrations.vllm.decode_buffers import DecodeBuffers
     from hurraykv.integrations.vllm.loads import LoadJob, Target, run_job
-    from hurraykv.integrations.vllm.store_format import DecodeBuffers
 
     sched, store = mamba_side
     ctx, layout = sched.ctx, small_layout()

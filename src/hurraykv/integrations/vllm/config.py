@@ -137,12 +137,13 @@ class ConnectorConfig:
         return config
 
     def store_format(self) -> store_format.StoreFormat:
-        if self.quantization is not None and self.quantization not in store_format.SCHEMES:
+        known = ", ".join(store_format.scheme_names())
+        if self.quantization is not None and \
+                self.quantization not in store_format.scheme_names():
             raise HurrayError(f"kv_connector_extra_config['quantization'] is "
-                              f"{self.quantization!r}; it is one of "
-                              f"{', '.join(store_format.SCHEMES)}", field="quantization",
-                              value=self.quantization,
-                              rule=f"one of {', '.join(store_format.SCHEMES)}")
+                              f"{self.quantization!r}; it is one of {known}",
+                              field="quantization", value=self.quantization,
+                              rule=f"one of {known}")
         if self.quantization is not None and self.store_dtype not in ("int8", "int4"):
             raise HurrayError(f"kv_connector_extra_config['quantization'] is "
                               f"{self.quantization!r} with store_dtype {self.store_dtype!r}; "

@@ -44,8 +44,9 @@ from ...snapshot_members import member_name
 from ..chunks import segment_first
 from . import hybrid
 from .common import Context, Transfer, log
+from .decode_buffers import DecodeBuffers
 from .groups import METADATA_KEY, NULL_BLOCK, SLIDING, KVGroup
-from .store_format import DecodeBuffers, StoreFormat
+from .store_format import StoreFormat
 
 if TYPE_CHECKING:  # no torch import here: loads are tested without an engine
     from ...adapters.vllm import LayerView

@@ -1,53 +1,73 @@
-"""Stored KV at the cache dtype, or at half or a quarter of its bytes (issue 22).
+"""Stored KV at the cache dtype, or at half or a quarter of its bytes (issue 22): the
+store format's configuration, its encoding on save and its check on load.
 
 ``store_dtype`` in ``kv_connector_extra_config`` says what a segment holds:
 
 * ``"auto"``: the engine's cache dtype, page for page (bytes unchanged; the identity of
   the cache is the one every earlier release used);
-* ``"int8"``, ``"int4"``: codes of the Hurray quantization scheme ``"quantization"``
-  names (``quant.py``, the compiled kernels of ``kernels.py``), symmetric, float32
-  scales: ``"per_block_affine"`` (default) keeps one scale per page slot, i.e. per
-  token of a page, shared by its heads and dims; ``"per_channel"`` one per head_dim
-  channel of each layer's key (value) pool of the segment;
+* ``"int8"``, ``"int4"``: symmetric codes with float32 scales of the Hurray
+  quantization scheme ``"quantization"`` names: ``"per_block_affine"`` (default) keeps
+  one scale per page slot, i.e. per token of a page, shared by its heads and dims;
+  ``"per_channel"`` one per head_dim channel of each layer's key (value) pool of the
+  segment.  The choices are the scheme registry's (``scheme_names``): every affine
+  block-paged scheme whose scales travel in buffers (which the segment's checksums
+  cover) and that the compiled decode has a plan for (``quant.KERNEL_PLANS``);
 * ``"fp8"``: float8 e4m3 values with one float32 scale per layer and role (the
   ``kv_scales`` member of fp8 caches, so any Hurray reader dequantizes them).
 
 Error bounds per element ``x`` (``max_error``): int8 ``s / 2`` with ``s = absmax / 127``
 (int4: ``absmax / 7``), ``absmax`` over the slot (per_block_affine) or the channel
-(per_channel); fp8 ``max(|x| / 16, s / 1024)`` with ``s = absmax / 448`` of the layer's
-pool (half a unit in e4m3's last place, or of its subnormal step).
+(per_channel); fp8 ``max(|x| / 16, s / 1024)`` with
+``s = absmax / 448`` of the layer's pool (half a unit in e4m3's last place, or of its
+subnormal step).
 
 The format is part of the cache identity (``identity_suffix``): an engine looks up, and
 loads, the chunks of its own format and of those ``accept_store_dtypes`` lists, nothing
 else.  Saving quantizes each layer's pages right after they are copied out of the
-engine's blocks (``encode``); loading dequantizes a segment's pages to float32
-(``decode``), which ``LayerView.write`` converts into the engine's blocks.  No vLLM or
-torch import: tested without an engine (``tests/test_store_format.py``).
+engine's blocks (``encode``: ``BlockPagedTensor.quantize``, ``quant.fp8_e4m3``); loading
+decodes a segment's pages into the cache dtype on the tensor's floor
+(``BlockPagedTensor.decode_pages``), which ``LayerView.write`` copies into the engine's
+blocks.  No vLLM or torch import: tested without an engine
+(``tests/test_store_format.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from ... import alloc, kernels
 from ...errors import HurrayError
 from ...paged import BlockPagedTensor
-from ...quant import params_arrays
+from ...quant import DECODE_CODES, FP8_MAX, KERNEL_PLANS, fp8_e4m3
 from ...snapshot import KVCacheSnapshot
-from ...threads import run_bands
+from ...wire.quantization import scheme_by_name, schemes, storage_range
 
-STORE_DTYPES = ("auto", "int8", "int4", "fp8")
-SCHEMES = ("per_block_affine", "per_channel")
+# The integer store dtypes: those the compiled decode reads, symmetric (codes in
+# [-qmax, qmax]); the schemes: every registered affine block-paged scheme the compiled
+# decode has a plan for (quant.KERNEL_PLANS), so a scheme registered later is offered too,
+# but for per-tensor granularity: its scale sits in the descriptor, where a segment's
+# checksums (which cover buffers) would not catch a flipped byte scaling every value.
+_LEVELS = {n: storage_range(n)[1] for n in DECODE_CODES if n.startswith("int")}
+STORE_DTYPES = ("auto", *_LEVELS, "fp8")
+DEFAULT_SCHEME = "per_block_affine"
+
+
+def scheme_names() -> tuple[str, ...]:
+    """The quantization schemes ``store_dtype`` int8 and int4 take, the default first."""
+    names = [c.NAME for c in schemes() if c.AFFINE and c.BLOCK_PAGED
+             and c.GRANULARITY in KERNEL_PLANS and c.GRANULARITY != "tensor"]
+    return tuple(sorted(names, key=lambda n: n != DEFAULT_SCHEME))
+
+
 # vLLM cache dtypes whose values are the model's floats ("auto": the model dtype)
 FLOAT_CACHES = ("auto", "bfloat16", "float16", "half", "float", "float32")
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-_LEVELS = {"int8": 127, "int4": 7}  # symmetric: codes in [-qmax, qmax]
+
+
+def _granularity(scheme: str | None) -> str | None:
+    cls = scheme_by_name(scheme) if scheme else None
+    return None if cls is None else cls.GRANULARITY
 
 
 @dataclass(frozen=True)
@@ -81,22 +101,15 @@ class StoreFormat:
         table = np.arange(n) if table is None else table
         ptr, lens = [0, len(table)], [len(table) * size]
         if self.dtype == "fp8":
-            peak = _peak(pages)
-            if not np.isfinite(peak):
-                raise HurrayError(f"layer {layer} {role} holds a non-finite value; fp8 "
-                                  "stores finite values", field="store_dtype", value="fp8",
-                                  rule="finite values")
-            scale = np.float32(peak / FP8_MAX) if peak > 0 else np.float32(1.0)
-            if not scale > 0:  # peak below float32's range for a scale: store zeros
-                scale = np.float32(1.0)
-            return BlockPagedTensor(_fp8_codes(pages, scale), table, ptr, lens, kv_role=role,
-                                    layer_index=layer, element_type="float8_e4m3",
-                                    fp8_scale=float(scale))
+            codes, scale = fp8_e4m3(pages, f"layer {layer} {role} pages")
+            return BlockPagedTensor(codes, table, ptr, lens, kv_role=role, layer_index=layer,
+                                    element_type="float8_e4m3", fp8_scale=scale)
         t = BlockPagedTensor(pages, table, ptr, lens, kv_role=role, layer_index=layer)
         if self.auto:
             return t
+        # a per-channel scheme: one scale per head_dim channel (the axis keys vary along)
         return t.quantize(self.scheme, self.dtype, symmetric=True,
-                          axis=2 if self.scheme == "per_channel" else None)
+                          axis=2 if _granularity(self.scheme) == "channel" else None)
 
     def segment(self, staged: Sequence[Sequence[BlockPagedTensor]], identity: str
                 ) -> KVCacheSnapshot:
@@ -149,159 +162,10 @@ def _table_text(table: np.ndarray) -> str:
     return f"{table.tolist()}: the kept pages, a zero page for the others"
 
 
-def _slot_bits(pages: np.ndarray):
-    """``(kernels, input kind, slot rows as the unsigned bits the kernels read)``, or
-    None where the compiled path does not apply (no numba, another dtype, a view)."""
-    kind = kernels.input_kind(pages.dtype)
-    kern = kernels.impl() if kind is not None and pages.flags.c_contiguous else None
-    if kern is None or not pages.size:
-        return None
-    return kern, kind, kernels.as_bits(pages.reshape(pages.shape[0] * pages.shape[1], -1),
-                                       kind)
-
-
-def _peak(pages: np.ndarray) -> float:
-    """The largest magnitude in ``pages`` (inf or nan when one is not finite)."""
-    compiled = _slot_bits(pages)
-    if compiled is None:
-        return float(np.abs(np.asarray(pages, np.float32)).max()) if pages.size else 0.0
-    kern, kind, rows = compiled
-    n = rows.shape[0]
-    used = np.ones(n, np.bool_)
-    lo, hi = np.empty(n, np.float32), np.empty(n, np.float32)
-    ok: list[bool] = []
-    run_bands(lambda a, b: ok.append(kern.row_ranges(rows, kind, used, lo, hi, a, b)), n,
-              pages.nbytes)
-    if not all(ok):
-        return float("nan")
-    return float(max(-lo.min(), hi.max()))
-
-
-def _fp8_codes(pages: np.ndarray, scale: np.float32) -> np.ndarray:
-    """e4m3 codes of ``clip(pages / scale, -448, 448)`` (finite ``pages``): one compiled
-    pass from the cache's bits, else NumPy's conversion (the same bits, tested)."""
-    compiled = _slot_bits(pages)
-    if compiled is None:
-        values = np.asarray(pages, np.float32)
-        return np.clip(values / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    kern, kind, rows = compiled
-    codes = alloc.empty(rows.shape, np.uint8)
-    run_bands(lambda a, b: kern.fp8_e4m3_encode(rows, kind, scale, codes, a, b),
-              rows.shape[0], pages.nbytes)
-    return codes.view(ml_dtypes.float8_e4m3fn).reshape(pages.shape)
-
-
 def decode(t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
-    """Pages ``first .. first + count - 1`` of a stored segment tensor (one sequence over
-    its pages in order) as float32 ``[count, page_size, heads, dim]``: the dequantizing
-    gather (fused and compiled for per_block_affine, ``gather(dequantize=True)``)."""
-    values = t.gather(0, dequantize=True)
-    pages = values.reshape(t.num_pages, t.page_size, t.num_heads, t.head_dim)
-    return pages[first:first + count]
-
-
-_WRITES = {np.dtype(np.float32): False, np.dtype(ml_dtypes.bfloat16): True}  # -> to_bf16
-_NO_COLUMNS = np.ones(1, np.float32)  # what the kernels get for column scales they skip
-
-
-def decode_pages(t: BlockPagedTensor, first: int, count: int, dtype: Any,
-                 out: np.ndarray | None = None) -> np.ndarray:
-    """Pages ``first .. first + count - 1`` of a stored segment tensor as ``dtype`` (the
-    engine's cache dtype) ``[count, page_size, heads, dim]``, in one compiled pass from
-    codes and scales to the cache's bits (bfloat16 rounded to nearest even, as torch
-    converts), into ``out`` (bytes of any dtype, reused between loads) when given.  The
-    same values as ``decode`` converted to ``dtype``.  Where the kernels do not apply
-    (no numba, a float16 cache, a foreign scheme) it is ``decode``'s float32 pages, which
-    the cache write converts."""
-    dtype = np.dtype(dtype)
-    kern = kernels.impl()
-    plan = _rows_and_scales(t, first, count) if kern is not None and dtype in _WRITES \
-        else None
-    if plan is None:
-        return decode(t, first, count)
-    codes, fp8, rows, cols, packed = plan
-    shape = (count, t.page_size, t.num_heads, t.head_dim)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if out is None or out.nbytes < nbytes:
-        out = alloc.empty(shape, dtype)
-    values = out.reshape(-1).view(np.uint8)[:nbytes].view(dtype).reshape(shape)
-    to_bf16 = _WRITES[dtype]
-    o2 = values.reshape(codes.shape[0], -1)
-    if to_bf16:
-        o2 = o2.view(np.uint16)
-    per_column = cols is not None
-    cols = cols if per_column else _NO_COLUMNS
-    if packed:
-        run_bands(lambda a, b: kern.dequantize_packed_rows(codes, rows, cols, per_column, o2,
-                                                           to_bf16, a, b), len(codes), nbytes)
-    else:
-        run_bands(lambda a, b: kern.dequantize_rows(codes, fp8, rows, cols, per_column, o2,
-                                                    to_bf16, a, b), len(codes), nbytes)
-    return values
-
-
-class DecodeBuffers:
-    """The buffers a worker decodes stored pages into, one per role, kept between layers
-    and loads: a fresh multi-megabyte output costs a page fault per 4 KiB as it is first
-    written, as much as the decoding itself.  Each is overwritten by the next decode, so
-    its pages must be written into the cache before then (``LayerView.write`` copies)."""
-
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = np.dtype(dtype)
-        self._buffers: list[np.ndarray] = []
-
-    def pages(self, role: int, t: BlockPagedTensor, first: int, count: int) -> np.ndarray:
-        while len(self._buffers) <= role:
-            self._buffers.append(np.zeros(0, np.uint8))
-        need = count * t.page_size * t.num_heads * t.head_dim * self.dtype.itemsize
-        if self._buffers[role].nbytes < need:
-            self._buffers[role] = alloc.empty((need,), np.uint8)
-            self._buffers[role][::4096] = 0  # faulted in now, not inside a load
-        return decode_pages(t, first, count, self.dtype, self._buffers[role])
-
-
-def warm(formats: Any, dtype: Any) -> None:
-    """Compile (or load from numba's cache) the kernels that save and load ``formats`` on
-    a cache of ``dtype`` (codes writable and read-only), so that no forward pass does."""
-    pages = np.linspace(-1, 1, 2 * 4 * 2 * 8, dtype=np.float32).reshape(2, 4, 2, 8)
-    for fmt in formats:
-        if fmt.auto:
-            continue
-        t = fmt.encode(pages.astype(dtype), "key", 0)
-        frozen = t._derive(np.frombuffer(t._rows.tobytes(), t._rows.dtype
-                                         ).reshape(t._rows.shape))
-        for each in (t, frozen):
-            decode_pages(each, 0, 2, dtype)
-
-
-def _rows_and_scales(t: BlockPagedTensor, first: int, count: int):
-    """``(codes [slots, bytes], fp8 (else int8), per-slot scales, per-element scales or
-    None (per_channel only), packed)`` of the pages, or None for what ``decode_pages``
-    leaves to ``decode`` (zero-points, another scheme or type)."""
-    size, elems = t.page_size, t.num_heads * t.head_dim
-    slots = count * size
-    rows = t._rows[first:first + count]
-    q, name = t.quantization, t.element_type.name
-    if q is None and t.fp8_scale is not None and name == "float8_e4m3":
-        return (rows.view(np.uint8).reshape(slots, elems), True,
-                np.full(slots, np.float32(t.fp8_scale)), None, False)
-    if q is None or not q.AFFINE or name not in _LEVELS or elems % 2:
-        return None
-    scales, zps = params_arrays(q, t.quant_params, t._param_count())
-    if zps is not None:
-        return None
-    if q.per_slot:
-        row_scales = np.ascontiguousarray(scales[first * size:first * size + slots])
-        col_scales = None
-    elif q.GRANULARITY == "channel" and q.axis in (1, 2):
-        col_scales = (np.tile(scales, t.num_heads) if q.axis == 2 else
-                      np.repeat(scales, t.head_dim)).astype(np.float32)
-        row_scales = np.ones(slots, np.float32)
-    else:
-        return None
-    if name == "int4":
-        return rows.reshape(slots, elems // 2), False, row_scales, col_scales, True
-    return rows.view(np.int8).reshape(slots, elems), False, row_scales, col_scales, False
+    """Pages ``first .. first + count - 1`` of a stored segment tensor as float32
+    ``[count, page_size, heads, dim]`` (``BlockPagedTensor.decode_pages``)."""
+    return t.decode_pages(first, count)
 
 
 def max_error(fmt: StoreFormat, values: np.ndarray, per_slot_axis: int = 0) -> np.ndarray:
@@ -314,7 +178,7 @@ def max_error(fmt: StoreFormat, values: np.ndarray, per_slot_axis: int = 0) -> n
     if fmt.dtype == "fp8":
         scale = np.float32(x.max() / FP8_MAX) if x.size else np.float32(1.0)
         return np.maximum(x / 16, scale / 1024)
-    axes = (1, 2) if fmt.scheme == "per_block_affine" else (0, 1)
+    axes = {"slot": (1, 2), "channel": (0, 1)}.get(_granularity(fmt.scheme), (0, 1, 2))
     return np.broadcast_to(x.max(axis=axes, keepdims=True) / _LEVELS[fmt.dtype] / 2, x.shape)
 
 
@@ -350,11 +214,11 @@ def parse(text: str, key: str, default_scheme: str | None) -> StoreFormat:
                               f"quantization scheme applies to int8 and int4, not {dtype}",
                               field=key, value=text, rule="a scheme for int8 and int4 only")
         return StoreFormat(dtype)
-    scheme = scheme or default_scheme or SCHEMES[0]
-    if scheme not in SCHEMES:
+    scheme, known = scheme or default_scheme or DEFAULT_SCHEME, scheme_names()
+    if scheme not in known:
         raise HurrayError(f"kv_connector_extra_config[{key!r}] names {text!r}; quantization "
-                          f"is one of {', '.join(SCHEMES)}", field=key, value=text,
-                          rule=f"one of {', '.join(SCHEMES)}")
+                          f"is one of {', '.join(known)}", field=key, value=text,
+                          rule=f"one of {', '.join(known)}")
     return StoreFormat(dtype, scheme)
 
 
@@ -364,7 +228,7 @@ def check_cache_dtype(fmt: StoreFormat, kv_cache_dtype: str, key: str = "store_d
     fp8 (or other quantized) cache stores ``auto`` only; ``per_block_affine`` keeps a
     scale per page slot in quantization blocks of one page, which Hurray requires to be a
     power of two (vLLM sizes a Qwen3-Next's pages to 160 tokens)."""
-    if fmt.scheme == "per_block_affine" and block_size and block_size & (block_size - 1):
+    if _granularity(fmt.scheme) == "slot" and block_size and block_size & (block_size - 1):
         raise HurrayError(f"kv_connector_extra_config[{key!r}] {fmt.dtype!r} with quantization "
                           f"'per_block_affine' needs a power-of-two block size; vLLM's is "
                           f"{block_size} for this model: use quantization 'per_channel'",
@@ -380,6 +244,6 @@ def check_cache_dtype(fmt: StoreFormat, kv_cache_dtype: str, key: str = "store_d
                       "(kv_cache_dtype auto, bfloat16, float16 or float32)")
 
 
-__all__ = ["FLOAT_CACHES", "SCHEMES", "STORE_DTYPES", "DecodeBuffers", "StoreFormat",
-           "check_cache_dtype", "decode", "decode_pages", "max_error", "parse",
-           "reconstruction_error", "warm"]
+__all__ = ["DEFAULT_SCHEME", "FLOAT_CACHES", "STORE_DTYPES", "StoreFormat",
+           "check_cache_dtype", "decode", "max_error", "parse", "reconstruction_error",
+           "scheme_names"]

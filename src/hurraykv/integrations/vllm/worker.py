@@ -23,12 +23,12 @@ from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
 from ...io import checksums
 from .common import IDLE_WAIT, Context, Plan, log
+from .decode_buffers import warm as warm_formats
 from .events import WorkerSegments
 from .groups import MAMBA
 from .loads import Loader, LoadJob, StepLoads, Target
 from .saves import Saver
 from .store_format import StoreFormat
-from .store_format import warm as warm_formats
 
 
 class WorkerSide:
