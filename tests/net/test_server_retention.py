@@ -13,7 +13,7 @@ import pytest
 from hurraykv.errors import RemoteError
 from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
-from tests.support.store_contract import segment
+from hurraykv.testing import segment
 
 
 @contextlib.contextmanager

@@ -8,9 +8,9 @@ import pytest
 from hurraykv.errors import RemoteError
 from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
+from hurraykv.testing import segment
 from tests.net.test_server_retention import client_of
 from tests.support.certs import PKI, name
-from tests.support.store_contract import segment
 
 
 def test_a_noisy_tenant_evicts_only_its_own_objects(tmp_path):

@@ -1,24 +1,27 @@
-"""Every registered chunk store against the one contract (``tests/support/store_contract.py``),
-plus what the registry itself promises: the URL forms in messages, the config and the
-docs are the registered ones."""
+"""Every built-in chunk store against the one contract (``hurraykv.testing.ChunkStoreTests``;
+each test class names the scheme it opens, ``SCHEME``), plus what the registry itself
+promises: the URL forms in messages, the config and the docs are the registered ones."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from hurraykv.errors import HurrayError
+from hurraykv.integrations import chunks
 from hurraykv.integrations.chunks import open_store, schemes, store_class, url_forms
 from hurraykv.net.server import KVServer
+from hurraykv.testing import ChunkStoreTests, segment
 from tests.support.redis_servers import free_port, redis_server_binary, start_redis
-from tests.support.store_contract import ChunkStoreContract, segment
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT_BYTES = 16 * 4 * 2 * 8 * 2 * 4  # pages x tokens x heads x dim x fp16 x pools
 
 
-class TestFileStore(ChunkStoreContract):
+class TestFileStore(ChunkStoreTests):
+    SCHEME = 'file'
     @pytest.fixture
     def make(self, tmp_path):
         return lambda: open_store((tmp_path / "kv").as_uri())
@@ -32,7 +35,8 @@ class TestFileStore(ChunkStoreContract):
         return open_store((tmp_path / "capped").as_uri(), max_bytes=12 * size)
 
 
-class TestServerStore(ChunkStoreContract):
+class TestServerStore(ChunkStoreTests):
+    SCHEME = 'hurray'
     @pytest.fixture
     def make(self):
         with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
@@ -51,7 +55,8 @@ class TestServerStore(ChunkStoreContract):
             s.close()
 
 
-class TestRedisStore(ChunkStoreContract):
+class TestRedisStore(ChunkStoreTests):
+    SCHEME = 'redis'
     KEEPS_RECENT = False  # allkeys-lru samples keys, and aliases are keys too (H91)
     PINS = False  # Redis evicts by its own policy: a pin is refused, saying so
 
@@ -79,7 +84,8 @@ class TestRedisStore(ChunkStoreContract):
             proc.wait(10)
 
 
-class TestRedisClusterStore(ChunkStoreContract):
+class TestRedisClusterStore(ChunkStoreTests):
+    SCHEME = 'redis+cluster'
     PINS = False
     @pytest.fixture
     def make(self, redis_cluster_url):
@@ -90,17 +96,22 @@ class TestRedisClusterStore(ChunkStoreContract):
         return None  # each node's maxmemory, as TestRedisStore's
 
 
-def test_every_scheme_is_registered_once_with_a_form():
-    assert set(schemes()) == {"file", "hurray", "redis", "rediss", "redis+cluster"}
-    for scheme in schemes():
-        cls = store_class(scheme)
-        assert scheme in cls.SCHEMES and cls.FORM
-    assert {store_class(s).__name__ for s in schemes()} == {
-        "FileChunks", "ServerChunks", "RedisChunks"}
+def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
+    builtin = chunks.store_classes(plugins=False)
+    assert {c.__module__ for c in builtin} == {f"hurraykv.integrations.{m}"
+                                               for m in chunks.BUILTIN}
+    for cls in chunks.store_classes():
+        assert cls.SCHEMES and cls.FORM
+        assert all(store_class(s) is cls for s in cls.SCHEMES)
+    assert sorted(schemes()) == sorted(s for c in chunks.store_classes() for s in c.SCHEMES)
+    tested = {store_class(c.SCHEME) for c in globals().values()
+              if isinstance(c, type) and issubclass(c, ChunkStoreTests) and c.__module__
+              == __name__}
+    assert set(builtin) <= tested, "a built-in store whose test class is missing here"
 
 
 @pytest.mark.parametrize(("url", "options", "why"), [
-    ("ftp://x/y", {}, r"scheme 'ftp' is not one of file, hurray, redis"),
+    ("ftp://x/y", {}, None),  # None: "scheme 'ftp' is not one of" the registered
     ("file://host/x", {}, "local directory"),
     ("hurray://", {}, "HOST:PORT"),
     ("hurray://h:notaport", {}, r"HOST:PORT \(hurray://HOST:PORT\), not 'h:notaport'"),
@@ -111,21 +122,19 @@ def test_every_scheme_is_registered_once_with_a_form():
     ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"apply to hurray://HOST:PORT"),
 ])
 def test_a_bad_url_is_refused_with_the_registered_forms(url, options, why):
+    why = why or rf"scheme 'ftp' is not one of {re.escape(', '.join(schemes()))};"
     with pytest.raises(HurrayError, match=why) as e:
         open_store(url, **options)
     assert url_forms() in str(e.value)
 
 
 def test_the_docs_and_the_module_docstring_name_every_form():
-    from hurraykv.integrations import chunks
-
     text = (ROOT / "docs" / "vllm.md").read_text()
     url_row = next(line for line in text.splitlines() if line.startswith("| `url` |"))
-    for scheme in schemes():
-        form = store_class(scheme).FORM
+    for cls in chunks.store_classes(plugins=False):  # the docs are the package's stores'
         assert all(f in url_row or f.replace("HOST:PORT", "...") in url_row
-                   for f in form.split(" or ")), form
-        assert store_class(scheme).__name__ in chunks.__doc__
+                   for f in cls.FORM.split(" or ")), cls.FORM
+        assert cls.__name__ in chunks.__doc__
 
 
 def test_a_segment_reads_back_through_every_scheme_alias(tmp_path):
@@ -155,7 +164,7 @@ def test_a_read_buffer_is_never_reused_while_a_snapshot_over_it_lives(tmp_path):
 
     import hurraykv as hk
     from hurraykv.io import checksums
-    from tests.support.store_contract import CHUNK, keys
+    from hurraykv.testing import CHUNK, keys
 
     def big(seed: int) -> hk.KVCacheSnapshot:  # 8 MiB: 2 layers x K, V x 2 MiB each
         rng = np.random.default_rng(seed)

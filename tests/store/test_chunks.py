@@ -43,8 +43,9 @@ def test_keys_chain_over_the_whole_prefix_and_the_identity():
 
 
 # What every store keeps (locate, put, has, get, damaged objects, concurrent writers,
-# eviction) is tests/support/store_contract.py, run for each backend by
-# tests/store/test_chunk_stores.py.
+# eviction) is hurraykv.testing.ChunkStoreTests, run for each backend by
+# tests/store/test_chunk_stores.py (and for a store from outside the package by
+# tests/store/test_store_plugins.py).
 
 
 def test_a_rank_suffix_keeps_tensor_parallel_shards_apart(tmp_path):

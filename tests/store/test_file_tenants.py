@@ -9,7 +9,7 @@ from hurraykv.errors import HurrayError
 from hurraykv.integrations.chunks import open_store
 from hurraykv.integrations.file_store import TENANT_KEY
 from hurraykv.integrations.file_tenants import LOG
-from tests.support.store_contract import keys, segment
+from hurraykv.testing import keys, segment
 
 
 def size_of(tmp_path) -> int:

@@ -68,12 +68,12 @@ def add_parsers(sub: Any) -> None:
 def _open(args: argparse.Namespace) -> Any:
     from urllib.parse import unquote, urlparse
 
-    from ..integrations.chunks import check_url, open_store
+    from ..integrations.chunks import check_url, is_local, open_store
 
     # before the directory check below: a URL of no store is said as such
     check_url(args.url, [k for k in TLS if getattr(args, k) is not None])
     parsed = urlparse(args.url)
-    if parsed.scheme == "file" and parsed.path.startswith("/") and not os.path.isdir(
+    if is_local(args.url) and not os.path.isdir(
             unquote(parsed.path)):  # opening one makes it: not for a typo
         raise CannotRead(f"{args.url}: no such directory")
     return open_store(args.url, timeout=30.0, **{k: getattr(args, k) for k in TLS})

@@ -23,11 +23,21 @@ Stores, one class per URL scheme, registered by the schemes it declares (``SCHEM
 serve``; aliases with its LINK and LOCATE messages), ``redis_store.RedisChunks``
 (``redis://HOST:PORT``, ``rediss://``, ``redis+cluster://HOST:PORT``: the PageStore,
 identical pages of different segments stored once; aliases as small keys).  A new backend
-is one ``ChunkStore`` subclass naming its schemes, plus a test class that inherits the
-contract (``tests/store_contract.py``); ``open_store``, its error messages and the
-connector's config check list what is registered, and refuse a part of a URL (userinfo,
-path, query, fragment) that its class does not read (``URL_PARTS``), so that no setting
-written there is dropped without a word.
+is one ``ChunkStore`` subclass naming its schemes and the settings it takes besides its
+URL (``OPTIONS``: each an ``Option`` of a kind the connector's config parses), plus a test
+class that inherits the contract (``hurraykv.testing.ChunkStoreTests``); ``open_store``,
+its error messages and the connector's config check list what is registered, and refuse a
+part of a URL (userinfo, path, query, fragment) that its class does not read
+(``URL_PARTS``), so that no setting written there is dropped without a word.
+
+A store from outside the package registers through the entry point group
+``hurraykv.chunk_stores`` (``toy = my_package.toy_store`` or ``...:ToyChunks``: a module
+whose ``ChunkStore`` subclasses register as they are defined, or one such class).  The
+built-in modules (``BUILTIN``) are imported first, then every entry point once, lazily, on
+the first use of the registry (``load_plugins`` again takes in distributions installed
+since).  A plugin never breaks the built-ins: one that fails to import, names no store
+class or names a scheme already taken (a built-in's scheme stays the built-in's) is
+skipped with a ``StorePluginWarning`` naming the entry point, its distribution and why.
 """
 
 from __future__ import annotations
@@ -36,10 +46,13 @@ import hashlib
 import importlib
 import ipaddress
 import re
+import threading
 import time
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, ClassVar
 from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
@@ -101,7 +114,7 @@ class ChunkKeys:
         return [d.hex() for d in self._digests[:count]]
 
 
-def _valid(name: str | None) -> str | None:
+def valid_name(name: str | None) -> str | None:
     """A name a store returned, or None (a miss) when it is not a segment name."""
     return name if name is not None and SEGMENT_NAME.fullmatch(name) else None
 
@@ -143,6 +156,22 @@ def identity_key(identity: str) -> str:
     return identity_digest(identity).hex()
 
 
+KINDS = ("str", "size", "int", "float", "bool")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A setting a store class takes besides its URL (``ChunkStore.OPTIONS``): the
+    ``open_store`` keyword ``name``, and the connector's ``kv_connector_extra_config`` key
+    of that name.  ``kind`` says how the connector reads it: ``"str"`` (a non-empty string:
+    a name, a file), ``"size"`` (bytes, or text like ``"64G"``), ``"int"`` or ``"float"``
+    (positive) or ``"bool"``; a store is given only the options set (never None)."""
+
+    name: str
+    kind: str = "str"
+    doc: str = ""
+
+
 class ChunkStore(ABC):
     """Where chunks live.  ``get`` raises a HurrayError for a segment that is missing,
     truncated or does not parse."""
@@ -152,7 +181,11 @@ class ChunkStore(ABC):
     FORM: ClassVar[str] = ""  # the URL's form, for messages: "file:///DIR"
     LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
     SOCKET_PATHS: ClassVar[bool] = False  # also SCHEME:///path of a Unix socket
-    OPTIONS: ClassVar[tuple[str, ...]] = ()  # open_store keywords it takes besides timeout
+    # the open_store keywords (and connector config keys) it takes besides timeout, each
+    # an Option (a plain name is an Option of kind "str")
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    # the option that bounds what it holds, if it has one: unset, the connector warns
+    CAPACITY: ClassVar[str | None] = None
     # the URL parts it reads besides its scheme and HOST:PORT (or path): of "userinfo",
     # "path", "query"; any other part present is refused, never silently dropped
     URL_PARTS: ClassVar[tuple[str, ...]] = ()
@@ -162,11 +195,21 @@ class ChunkStore(ABC):
         classmethod ``open(url, parsed, *, timeout, **options)`` building its store of
         ``url`` (``options``: those in ``OPTIONS``)."""
         super().__init_subclass__(**kwargs)
-        if cls.SCHEMES and not callable(getattr(cls, "open", None)):
+        if not cls.SCHEMES:
+            return
+        if not callable(getattr(cls, "open", None)):
             raise TypeError(f"{cls.__name__} names SCHEMES {cls.SCHEMES} but defines no "
                             "classmethod open(url, parsed, *, timeout, **options)")
-        for scheme in cls.SCHEMES:
-            _REGISTRY[scheme] = cls
+        cls.OPTIONS = tuple(Option(o) if isinstance(o, str) else o for o in cls.OPTIONS)
+        for option in cls.OPTIONS:
+            if not isinstance(option, Option) or option.kind not in KINDS or \
+                    option.name in RESERVED:
+                raise TypeError(f"{cls.__name__}.OPTIONS holds {option!r}: an option is an "
+                                f"Option of kind {', '.join(KINDS)}, named other than "
+                                f"{', '.join(RESERVED)}")
+        if cls.CAPACITY is not None and cls.CAPACITY not in cls.option_names():
+            raise TypeError(f"{cls.__name__}.CAPACITY {cls.CAPACITY!r} is not in its OPTIONS")
+        register(cls)
 
     @abstractmethod
     def locate(self, keys: Sequence[str]) -> list[str | None]:
@@ -197,6 +240,18 @@ class ChunkStore(ABC):
         """``get_verified``, except that the checks of the ``later`` members may be left to
         the caller (the ``Pending`` returned, None when nothing was left)."""
         return self.get_verified(name), None
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(o.name for o in cls.OPTIONS)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], named: Callable[[str], str]) -> None:
+        """Refuse (a ``HurrayError``) what ``options`` (the ``OPTIONS`` given, parsed) say
+        that would only fail later, when the store first opens (a file that is not
+        there); ``named(option)``: the option as the caller's user wrote it (a config
+        key, a command-line flag), for the message."""
+        return None
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -278,21 +333,143 @@ class ChunkStore(ABC):
 
 _REGISTRY: dict[str, type[ChunkStore]] = {}
 BUILTIN = ("file_store", "server_store", "redis_store")  # modules whose classes register
+GROUP = "hurraykv.chunk_stores"  # the entry point group of stores from outside the package
+RESERVED = ("url", "suffix", "timeout")  # open_store's own keywords: no option's name
+_LOCK = threading.RLock()
+_SEEN: set[tuple[str, str, str]] = set()  # entry points loaded or skipped
+_SCANNED = False
+
+
+class StorePluginWarning(UserWarning):
+    """A store entry point was skipped (the built-ins and the other plugins still work)."""
+
+
+def _builtin(cls: type) -> bool:
+    return cls.__module__ in {f"{__package__}.{m}" for m in BUILTIN}
+
+
+def register(cls: type[ChunkStore]) -> None:
+    """Make ``cls`` the store of its ``SCHEMES`` (done when such a class is defined).  A
+    scheme another class opens is refused (``TypeError``); the built-ins are imported
+    before any other class registers, so theirs stay theirs."""
+    with _LOCK:
+        if not _builtin(cls):
+            _import_builtins()
+        for scheme in cls.SCHEMES:
+            owner = _REGISTRY.get(scheme)
+            if owner is not None and _named(owner) != _named(cls):  # not a reload
+                raise TypeError(f"{_named(cls)} names scheme {scheme!r}, which "
+                                f"{'the built-in ' if _builtin(owner) else ''}"
+                                f"{_named(owner)} opens already")
+        _REGISTRY.update(dict.fromkeys(cls.SCHEMES, cls))
+
+
+def unregister(cls: type[ChunkStore]) -> None:
+    """Forget ``cls``: its schemes name no store any more."""
+    with _LOCK:
+        for scheme in [s for s, c in _REGISTRY.items() if c is cls]:
+            del _REGISTRY[scheme]
+
+
+def _named(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _import_builtins() -> None:
+    for module in BUILTIN:
+        importlib.import_module(f"{__package__}.{module}")
+
+
+def load_plugins() -> list[str]:
+    """Load the store entry points (group ``hurraykv.chunk_stores``) not loaded before;
+    the registry does this once, on its first use.  Returns what was skipped (also each
+    a ``StorePluginWarning``): an entry point that fails to import, names no
+    ``ChunkStore`` class with ``SCHEMES``, or a scheme already taken; a skipped plugin's
+    classes are unregistered, and the built-ins are untouched."""
+    global _SCANNED
+    problems = []
+    with _LOCK:
+        _import_builtins()
+        _SCANNED = True
+        for ep in metadata.entry_points(group=GROUP):
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+            if (dist, ep.name, ep.value) in _SEEN:
+                continue
+            _SEEN.add((dist, ep.name, ep.value))
+            why = _load(ep)
+            if why:
+                problems.append(f"the {GROUP} entry point {ep.name!r} = {ep.value!r} "
+                                f"(distribution {dist}) is skipped: {why}")
+                warnings.warn(problems[-1], StorePluginWarning, stacklevel=2)
+    return problems
+
+
+def _load(ep: metadata.EntryPoint) -> str:
+    """Why entry point ``ep`` registers no store ("" if it does); what it registered
+    before failing is unregistered."""
+    before = dict(_REGISTRY)
+    try:
+        loaded = ep.load()
+        if isinstance(loaded, type):
+            ok = issubclass(loaded, ChunkStore) and bool(loaded.SCHEMES) and all(
+                _REGISTRY.get(s) is loaded for s in loaded.SCHEMES)
+        else:
+            ok = set(_REGISTRY) != set(before) or any(
+                c.__module__ == getattr(loaded, "__name__", None) for c in _REGISTRY.values())
+        if not ok:
+            return f"{loaded!r} is no ChunkStore class naming SCHEMES, nor a module " \
+                "defining one"
+        return ""
+    except Exception as e:  # a plugin's bug, a missing dependency, a clash
+        for scheme in set(_REGISTRY) - set(before):
+            del _REGISTRY[scheme]
+        return f"{type(e).__name__}: {e}"
 
 
 def _registered() -> dict[str, type[ChunkStore]]:
-    for module in BUILTIN:
-        importlib.import_module(f"{__package__}.{module}")
-    return _REGISTRY
+    """Scheme -> class, the built-ins first in ``BUILTIN``'s order (whatever imported one
+    first), then the others as they registered."""
+    if not _SCANNED:
+        load_plugins()
+    with _LOCK:
+        rank = {f"{__package__}.{m}": i for i, m in enumerate(BUILTIN)}
+        return dict(sorted(_REGISTRY.items(),
+                           key=lambda item: rank.get(item[1].__module__, len(rank))))
 
 
 def schemes() -> tuple[str, ...]:
-    """Every URL scheme a store class is registered for."""
+    """Every URL scheme a store class is registered for (the built-ins' first)."""
     return tuple(_registered())
 
 
 def store_class(scheme: str) -> type[ChunkStore] | None:
     return _registered().get(scheme)
+
+
+def store_classes(plugins: bool = True) -> tuple[type[ChunkStore], ...]:
+    """The registered store classes, each once (the built-ins first); ``plugins`` False:
+    the built-ins only (no entry point loaded)."""
+    if not plugins:
+        _import_builtins()
+        return tuple(dict.fromkeys(c for c in _REGISTRY.values() if _builtin(c)))
+    return tuple(dict.fromkeys(_registered().values()))
+
+
+def options() -> dict[str, Option]:
+    """Every option a registered store class takes (the first class's, where two name
+    one)."""
+    out: dict[str, Option] = {}
+    for cls in store_classes():
+        for option in cls.OPTIONS:
+            out.setdefault(option.name, option)
+    return out
+
+
+def is_local(url: str) -> bool:
+    """Whether the store ``url`` names keeps its segments on this host (its class's
+    ``LOCAL``: vLLM's ``Locality`` and cache-hit source, the synchronous loads)."""
+    cls = store_class(urlparse(url).scheme)
+    return cls is not None and cls.LOCAL
 
 
 def url_forms() -> str:
@@ -335,9 +512,10 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
         why = _host_problem(parsed.hostname)
         if why:
             return why
-    extra = sorted(set(options) - set(cls.OPTIONS))
+    extra = sorted(set(options) - set(cls.option_names()))
     if extra:
-        owners = sorted({c.FORM for c in _REGISTRY.values() if set(extra) & set(c.OPTIONS)})
+        owners = sorted({c.FORM for c in store_classes()
+                         if set(extra) & set(c.option_names())})
         return f"{extra} apply to {' and '.join(owners) or 'no store'}, not {cls.FORM}"
     return _unread_part(parsed, cls) or cls.url_problem(parsed)
 
@@ -380,7 +558,7 @@ def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
             continue
         why = f"its {part} {value!r} is not read by a {parsed.scheme}:// store ({cls.FORM})"
         settings = sorted({name for name, _ in parse_qsl(value, keep_blank_values=True)}
-                          & {o for c in _REGISTRY.values() for o in c.OPTIONS}) if (
+                          & set(options())) if (
                               part == "query") else []
         if settings:  # "file:///DIR?max_bytes=1": the capacity is a setting of its own
             return (f"{why}: {', '.join(settings)} is a setting of its own (the "
@@ -488,7 +666,7 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
     check_url(url, list(options))
     parsed = urlparse(url)
     try:
-        store = _REGISTRY[parsed.scheme].open(  # type: ignore[attr-defined]
+        store = store_class(parsed.scheme).open(  # type: ignore[union-attr]
             url, parsed, timeout=timeout, **options)
     except (OSError, UnicodeError) as e:  # a directory that cannot be made, ...
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -499,7 +677,8 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
     return Suffixed(store, suffix) if suffix else store
 
 
-__all__ = ["ChunkKeys", "ChunkStore", "Stored", "chain", "identity_digest", "identity_key",
-           "open_store", "schemes",
-           "segment_ends_at", "segment_first", "segment_name", "store_class", "url_forms",
-           "url_problem"]
+__all__ = ["GROUP", "ChunkKeys", "ChunkStore", "Option", "StorePluginWarning", "Stored",
+           "chain", "identity_digest", "identity_key", "is_local", "load_plugins",
+           "open_store", "options", "register", "schemes", "segment_ends_at",
+           "segment_first", "segment_name", "store_class", "store_classes", "unregister",
+           "url_forms", "url_problem", "valid_name"]

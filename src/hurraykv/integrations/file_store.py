@@ -33,6 +33,7 @@ from .chunks import (
     ALIAS_LINE,
     SEGMENT_NAME,
     ChunkStore,
+    Option,
     Stored,
     check_name,
     identity_key,
@@ -224,7 +225,18 @@ class FileChunks(ChunkStore):
     SCHEMES = ("file",)
     FORM = "file:///DIR"
     LOCAL = True
-    OPTIONS = ("max_bytes", "max_pinned_bytes", "max_bytes_per_tenant")
+    OPTIONS = (
+        Option("max_bytes", "size", "Capacity of a ``file://`` directory (``\"64G\"``, "
+               "``\"512M\"`` or bytes): past it the least recently used segments are "
+               "evicted.  Default: unbounded (a warning at start)."),
+        Option("max_pinned_bytes", "size", "Of a ``file://`` directory's ``max_bytes``, "
+               "the most that pinned segments may hold: a pin past it is refused.  Default: "
+               "a quarter of ``max_bytes``."),
+        Option("max_bytes_per_tenant", "size", "Of a ``file://`` directory, the most that "
+               "one tenant's segments may hold: past it the tenant's own least recently used "
+               "segments are evicted, never another's.  Default: no quota."),
+    )
+    CAPACITY = "max_bytes"
     LOG = "aliases.log"
     LAYOUTS = 32  # structures remembered
     COMPACT_SLACK = 4096  # alias lines beyond twice the live ones before the log is rewritten

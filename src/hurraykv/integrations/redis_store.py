@@ -18,10 +18,10 @@ from .chunks import (
     SEGMENT_NAME,
     ChunkStore,
     Stored,
-    _valid,
     check_name,
     identity_key,
     segment_name,
+    valid_name,
 )
 
 
@@ -89,7 +89,7 @@ class RedisChunks(ChunkStore):
         pipe = self.store.client.pipeline(transaction=False)
         for key in keys:
             pipe.get(self._alias(key))
-        names = [_valid(None if n is None else n.decode("utf-8", "replace"))
+        names = [valid_name(None if n is None else n.decode("utf-8", "replace"))
                  for n in pipe.execute()]
         alive = self.store.contains_many([self.prefix + n for n in names if n is not None])
         it = iter(alive)

@@ -4,7 +4,7 @@ and LOCATE messages (one reconnect per call: the server may have restarted)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import ParseResult, unquote
 
@@ -13,11 +13,12 @@ from ..snapshot import KVCacheSnapshot
 from .chunks import (
     SEGMENT_NAME,
     ChunkStore,
+    Option,
     Stored,
-    _valid,
     check_name,
     identity_key,
     segment_name,
+    valid_name,
 )
 
 # A segment's identity, kept by the server as an alias it drops with the segment:
@@ -28,8 +29,21 @@ LABELS = "hurraykv-ids/"
 class ServerChunks(ChunkStore):
     SCHEMES = ("hurray",)
     FORM = "hurray://HOST:PORT"
-    OPTIONS = ("tls_cert", "tls_key", "tls_ca", "server_hostname")
+    OPTIONS = (Option("tls_cert", "str", "Client certificate for a server with mutual TLS."),
+               Option("tls_key", "str", "Its private key."),
+               Option("tls_ca", "str", "The CA that signed the server's certificate."),
+               Option("server_hostname", "str", "The name the server's certificate must "
+                      "carry."))
     SOCKET_PATHS = True
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], named: Callable[[str], str]) -> None:
+        """The TLS files: readable, PEM of their kind, the key the certificate's."""
+        from ..net.tls import client_context
+
+        client_context(options.get("tls_cert"), options.get("tls_key"),
+                       options.get("tls_ca"),
+                       names={kind: named(f"tls_{kind}") for kind in ("cert", "key", "ca")})
 
     @classmethod
     def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
@@ -64,7 +78,7 @@ class ServerChunks(ChunkStore):
         if not keys:
             return []
         names = self._call(lambda c: c.locate([self.prefix + k for k in keys]))
-        return [_valid(None if n is None else n.removeprefix(self.prefix)) for n in names]
+        return [valid_name(None if n is None else n.removeprefix(self.prefix)) for n in names]
 
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:

@@ -21,6 +21,23 @@ def test_defaults_and_typed_values():
     assert ConnectorConfig.from_extra({"url": "hurray://h:1"}).load_timeout_ms == 2000.0
 
 
+def test_a_stores_own_keys_come_from_its_class_parsed_by_their_kind():
+    """``max_bytes`` and the TLS files are options their store classes declare
+    (``ChunkStore.OPTIONS``), handed to ``open_store`` as ``store_options``; the config
+    has no field of a store's own."""
+    from hurraykv.integrations import chunks
+
+    c = ConnectorConfig.from_extra({"url": "file:///kv", "max_bytes": "64G",
+                                    "max_pinned_bytes": None, "chunk_size": 32})
+    assert c.store_options == {"max_bytes": 64 << 30} and c.chunk_size == 32
+    assert ConnectorConfig.from_extra({"url": "hurray://h:1"}).store_options == {}
+    builtin = {o.name for cls in chunks.store_classes(plugins=False) for o in cls.OPTIONS}
+    assert builtin == {"max_bytes", "max_pinned_bytes", "max_bytes_per_tenant", "tls_cert",
+                       "tls_key", "tls_ca", "server_hostname"} and builtin <= set(KEYS)
+    with pytest.raises(hk.HurrayError, match=r"unknown key\(s\) \['store_options'\]"):
+        ConnectorConfig.from_extra({"url": "file:///kv", "store_options": {}})
+
+
 @pytest.mark.parametrize(("extra", "why"), [
     ({"url": "file:///kv", "max_byte": "1G"},
      r"unknown key\(s\) \['max_byte'\]; did you mean 'max_bytes'\?; known: url, "),
@@ -37,7 +54,7 @@ def test_defaults_and_typed_values():
     ({"url": "file://"}, r"absolute directory"),
     ({"url": "hurray://h:notaport"}, r"HOST:PORT"),
     ({"url": "file:///kv", "lookup_timeout_ms": "inf"}, r"positive float up to 1e\+09"),
-    ({"url": "fle:///kv"}, r"scheme 'fle' is not one of file, hurray"),
+    ({"url": "fle:///kv"}, r"scheme 'fle' is not one of file, hurray"),  # the built-ins first
     ({"url": "file://tmp/kv"}, r"names a local directory"),
     ({"url": "redis://h:1", "tls_cert": "c.pem"}, r"\['tls_cert'\] apply to hurray://"),
     ({"url": "hurray://"}, r"names HOST:PORT"),
@@ -130,7 +147,7 @@ def test_the_tls_files_are_checked_at_start_not_as_an_outage_later(tmp_path):
     url = "hurray://127.0.0.1:7878"
     good = ConnectorConfig.from_extra({"url": url, "tls_cert": cert, "tls_key": key,
                                        "tls_ca": pki.ca_pem})
-    assert good.tls_cert == cert
+    assert good.store_options == {"tls_cert": cert, "tls_key": key, "tls_ca": pki.ca_pem}
     (tmp_path / "empty.pem").write_text("")
     other_cert, other_key = pki.client("bob", name(("CN", "bob")))
     for extra, field, why in [

@@ -1,7 +1,10 @@
 """``kv_connector_extra_config`` parsed once into a typed, frozen object.
 
-Every key is declared here with its type, default and meaning (``docs/vllm.md``'s table is
-tested against ``KEYS``).  An unknown key is refused with the list of known ones, a
+Every key is declared here with its type, default and meaning, except a store's own
+settings, which its class declares (``ChunkStore.OPTIONS``: ``max_bytes``, the TLS files,
+a plugin store's ``bucket``), so that a new store edits only its own module; they are
+parsed by their kind into ``store_options`` (``docs/vllm.md``'s table is tested against
+``KEYS``).  An unknown key is refused with the list of known ones, a
 boolean is ``true``/``false`` (JSON or the strings) and nothing else, numbers must be
 positive, strings non-empty, sizes bytes or binary multiples ("64G", "64GB" and "64GiB"
 are all 64 GiB): a typo never silently becomes a default.
@@ -13,10 +16,11 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 from ... import units
 from ...errors import HurrayError, did_you_mean
-from ..chunks import url_problem
+from .. import chunks
 from . import store_format
 
 Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
@@ -36,14 +40,6 @@ class ConnectorConfig:
     """The model name in the cache identity (default: vLLM's ``model``)."""
     async_save: bool = True
     """Write segments from a background thread."""
-    tls_cert: str | None = None
-    """Client certificate for a ``hurray://`` server with mutual TLS."""
-    tls_key: str | None = None
-    """Its private key."""
-    tls_ca: str | None = None
-    """The CA that signed the server's certificate."""
-    server_hostname: str | None = None
-    """The name the server's certificate must carry."""
     lookup_timeout_ms: float = 2000.0
     """Deadline of a lookup (off vLLM's scheduler thread: only the request looked up waits
     for it): a slower one is a miss, and counts towards the store being down."""
@@ -71,18 +67,6 @@ class ConnectorConfig:
     """Bytes of segments waiting for the writer (``"1G"``): a segment that would pass
     it is dropped (counted) instead of queued, so a burst is absorbed by memory, not by
     a count of segments of any size."""
-    max_bytes: Size | None = None
-    """Capacity of a ``file://`` directory (``"64G"``, ``"512M"`` or bytes): past it the
-    least recently used segments are evicted.  Default: unbounded (a warning at start)."""
-    max_bytes_per_tenant: Size | None = None
-    """Of a ``file://`` directory, the most that one tenant's segments may hold (a tenant:
-    the requests of one ``cache_salt``; those without one are a tenant too): past it the
-    tenant's own least recently used segments are evicted, never another's.  Default:
-    no quota."""
-    max_pinned_bytes: Size | None = None
-    """Of a ``file://`` directory's ``max_bytes``, the most that pinned segments may hold
-    (requests ask pins with ``kv_transfer_params``): a pin past it is refused and the
-    segment stored unpinned.  Default: a quarter of ``max_bytes``."""
     store_dtype: str = "auto"
     """What segments hold: ``"auto"`` (the cache dtype), ``"int8"``, ``"int4"`` or
     ``"fp8"`` (e4m3); part of the cache identity (``store_format.py``)."""
@@ -105,6 +89,11 @@ class ConnectorConfig:
     accept_store_dtypes: tuple[str, ...] | None = None
     """Other store formats this engine also looks up and loads (``"int4"``,
     ``"int8:per_channel"``, ``"auto"``, ...).  Default: its own only."""
+    store_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The settings of the URL's store given, parsed: the keys its class declares
+    (``ChunkStore.OPTIONS``; ``file://``'s ``max_bytes``, ``max_pinned_bytes``,
+    ``max_bytes_per_tenant``, ``hurray://``'s TLS files, a plugin store's own), handed to
+    ``open_store``.  Not a key of ``kv_connector_extra_config`` itself."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -114,7 +103,9 @@ class ConnectorConfig:
                               field="kv_connector_extra_config",
                               value=type(extra).__name__, rule="a JSON object (a dict)")
         extra = dict(extra or {})
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        own = {f.name: f for f in dataclasses.fields(cls) if f.name != "store_options"}
+        stores = chunks.options()  # every registered store's (a plugin's too)
+        known = [*own, *(k for k in stores if k not in own)]
         unknown = sorted(set(extra) - set(known), key=repr)  # keys need not be strings
         if unknown:
             raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}"
@@ -123,16 +114,24 @@ class ConnectorConfig:
                               value=unknown, rule="a key the connector reads")
         if not extra.get("url"):
             raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
-                              "file:///DIR, hurray://HOST:PORT or redis://HOST:PORT",
-                              field="url", rule="kv_connector_extra_config.url")
-        config = cls(**{k: _parse(k, known[k].type, v) for k, v in extra.items()})
+                              f"{chunks.url_forms()}", field="url",
+                              rule="kv_connector_extra_config.url")
+        # a store option is read as the URL's store declares it (else as the first
+        # class that does: the URL check then says whose it is)
+        declared = {o.name: o for o in getattr(chunks.store_class(_scheme(extra["url"])),
+                                               "OPTIONS", ())}
+        parsed = {k: _parse(k, own[k].type if k in own else KIND_TYPES[
+            declared.get(k, stores[k]).kind], v) for k, v in extra.items()}
+        config = cls(**{k: v for k, v in parsed.items() if k in own},
+                     store_options={k: v for k, v in parsed.items()
+                                    if k not in own and v is not None})
         if config.load_mode not in LOAD_MODES:
             raise HurrayError(f"kv_connector_extra_config['load_mode'] is "
                               f"{config.load_mode!r}; it is one of {', '.join(LOAD_MODES)}",
                               field="load_mode", value=config.load_mode,
                               rule=f"one of {', '.join(LOAD_MODES)}")
         config._check_url()
-        config._check_tls()
+        config._check_store_options()
         config.accepted_formats()  # every store format now, not at the first request
         return config
 
@@ -166,23 +165,19 @@ class ConnectorConfig:
     def _check_url(self) -> None:
         """The URL's scheme and form now, not when the store first opens (after three
         failed requests); the schemes and what each takes come from the store registry."""
-        options = [k for k in ("tls_cert", "tls_key", "tls_ca", "server_hostname",
-                               "max_bytes", "max_pinned_bytes", "max_bytes_per_tenant")
-                   if getattr(self, k) is not None]
-        why = url_problem(self.url, options)
+        why = chunks.url_problem(self.url, list(self.store_options))
         if why:
             raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
                               field="url", value=self.url, rule="a chunk store URL")
 
+    def _check_store_options(self) -> None:
+        """What the store's class checks of its options now (a TLS file readable, PEM of
+        its kind), not as an outage at the first request that reaches the store."""
+        store = chunks.store_class(_scheme(self.url))
+        if store is not None:
+            store.check_options(self.store_options,
+                                lambda key: f"kv_connector_extra_config[{key!r}]")
 
-    def _check_tls(self) -> None:
-        """The TLS files now (readable, PEM of their kind, the key the certificate's),
-        not as an outage at the first request that reaches the store."""
-        from ...net.tls import client_context
-
-        client_context(self.tls_cert, self.tls_key, self.tls_ca,
-                       names={kind: f"kv_connector_extra_config['tls_{kind}']"
-                              for kind in ("cert", "key", "ca")})
 
 def _parse(key: str, kind: Any, value: Any) -> Any:
     kind = str(kind)
@@ -236,6 +231,14 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
     return value
 
 
+def _scheme(url: Any) -> str:
+    """The scheme of ``url`` ("" when it does not parse: the URL check says why)."""
+    try:
+        return urlparse(str(url)).scheme
+    except ValueError:
+        return ""
+
+
 def _shown(value: Any) -> str:
     """``repr(value)``, cut short when long (``10**400`` has 401 digits)."""
     text = repr(value)
@@ -247,4 +250,9 @@ ZERO_OFF = ("removal_check_s",)  # numbers whose 0 turns their feature off
 LIMIT = 1e9  # finite, and no deadline or count this large is meant
 MAX_SIZE = (1 << 63) - 1  # what a byte count on disk or the wire holds
 
-KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig))
+# how the connector parses a store's option of each kind (``chunks.Option.kind``)
+KIND_TYPES = {"str": "str | None", "size": "Size | None", "int": "int | None",
+              "float": "float | None", "bool": "bool | None"}
+# the keys docs/vllm.md's table documents: the connector's and the built-in stores'
+KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig) if f.name != "store_options"
+             ) + tuple(o.name for c in chunks.store_classes(plugins=False) for o in c.OPTIONS)

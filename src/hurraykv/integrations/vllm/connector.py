@@ -10,10 +10,12 @@ too)::
                           "kv_connector_extra_config": {"url": "file:///var/cache/kv"}}
 
 ``url``: ``file:///DIR``, ``hurray://HOST:PORT`` or ``redis[+cluster]://HOST:PORT`` (see
-``chunks.py``); every other key, its type and default: ``config.ConnectorConfig``
-(unknown keys are refused).  Every store call runs behind a deadline and a circuit
-breaker (``guard.py``), and every exception is caught at this class's boundary: a store
-that is down, hung or full is a miss or a recompute, never an engine that dies or waits.
+``chunks.py``; a store from outside the package registers its own scheme); every other
+key, its type and default: ``config.ConnectorConfig``, and the options of the store the URL
+names, declared by its class (``ChunkStore.OPTIONS``; unknown keys are refused).  Every
+store call runs behind a deadline and a circuit breaker (``guard.py``), and every
+exception is caught at this class's boundary: a store that is down, hung or full is a
+miss or a recompute, never an engine that dies or waits.
 
 This class is a facade, as vLLM's ``OffloadingConnector`` is: it reads vLLM's
 configuration once (``context.build_context``: the typed config, the cache identity, the
@@ -43,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..chunks import store_class
+from ..chunks import is_local, store_class
 from . import events as kv_events
 from . import metrics
 from .common import FP8_NAMES, Plan, log
@@ -73,11 +75,11 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         self.ctx = ctx = build_context(vllm_config, kv_cache_config, rank=rank)
         conf, cfg, chunk_size = ctx.config, self._kv_transfer_config, ctx.chunk_size
-        # where vLLM says hits came from (vllm:prompt_tokens_cached_by_source): a file://
-        # store is this host's disk; a server or Redis is a remote store, which vLLM's
-        # CacheHitSource names external_unspecified
-        local = store_class(urlparse(conf.url).scheme)
-        self._cache_hit_source = CacheHitSource.DISK if local is not None and local.LOCAL \
+        # where vLLM says hits came from (vllm:prompt_tokens_cached_by_source): a LOCAL
+        # store (file://) is this host's disk; a server or Redis is a remote store, which
+        # vLLM's CacheHitSource names external_unspecified
+        store = store_class(urlparse(conf.url).scheme)
+        self._cache_hit_source = CacheHitSource.DISK if is_local(conf.url) \
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         tp = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's /metrics: what changed since the last report (metrics.py)
@@ -123,10 +125,11 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("HurrayConnector: load_mode is 'sync', but a hybrid model's loads are "
                         "asynchronous: vLLM takes no block-level load failure from a model "
                         "with several KV cache groups")
-        if conf.url.startswith("file:") and conf.max_bytes is None and ctx.can_save:
+        capacity = store.CAPACITY if store is not None else None  # an option of its own
+        if capacity and conf.store_options.get(capacity) is None and ctx.can_save:
             log.warning("HurrayConnector: %s has no capacity and grows without bound; set "
-                        "kv_connector_extra_config max_bytes (e.g. \"64G\") to evict the "
-                        "least recently used segments", conf.url)
+                        "kv_connector_extra_config %s (e.g. \"64G\") to evict the "
+                        "least recently used segments", conf.url, capacity)
         if role == KVConnectorRole.SCHEDULER and cfg.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is %r: a damaged stored chunk fails its request"
                         " instead of being recomputed; set it to 'recompute'",

@@ -42,15 +42,11 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     tp = vllm_config.parallel_config.tensor_parallel_size
     # Each tensor-parallel rank holds its own heads: it stores and loads its own
     # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
-    tls = {k: getattr(conf, k) for k in ("tls_cert", "tls_key", "tls_ca",
-                                         "server_hostname") if getattr(conf, k)}
 
     def open_one(ranked: bool = True) -> Any:
         """A new connection; ``ranked``: to this rank's objects, else to every rank's."""
         return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 and ranked else "",
-                          timeout=conf.load_timeout_ms / 1000 + 5,
-                          max_bytes=conf.max_bytes, max_pinned_bytes=conf.max_pinned_bytes,
-                          max_bytes_per_tenant=conf.max_bytes_per_tenant, **tls)
+                          timeout=conf.load_timeout_ms / 1000 + 5, **conf.store_options)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
     # unreachable store at start is a miss, not an engine that fails to start.

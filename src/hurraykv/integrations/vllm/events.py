@@ -45,7 +45,8 @@ so the scheduler counts a load's tokens as hit or failed exactly (``split_record
 file/object tiers use) so routers that score tiers by medium understand it;
 ``ownership`` (vLLM: "Secondary offloading tier identifier") says "hurraykv", and
 ``locality`` is "REMOTE" for a shared store (``hurray://``, ``redis://``) or "LOCAL" for
-``file://`` (``vllm/v1/kv_offload/base.py:54``).  vLLM is imported inside the methods
+one on this host, whose store class says ``LOCAL`` (``file://``;
+``vllm/v1/kv_offload/base.py:54``).  vLLM is imported inside the methods
 only: this module imports without torch.
 """
 
@@ -55,13 +56,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from ..chunks import is_local
+
 MEDIUM = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
 OWNERSHIP = "hurraykv"
 
 
 def locality_of(url: str) -> str:
-    """vLLM's ``Locality`` value for a store URL: a file store is this host's."""
-    return "LOCAL" if url.startswith("file:") else "REMOTE"
+    """vLLM's ``Locality`` value for a store URL: a store whose class is ``LOCAL`` (a
+    directory, ``file://``) is this host's."""
+    return "LOCAL" if is_local(url) else "REMOTE"
 
 
 class _Payload:

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import HurrayError
-from ..chunks import ChunkKeys, identity_key, segment_ends_at, segment_first, segment_name
+from ..chunks import (
+    ChunkKeys,
+    identity_key,
+    is_local,
+    segment_ends_at,
+    segment_first,
+    segment_name,
+)
 from .admission import Admission
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
@@ -169,7 +176,7 @@ class SchedulerSide:
             return True
         if config.load_mode != "auto":
             return config.load_mode == "async"
-        return not (self.ctx.url.startswith("file:") and tokens <= config.sync_load_max_tokens)
+        return not (is_local(self.ctx.url) and tokens <= config.sync_load_max_tokens)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self.state(request)

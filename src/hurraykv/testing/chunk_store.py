@@ -1,12 +1,29 @@
-"""The contract every chunk store keeps (``integrations/chunks.py``'s ``ChunkStore``), as one
-test class that each backend's test class inherits (as zarr-python's ``StoreTests``): a new
-backend gets every test below by subclassing and giving two fixtures,
+"""The contract every chunk store keeps (``hurraykv.integrations.chunks.ChunkStore``), as
+one pytest test class that each backend's test class inherits (as zarr's
+``zarr.testing.StoreTests``): a store, the package's or a third party's, gets every test
+below by subclassing ``ChunkStoreTests`` and giving two fixtures,
 
 * ``make``: a callable opening a new client of the backend (another engine), and
-* ``capped``: a client of the backend with a small capacity, or None when it has none.
+* ``capped``: a client of the backend with a small capacity (about twelve segments of
+  ``segment(16, ...)``: ``max_bytes``-like, with a quarter of it for pins), or None when
+  it has none,
 
-Segments are small real snapshots with checksums; each test keys its own chunks, so a
-shared server's earlier contents never match."""
+and, where the backend cannot do something, the class attributes ``KEEPS_RECENT`` and
+``PINS`` (its own test then says what it does instead)::
+
+    from hurraykv.testing import ChunkStoreTests
+
+    class TestToyStore(ChunkStoreTests):
+        @pytest.fixture
+        def make(self, tmp_path):
+            return lambda: open_store(f"toy://{tmp_path}")
+
+        @pytest.fixture
+        def capped(self):
+            return None
+
+Segments are small real snapshots with checksums (``segment``); each test keys its own
+chunks (``keys``), so a shared server's earlier contents never match."""
 
 from __future__ import annotations
 
@@ -27,6 +44,8 @@ _names = itertools.count()
 
 
 def segment(pages: int, seed: int, summed: bool = True) -> hk.KVCacheSnapshot:
+    """A real segment: ``pages`` pages of ``CHUNK`` tokens, two layers, values drawn from
+    ``seed``; with checksums unless ``summed`` is False."""
     rng = np.random.default_rng(seed)
     pools = [rng.standard_normal((pages, CHUNK, 2, 8)).astype(np.float16) for _ in range(2)]
     snap = hk.KVCacheSnapshot.from_arrays(pools, [p * 2 for p in pools], np.arange(pages),
@@ -40,7 +59,10 @@ def keys(chunks: int) -> list[str]:
                      CHUNK).upto(list(range(chunks * CHUNK)), chunks)
 
 
-class ChunkStoreContract:
+class ChunkStoreTests:
+    """Every test a chunk store passes; inherit it and give the fixtures ``make`` and
+    ``capped`` (the module docstring says how)."""
+
     # Past its capacity the store keeps the most recently used (a store whose eviction is
     # sampled, like Redis's, may keep none of a burst: only exactness is asked of it).
     KEEPS_RECENT = True
