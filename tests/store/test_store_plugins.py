@@ -42,12 +42,13 @@ def toy():
         sys.path.remove(str(TOY))
 
 
-def python(code: str, *paths: Path) -> subprocess.CompletedProcess:
-    """``code`` in a new interpreter whose ``PYTHONPATH`` holds ``paths`` (the
-    distributions it finds, as if installed)."""
+def python(code: str, *paths: Path, args: tuple[str, ...] = ()
+           ) -> subprocess.CompletedProcess:
+    """``code`` (given ``args``) in a new interpreter whose ``PYTHONPATH`` holds ``paths``
+    (the distributions it finds, as if installed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=ROOT)
 
 
 def test_the_entry_point_registers_the_store_after_the_builtins(toy, tmp_path):
@@ -141,17 +142,28 @@ print(json.dumps({{
     assert got["another_store"][0] == "url"
     assert "['bucket'] apply to toy:///DIR, not file:///DIR" in got["another_store"][1]
     assert "['max_bytes'] apply to file:///DIR, not toy:///DIR" in got["not_its_own"][1]
-    cli = "import sys; from hurraykv.cli import main; sys.exit(main(sys.argv[1:]))"
-    listed = subprocess.run([sys.executable, "-c", cli, "cache", "ls", "--json", url],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(TOY)})
+    other = chunks.open_store(url, bucket="b1")
+    other.put(keys(1), 0, segment(1, 3).with_info(model="model=b1"), {})
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return python("import sys; from hurraykv.cli import main; sys.exit(main(sys.argv[1:]))",
+                      TOY, args=args)
+
+    listed = cli("cache", "ls", "--json", url)
     assert listed.returncode == 0, listed.stderr
     segments = json.loads(listed.stdout)["segments"]
     assert [(s["name"], s["identity"]) for s in segments] == [(name, "model=toy")]
-    missing = subprocess.run([sys.executable, "-c", cli, "cache", "ls", f"{url}/nowhere"],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(TOY)})
-    assert missing.returncode != 0 and "no such directory" in missing.stderr
+    listed = cli("cache", "ls", "--json", "--option", "bucket=b1", url)  # its own option
+    assert listed.returncode == 0, listed.stderr
+    assert [s["identity"] for s in json.loads(listed.stdout)["segments"]] == ["model=b1"]
+    for args, why in [((f"{url}/nowhere",), "no such directory"),
+                      (("-o", "buket=b1", url), "['buket'] apply to no store, not toy:///DIR"),
+                      (("-o", "bucket=", url), "--option bucket is ''; it is a non-empty "
+                                               "string"),
+                      (("-o", "bucket", url), "--option 'bucket' is not NAME=VALUE"),
+                      (("-o", "max_bytes=1G", url), "['max_bytes'] apply to file:///DIR")]:
+        refused = cli("cache", "ls", *args)
+        assert refused.returncode == 2 and why in refused.stderr, (args, refused.stderr)
 
 
 def test_a_broken_plugin_is_skipped_with_a_warning_and_the_builtins_work(tmp_path):

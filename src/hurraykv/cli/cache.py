@@ -1,8 +1,10 @@
 """``hurraykv cache ls URL``, ``hurraykv cache clear URL (--identity ID | --all)`` and
 ``hurraykv cache pin URL (--segment NAME | --tokens FILE --identity STRING)``: what a
-connector's store holds (``file://``, ``hurray://``, ``redis://``), per cache identity,
-its removal, and its pins and lifetimes (the operator's side of a request's
-``{"hurraykv": {"pin": true, "ttl_s": ...}}``).
+connector's store holds (``file://``, ``hurray://``, ``redis://``, a store registered from
+outside the package), per cache identity, its removal, and its pins and lifetimes (the
+operator's side of a request's ``{"hurraykv": {"pin": true, "ttl_s": ...}}``).  The
+store's settings are its connector config keys: ``--option max_bytes=64G``, the TLS files
+also as ``--tls-cert`` and the like.
 
 An identity is named by its key, the 32 hex digits ``cache ls`` prints (a prefix of them
 that only one identity starts with will do), or by the whole identity string the
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import units
-from ..errors import HurrayError
+from ..errors import ConfigError, HurrayError
 from .inputs import CannotRead
 
 TLS = ("tls_cert", "tls_key", "tls_ca", "server_hostname")
@@ -62,21 +64,32 @@ def add_parsers(sub: Any) -> None:
         for opt in TLS:
             p.add_argument("--" + opt.replace("_", "-"), dest=opt,
                            help="for a hurray:// server with mutual TLS")
+        p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                       help="a setting of the URL's store, as its kv_connector_extra_config "
+                       "key (a store from outside the package takes its own; repeat for "
+                       "more)")
         p.set_defaults(func=func)
 
 
 def _open(args: argparse.Namespace) -> Any:
     from urllib.parse import unquote, urlparse
 
-    from ..integrations.chunks import check_url, is_local, open_store
+    from ..integrations.chunks import Option, check_url, is_local, open_store, options
 
+    settings = {k: getattr(args, k) for k in TLS if getattr(args, k) is not None}
+    for given in args.option:
+        name, equals, text = given.partition("=")
+        if not equals:
+            raise ConfigError(f"--option {given!r} is not NAME=VALUE", field="--option",
+                              value=given, rule="NAME=VALUE")
+        settings[name] = options().get(name, Option(name)).parse(text, f"--option {name}")
     # before the directory check below: a URL of no store is said as such
-    check_url(args.url, [k for k in TLS if getattr(args, k) is not None])
+    check_url(args.url, list(settings))
     parsed = urlparse(args.url)
     if is_local(args.url) and not os.path.isdir(
             unquote(parsed.path)):  # opening one makes it: not for a typo
         raise CannotRead(f"{args.url}: no such directory")
-    return open_store(args.url, timeout=30.0, **{k: getattr(args, k) for k in TLS})
+    return open_store(args.url, timeout=30.0, **settings)
 
 
 def _summary(segments: list[Any]) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ skipped with a ``StorePluginWarning`` naming the entry point, its distribution a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import ipaddress
@@ -58,6 +59,7 @@ from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
 import numpy as np
 
+from .. import units
 from ..errors import ConfigError, HurrayError
 from ..io import checksums
 from ..snapshot import KVCacheSnapshot
@@ -170,6 +172,27 @@ class Option:
     name: str
     kind: str = "str"
     doc: str = ""
+
+    def parse(self, text: str, named: str) -> Any:
+        """``text`` (a command line's) read as this option's kind; a ``ConfigError``
+        naming it as ``named`` (``--option bucket``) and the rule when it is not."""
+        rules = {"str": "a non-empty string", "size": "a positive byte count or a size "
+                 "like 64G", "int": "a positive integer", "float": "a positive number",
+                 "bool": "true or false"}
+        value: Any = None
+        with contextlib.suppress(ValueError, OverflowError):
+            if self.kind == "str":
+                value = text if text.strip() else None
+            elif self.kind == "bool":
+                value = {"true": True, "false": False}.get(text.strip().lower())
+            else:
+                number = {"size": units.parse_size, "int": int, "float": float}[self.kind](
+                    text)
+                value = number if 0 < number < float("inf") else None
+        if value is None:
+            raise ConfigError(f"{named} is {text!r}; it is {rules[self.kind]}",
+                              field=self.name, value=text, rule=rules[self.kind])
+        return value
 
 
 class ChunkStore(ABC):
