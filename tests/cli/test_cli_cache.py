@@ -13,7 +13,7 @@ import hurraykv as hk
 from hurraykv.cli import main
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, identity_key, open_store
 from hurraykv.io import checksums
-from hurraykv.net.server import KVServer
+from tests.support import store_urls
 
 A, B = "model=alpha;cache_dtype=float16", "model=beta;cache_dtype=float16"
 
@@ -37,19 +37,10 @@ def fill(url: str) -> dict[str, list[str]]:
     return names
 
 
-@pytest.fixture(params=["file", "hurray", "redis"])
+@pytest.fixture(params=store_urls.builtin())  # each built-in store
 def url(request, tmp_path):
-    if request.param == "file":
-        yield (tmp_path / "kv").as_uri()
-    elif request.param == "redis":
-        import redis
-
-        url = request.getfixturevalue("redis_url")
-        redis.Redis.from_url(url).flushall()
+    with store_urls.live_url(request.param, tmp_path, request) as url:
         yield url
-    else:
-        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
-            yield f"hurray://{st.address}"
 
 
 def ls(url: str, capsys) -> dict:

@@ -28,6 +28,7 @@ from tests.integrations.vllm.test_vllm_scheduler import (
     step,
     store_chunks,
 )
+from tests.support import store_urls
 
 
 @pytest.fixture
@@ -109,14 +110,9 @@ def test_a_reset_that_cannot_reach_its_store_fails(tmp_path):
     gen.close()
 
 
-@pytest.mark.parametrize("backend", ["file", "hurray", "redis"])
+@pytest.mark.parametrize("backend", store_urls.builtin())
 def test_the_watch_finds_the_segments_gone_from_each_store(backend, tmp_path, request):
-    from hurraykv.net.server import KVServer
-
-    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
-        url = {"file": (tmp_path / "kv").as_uri(), "hurray": f"hurray://{st.address}",
-               "redis": request.getfixturevalue("redis_url") if backend == "redis" else ""
-               }[backend]
+    with store_urls.live_url(backend, tmp_path, request) as url:
         store = open_store(url)
         seed = identity_digest(f"watch-{np.random.random()}")
         names = []
