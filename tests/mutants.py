@@ -388,6 +388,20 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"
             "outage_later",),
            "docs/vllm.md, the config table: TLS files are checked at start"),
+    # --- issue 34: decoding on the tensor's floor, schemes from outside the package ----
+    Mutant("decode-channel-columns-swapped", "hurraykv/quant.py",
+           "cols = np.tile(scales, heads) if q.axis == 2 else np.repeat(scales, dim)",
+           "cols = np.repeat(scales, dim) if q.axis == 2 else np.tile(scales, heads)",
+           ("tests/paged/test_decode_pages.py::test_pages_decode_by_the_spec_formula_into_"
+            "the_dtype",),
+           "BlockPagedTensor.decode_pages: compiled, the spec formula's values"),
+    Mutant("scheme-plugins-not-loaded", "hurraykv/wire/quant_registry.py",
+           "    for ep in entry_points(group=ENTRY_POINTS):",
+           "    for ep in entry_points(group=ENTRY_POINTS + '-off'):",
+           ("tests/paged/test_decode_pages.py::test_a_scheme_from_outside_the_package_is_"
+            "quantized_decoded_and_stored",),
+           "docs/architecture.md, a quantization scheme: one from outside the package "
+           "through the entry point group hurraykv.quant_schemes"),
 ]
 
 

@@ -154,7 +154,8 @@ def test_a_scheme_from_outside_the_package_is_quantized_decoded_and_stored():
               np.array_equal(back.tensor(0, "key").decode_pages(0, 4), toy.decode_pages(0, 4)))
         """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(PLUGINS / "quant_scheme"), str(PLUGINS / "broken_scheme")]))
+        [str(PLUGINS / "quant_scheme"), str(PLUGINS / "broken_scheme"),
+         os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -168,5 +169,5 @@ def test_a_scheme_from_outside_the_package_is_quantized_decoded_and_stored():
     plain = subprocess.run([sys.executable, "-c", "from hurraykv.integrations.vllm import "
                             "store_format as sf; print(sf.scheme_names())"],
                            capture_output=True, text=True, timeout=120,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                           env=dict(os.environ))
     assert plain.stdout.strip() == "('per_block_affine', 'per_channel')"
