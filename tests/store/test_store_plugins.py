@@ -87,6 +87,9 @@ def test_a_class_naming_a_taken_scheme_is_refused_and_the_builtin_keeps_it(toy):
         assert chunks.store_class("x-new") is None
     assert chunks.store_class("file").__name__ == "FileChunks"
     assert chunks.store_class("toy") is toy
+    # a subclass of a store (a wrapper, a fault injector) takes none of its schemes
+    wrapper = type("Wrapper", (toy,), {})
+    assert chunks.store_class("toy") is toy and wrapper not in chunks.store_classes()
     with pytest.raises(TypeError, match=r"an option is an Option of kind str, size"):
         type("Odd", (ChunkStore,), {"SCHEMES": ("x-odd",), "open": classmethod(opener),
                                     "OPTIONS": (chunks.Option("depth", "list"),)})

@@ -214,11 +214,12 @@ class ChunkStore(ABC):
     URL_PARTS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A class naming ``SCHEMES`` is registered for them, and must define the
-        classmethod ``open(url, parsed, *, timeout, **options)`` building its store of
-        ``url`` (``options``: those in ``OPTIONS``)."""
+        """A class naming ``SCHEMES`` (in its own body: a subclass of a store inherits
+        none) is registered for them, and must define the classmethod ``open(url, parsed,
+        *, timeout, **options)`` building its store of ``url`` (``options``: those in
+        ``OPTIONS``)."""
         super().__init_subclass__(**kwargs)
-        if not cls.SCHEMES:
+        if not vars(cls).get("SCHEMES"):  # a subclass of a store opens nothing of its own
             return
         if not callable(getattr(cls, "open", None)):
             raise TypeError(f"{cls.__name__} names SCHEMES {cls.SCHEMES} but defines no "
