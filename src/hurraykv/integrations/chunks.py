@@ -412,9 +412,8 @@ def load_plugins() -> list[str]:
     classes are unregistered, and the built-ins are untouched."""
     global _SCANNED
     problems = []
-    with _LOCK:
+    with _LOCK:  # another thread's first use waits for the whole registry
         _import_builtins()
-        _SCANNED = True
         for ep in metadata.entry_points(group=GROUP):
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
             if (dist, ep.name, ep.value) in _SEEN:
@@ -425,6 +424,7 @@ def load_plugins() -> list[str]:
                 problems.append(f"the {GROUP} entry point {ep.name!r} = {ep.value!r} "
                                 f"(distribution {dist}) is skipped: {why}")
                 warnings.warn(problems[-1], StorePluginWarning, stacklevel=2)
+        _SCANNED = True
     return problems
 
 
