@@ -259,6 +259,7 @@ def seeds(target: str) -> list[bytes]:
                    frame(T.RETAIN, 25, json.dumps({"keys": [key], "pin": True,
                                                    "ttl_s": 60})),
                    frame(T.RETAIN, 27, json.dumps({"prefix": "fuzz-"})),
+                   frame(T.EXTENSION, 29, m.Extension("fuzz.unknown", b"x")),  # H95
                    frame(T.ERROR, 23, m.ErrorMessage(int(m.ErrorCode.TIMEOUT), "gave up")),
                    frame(T.DELETE, 7, m.Delete(key)),
                    frame(T.PING, 9, b"ping")]

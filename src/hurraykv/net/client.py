@@ -1,5 +1,6 @@
 """``KVClient``: push, pull (whole or layer by layer), delete and ping over the Hurray
-interchange protocol, on blocking sockets (TCP, Unix, optional mutual TLS).
+interchange protocol, on blocking sockets (TCP, Unix, optional mutual TLS); the private
+messages, and any private operation by name (``extension``, H95).
 
 Received TENSOR_DATA bytes go straight into the tensor's final buffer (``recv_into``);
 sent data goes out with scatter-gather ``sendmsg`` from the snapshot's own memory, with
@@ -30,8 +31,10 @@ from .gather import send_gathered
 from .memory import CLASS, ReceivePool
 from .messages import (
     HEADER,
+    OPERATION_RULE,
     Delete,
     ErrorCode,
+    Extension,
     Hello,
     MessageType,
     ProtocolError,
@@ -45,6 +48,7 @@ from .messages import (
     message,
     remote_error,
     total_data_bytes,
+    valid_operation,
 )
 from .server import parse_address
 
@@ -417,6 +421,23 @@ class KVClient:
         if not isinstance(out, dict):
             raise ProtocolError("stat_reply is not a JSON object")
         return out
+
+    def extension(self, operation: str, payload: bytes = b"") -> bytes:
+        """Call the server's private ``operation`` (one round trip in the EXTENSION
+        envelope, H95) with ``payload``; the bytes it answers.  ``RemoteError``
+        UNKNOWN_OPERATION when the server has no such operation (INVALID_MESSAGE from a
+        server older than the envelope), or the ERROR the operation answers with."""
+        if not valid_operation(operation):
+            raise HurrayError(f"operation {operation!r}: {OPERATION_RULE}",
+                              field="operation", value=operation, rule=OPERATION_RULE)
+        reply = self._ask(MessageType.EXTENSION, Extension(operation, bytes(payload)),
+                          MessageType.EXTENSION)
+        if not isinstance(reply, Extension) or reply.operation != operation:
+            got = reply.operation if isinstance(reply, Extension) else "RETAIN's form"
+            raise ProtocolError(f"the reply to private operation {operation!r} names "
+                                f"{got!r}", field="extension.operation", value=got,
+                                rule="a reply names its request's operation")
+        return reply.payload
 
     def ping(self, payload: bytes = b"") -> float:
         """Round-trip seconds of a PING; the PONG must echo its payload."""

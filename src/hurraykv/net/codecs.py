@@ -24,7 +24,8 @@ LOCATE_REPLY
 HAS_REPLY           ``list[bool]``
 LINK                ``list[(alias, target)]``
 LIST, ALIASES       ``str`` (the key or alias prefix)
-RETAIN              ``str`` (a JSON object)
+RETAIN, EXTENSION   ``str`` (RETAIN's JSON object) or :class:`Extension` (the private
+                    envelope, H95: an operation's name and payload, either direction)
 LIST_REPLY          ``list[(key, bytes)]``
 ALIASES_REPLY       ``list[(alias, target)]``
 STAT_REPLY          ``str`` (a JSON object)
@@ -53,9 +54,11 @@ from .messages import (
     decode_empty,
     decode_error,
     decode_hello,
+    decode_private,
     decode_put,
     decode_request,
     decode_text,
+    encode_private,
     encode_text,
     message,
 )
@@ -132,7 +135,7 @@ CODECS: dict[int, Codec] = {
     T.LOCATE: _keys("locate"),
     T.LOCATE_REPLY: _keys("locate_reply"),
     T.ALIASES: _text("aliases"),
-    T.RETAIN: _text("retain"),
+    T.RETAIN: Codec("retain", encode_private, decode_private),  # and EXTENSION: H95
     T.ALIASES_REPLY: Codec("aliases_reply", encode_alias_listing, decode_alias_listing),
 }
 

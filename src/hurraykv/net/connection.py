@@ -1,10 +1,13 @@
-"""One client connection of ``hurraykv serve``: framing, handshake, PUTs and pulls.
+"""One client connection of ``hurraykv serve``: framing, handshake, dispatch.
 
 Each connection is an ``asyncio.BufferedProtocol`` state machine: headers and control
 payloads land in small buffers that grow only as bytes arrive, and TENSOR_DATA bytes land
 straight in the destination buffer of the tensor being received (no intermediate copy).
-Pulls write descriptors and data frames from the stored buffers (read from the file a
-frame at a time for objects served from disk) under transport flow control.
+Every other message goes through the two tables (``codecs.CODECS``, then
+``handlers.HANDLERS``), whose handlers see the connection as a ``session.Session``
+(``send``, ``key``, ``tenant``, ``spawn``, ``abort``, ``fail``, ``closing``, ``drain``);
+PUTs are ``puts.py``, pulls ``pulls.py``.  The connection sees its server as a
+``session.ServerState``: it never imports ``server.py``, which imports it.
 
 Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
@@ -21,9 +24,8 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
   never taken for a new PUT.
 * Every PUT is answered: a failure inside the commit is an ERROR (INTERNAL for the
   unexpected), never a silent task death.
-* A pull whose persisted file turns out damaged (cut short underneath the server) is
-  answered with ERROR INTERNAL naming the key, before the frame it could not read; it is
-  logged once, as a failure.  A pull stops writing as soon as its transport closes.
+* A pull whose persisted file turns out damaged is answered with ERROR INTERNAL naming
+  the key (``pulls.py``).
 """
 
 from __future__ import annotations
@@ -34,31 +36,27 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .. import units
 from ..errors import HurrayError
-from . import puts
 from .codecs import decode, frame
-from .dataplane import DataPlan
-from .handlers import HANDLERS, TIMED, refusal
-from .keystore import StoredObject, StoreFull
+from .handlers import HANDLERS, refusal, timed_as
+from .keystore import StoreFull
 from .messages import (
     HEADER,
-    DescriptorMessage,
     ErrorCode,
     ErrorMessage,
     Hello,
     MessageType,
     ProtocolError,
     decode_header,
-    encode_data_header,
 )
-from .stored import FileBytes, UnreadableObject
 from .tenants import UnreadableIdentity, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
-    from .server import KVServer
+    from .puts import Put
+    from .session import ServerState
 
 log = logging.getLogger("hurraykv.server")
 SCRATCH = 1 << 20
@@ -69,7 +67,9 @@ CLOSED_STREAMS = 4096  # closed stream ids remembered per connection
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, server: KVServer) -> None:
+    """One client connection; a ``session.Session`` to its message handlers."""
+
+    def __init__(self, server: ServerState) -> None:
         self.server = server
         self.cfg = server.config
         self.loop = asyncio.get_running_loop()
@@ -79,7 +79,7 @@ class Connection(asyncio.BufferedProtocol):
         self.hello: Hello | None = None
         self.busy = False
         self.closed = False
-        self.puts: dict[int, puts.Put] = {}
+        self.puts: dict[int, Put] = {}
         self.dead: OrderedDict[int, None] = OrderedDict()  # streams closed by an ERROR
         self.tasks: set[asyncio.Task] = set()
         self._header = bytearray(HEADER.size)
@@ -185,8 +185,8 @@ class Connection(asyncio.BufferedProtocol):
         try:
             self._advance()
         except ProtocolError as e:  # a framing problem outside any stream: drop the line
-            self._send_error(self._msg[1] or 1, e.code, str(e))
-            self._close()
+            self.fail(self._msg[1] or 1, e.code, str(e))
+            self.close()
 
     def eof_received(self) -> bool:
         return False
@@ -199,8 +199,8 @@ class Connection(asyncio.BufferedProtocol):
         if idle > (self.cfg.read_timeout if mid else self.cfg.idle_timeout):
             log.info("closing connection: %s for %.1f s", "stalled" if mid else "idle", idle)
             if mid and self._msg[1]:
-                self._send_error(self._msg[1], ErrorCode.TIMEOUT, "read timeout")
-            self._close()
+                self.fail(self._msg[1], ErrorCode.TIMEOUT, "read timeout")
+            self.close()
             return
         self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
 
@@ -265,8 +265,8 @@ class Connection(asyncio.BufferedProtocol):
         except ProtocolError as e:
             mtype, stream, length = HEADER.unpack(self._header)
             if e.code == ErrorCode.MESSAGE_TOO_LARGE and stream and self.hello is not None:
-                self._send_error(stream, e.code, str(e))
-                self._abort_stream(stream)
+                self.fail(stream, e.code, str(e))
+                self.abort(stream)
                 self._msg = (mtype, stream, length)
                 self._start_discard(length)
                 return
@@ -308,8 +308,8 @@ class Connection(asyncio.BufferedProtocol):
             self._unhold_all()
             text = f"a {length}-byte message payload does not fit the memory budget: {e}"
             log.info("stream %d: %s", stream, text)
-            self._send_error(stream, ErrorCode.STORE_FULL, text)
-            self._abort_stream(stream)
+            self.fail(stream, ErrorCode.STORE_FULL, text)
+            self.abort(stream)
             self._start_discard(rest)
             return False
         self._held += nbytes
@@ -335,11 +335,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def _stream_error(self, stream: int, e: ProtocolError, discard: int) -> None:
         log.info("stream %d: %s", stream, e)
-        self._send_error(stream, e.code, str(e))
-        self._abort_stream(stream)
+        self.fail(stream, e.code, str(e))
+        self.abort(stream)
         self._start_discard(discard)
 
-    def _abort_stream(self, stream: int) -> None:
+    def abort(self, stream: int) -> None:
         """Close ``stream``: an unfinished PUT on it is dropped and what follows of it
         is discarded, not taken for a new PUT."""
         put = self.puts.pop(stream, None)
@@ -350,35 +350,47 @@ class Connection(asyncio.BufferedProtocol):
             self.dead.popitem(last=False)
 
     # -- output ----------------------------------------------------------------------
-    def _gone(self) -> bool:
+    def closing(self) -> bool:
         """The transport is closed or closing: whatever is written now is dropped (and
-        asyncio warns about each such write)."""
+        asyncio would warn about each such write)."""
         return self.closed or self.transport is None or self.transport.is_closing()
 
-    def _write(self, *parts: Any) -> None:
-        if not self._gone():
+    def send(self, *parts: bytes | memoryview) -> None:
+        """Write ``parts`` (whole messages, or a frame's header and its data) in order;
+        dropped once the connection is closing."""
+        if not self.closing():
             sent = 0
             for p in parts:
                 self.transport.write(p)
                 sent += len(p)  # parts are bytes or 1-D byte views
             self.server.counts.bytes_sent += sent
 
-    def _send_error(self, stream: int, code: int, text: str) -> None:
-        self.server.counts.errors[int(code)] += 1
-        self._write(frame(MessageType.ERROR, stream, ErrorMessage(int(code), text)))
+    async def drain(self) -> None:
+        """Return once the transport's buffer is below its high-water mark."""
+        if not self._writable.is_set():
+            await self._writable.wait()
 
-    def _close(self) -> None:
+    def fail(self, stream: int, code: int, text: str) -> None:
+        """Answer ``stream`` with ERROR ``code``, counted by code."""
+        self.server.counts.errors[int(code)] += 1
+        self.send(frame(MessageType.ERROR, stream, ErrorMessage(int(code), text)))
+
+    def close(self) -> None:
+        """Close the connection (its PUTs in flight leave nothing)."""
         if self.transport is not None and not self.closed:
             self.transport.close()
         self.closed = True
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` on the loop; cancelled when the connection closes."""
         task = self.loop.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     # -- messages --------------------------------------------------------------------
-    def _key(self, key: str) -> str:
+    def key(self, key: str) -> str:
+        """The store's key for a client's key (tenant-scoped; ProtocolError if no client
+        may send it)."""
         try:
             return scoped_key(self.tenant, key)
         except HurrayError as e:
@@ -387,9 +399,9 @@ class Connection(asyncio.BufferedProtocol):
     def _dispatch(self, mtype: int, stream: int, payload: memoryview) -> None:
         if self.hello is None:
             if mtype != MessageType.CLIENT_HELLO:
-                self._send_error(stream, ErrorCode.INVALID_MESSAGE,
-                                 "CLIENT_HELLO must be the first message")
-                self._close()
+                self.fail(stream, ErrorCode.INVALID_MESSAGE,
+                          "CLIENT_HELLO must be the first message")
+                self.close()
                 return
             self._on_hello(stream, payload)
             return
@@ -398,8 +410,9 @@ class Connection(asyncio.BufferedProtocol):
         if why is not None:
             raise ProtocolError(why)
         started = time.perf_counter()
-        HANDLERS[mtype](self, stream, decode(mtype, payload))
-        timed = TIMED.get(mtype)  # answered by now (pushes and pulls are timed apart)
+        value = decode(mtype, payload)
+        HANDLERS[mtype](self, stream, value)
+        timed = timed_as(mtype, value)  # answered by now (pushes and pulls are timed apart)
         if timed is not None:
             self.server.counts.latencies.observe(timed, time.perf_counter() - started)
 
@@ -407,8 +420,8 @@ class Connection(asyncio.BufferedProtocol):
         try:
             hello = decode(MessageType.CLIENT_HELLO, payload)
         except ProtocolError as e:
-            self._send_error(stream, e.code, str(e))
-            self._close()
+            self.fail(stream, e.code, str(e))
+            self.close()
             return
         refusal = None
         if self.refusal is not None:
@@ -420,57 +433,9 @@ class Connection(asyncio.BufferedProtocol):
             refusal = (ErrorCode.SERVER_BUSY, f"more than {self.cfg.max_connections} "
                        "connections")
         if refusal is not None:
-            self._send_error(stream, *refusal)
-            self._close()
+            self.fail(stream, *refusal)
+            self.close()
             return
         self.hello = hello
         reply = Hello(1, self.cfg.max_message_size, 0)
-        self._write(frame(MessageType.SERVER_HELLO, stream, reply))
-
-    def _fail_pull(self, stream: int, key: str, e: UnreadableObject, sent: int = 0) -> None:
-        """Answer a pull of ``key`` whose persisted file cannot be served: one log line
-        (the file named), one ERROR (the key and what is wrong, not where)."""
-        log.warning("get key=%r failed%s: %s", key,
-                    f" after {units.size(sent)} sent" if sent else "", e)
-        self._send_error(stream, ErrorCode.INTERNAL,
-                         f"key {key!r}: its persisted file cannot be served: {e.why}")
-
-    async def _send_object(self, stream: int, key: str, obj: StoredObject) -> None:
-        started = time.perf_counter()
-        max_frame = min(self.cfg.frame_bytes, (self.hello.max_message_size if self.hello
-                                                else self.cfg.max_message_size) - 8)
-        sent = 0
-        try:
-            for desc, buffers in obj.items:
-                total = sum(h.byte_size for h in desc.buffers)
-                self._write(frame(MessageType.TENSOR_DESCRIPTOR, stream,
-                                  DescriptorMessage(desc, total)))
-                plan = DataPlan([b if isinstance(b, FileBytes) else memoryview(b).cast("B")
-                                 for b in buffers])
-                for offset, parts in plan.frames(max_frame):
-                    if self._gone():
-                        break
-                    # read before the frame's header goes out: a short read can still be
-                    # answered with ERROR on a stream whose framing is intact
-                    data = [p.read() if isinstance(p, FileBytes) else p for p in parts]
-                    size = sum(len(d) if isinstance(d, bytes) else d.nbytes for d in data)
-                    self._write(encode_data_header(stream, offset, size), *data)
-                    sent += size
-                    if not self._writable.is_set():
-                        await self._writable.wait()
-                if self._gone():
-                    break
-                self._write(frame(MessageType.TENSOR_DATA_END, stream))
-        except UnreadableObject as e:
-            self.server.store.drop_opened(obj)
-            self._fail_pull(stream, key, e, sent)
-            return
-        if self._gone():
-            log.info("get key=%r abandoned after %s of %s: the connection closed", key,
-                     units.size(sent), units.size(obj.nbytes))
-            return
-        self.server.counts.pulls += 1
-        seconds = time.perf_counter() - started
-        self.server.counts.latencies.observe("pull", seconds)
-        log.info("get key=%r %s in %.3f s (%s)", key, units.size(obj.nbytes), seconds,
-                 units.rate(obj.nbytes, seconds))
+        self.send(frame(MessageType.SERVER_HELLO, stream, reply))

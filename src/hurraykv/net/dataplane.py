@@ -9,7 +9,7 @@ from typing import Any
 
 from ..wire.descriptor import TensorDescriptor
 from .memory import populate
-from .messages import ErrorCode, _bad, total_data_bytes
+from .messages import ErrorCode, protocol_error, total_data_bytes
 
 POOL_MIN = 1 << 20  # smaller tensors come from the allocator
 
@@ -74,19 +74,20 @@ class DataAssembler:
             else:
                 self.data = np.empty(self.total, np.uint8)
         except (MemoryError, OSError, ValueError) as e:
-            raise _bad(f"cannot hold a tensor of {self.total} bytes: {e}", ErrorCode.STORE_FULL,
-                       "total_data_bytes", value=self.total) from None
+            raise protocol_error(f"cannot hold a tensor of {self.total} bytes: {e}",
+                                 ErrorCode.STORE_FULL, "total_data_bytes",
+                                 value=self.total) from None
         self.received = 0
 
     def _check(self, offset: int, length: int) -> None:
         if offset != self.received:
-            raise _bad(f"tensor_data at byte_offset {offset}: expected {self.received} "
-                       "(frames ascend with no gaps or overlaps)", field_="byte_offset_in_buffer",
-                       value=offset)
+            raise protocol_error(f"tensor_data at byte_offset {offset}: expected "
+                                 f"{self.received} (frames ascend with no gaps or overlaps)",
+                                 field_="byte_offset_in_buffer", value=offset)
         if offset + length > self.total:
-            raise _bad(f"tensor_data at byte_offset {offset} + {length} bytes runs past "
-                       f"total_data_bytes {self.total}", field_="byte_offset_in_buffer",
-                       value=offset + length)
+            raise protocol_error(f"tensor_data at byte_offset {offset} + {length} bytes runs past "
+                                 f"total_data_bytes {self.total}", field_="byte_offset_in_buffer",
+                                 value=offset + length)
         self.received += length
 
     def target(self, offset: int, length: int) -> memoryview:
@@ -111,8 +112,8 @@ class DataAssembler:
 
     def finish(self) -> list:
         if self.received != self.total:
-            raise _bad(f"tensor_data_end after {self.received} of {self.total} bytes",
-                       field_="total_data_bytes", value=self.received)
+            raise protocol_error(f"tensor_data_end after {self.received} of {self.total} bytes",
+                                 field_="total_data_bytes", value=self.received)
         if self._into is not None:
             import numpy as np
 

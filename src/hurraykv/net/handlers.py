@@ -2,11 +2,14 @@
 client sends after the handshake (floor 4).
 
 ``Connection._dispatch`` decodes a payload with its codec (``codecs.CODECS``) and calls
-``HANDLERS[type](connection, stream, value)``; a handler answers on ``stream`` or raises
-:class:`ProtocolError`, which closes that stream with ERROR (its ``code``).  Types in
-``REFUSED`` are refused before their payload is read; any other type without a handler
-does not travel client to server.  CLIENT_HELLO (the handshake) and TENSOR_DATA of an open
-PUT (written straight into its buffers) never get here: ``connection.py`` frames them.
+``HANDLERS[type](session, stream, value)``, the session being the connection as its
+handlers see it (``session.Session``: send, key, tenant, spawn, abort, fail); a handler
+answers on ``stream`` or raises :class:`ProtocolError`, which closes that stream with
+ERROR (its ``code``).  Types in ``REFUSED`` are refused before their payload is read; any
+other type without a handler does not travel client to server.  CLIENT_HELLO (the
+handshake) and TENSOR_DATA of an open PUT (written straight into its buffers) never get
+here: ``connection.py`` frames them.  A private operation added since RETAIN is no entry
+here but a name in ``extensions.OPERATIONS`` (the EXTENSION envelope, H95).
 """
 
 from __future__ import annotations
@@ -15,43 +18,36 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import admin, puts
+from . import admin, extensions, pulls, puts
 from .codecs import frame
-from .messages import ErrorCode, ErrorMessage, MessageType, ProtocolError, Request
-from .stored import UnreadableObject
+from .messages import ErrorMessage, Extension, MessageType
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .session import Session
 
 log = logging.getLogger("hurraykv.server")
 T = MessageType
 
 
-def request(c: Connection, stream: int, req: Request) -> None:
-    try:
-        obj = c.server.store.get(c._key(req.key))
-    except UnreadableObject as e:
-        c._fail_pull(stream, req.key, e)
-        return
-    if obj is None:
-        raise ProtocolError(f"no tensor under key {req.key!r}", ErrorCode.UNKNOWN_TENSOR)
-    if req.preferred_device not in (0,) and 0 not in c.hello.devices:  # type: ignore[union-attr]
-        raise ProtocolError(f"device 0x{req.preferred_device:02x} is unavailable and "
-                            "the client does not take CPU", ErrorCode.DEVICE_UNAVAILABLE)
-    c._spawn(c._send_object(stream, req.key, obj))
+def ping(s: Session, stream: int, payload: bytes) -> None:
+    s.send(frame(T.PONG, stream, payload))
 
 
-def ping(c: Connection, stream: int, payload: bytes) -> None:
-    c._write(frame(T.PONG, stream, payload))
-
-
-def error(c: Connection, stream: int, err: ErrorMessage) -> None:
+def error(s: Session, stream: int, err: ErrorMessage) -> None:
     log.info("stream %d: client error %d: %s", stream, err.code, err.message)
-    c._abort_stream(stream)
+    s.abort(stream)
 
 
-HANDLERS: dict[int, Callable[[Connection, int, Any], None]] = {
-    T.TENSOR_REQUEST: request,
+def private(s: Session, stream: int, value: str | Extension) -> None:
+    """0xFE: the EXTENSION envelope (H95), or RETAIN's text (H93)."""
+    if isinstance(value, Extension):
+        extensions.on_extension(s, stream, value)
+    else:
+        admin.retain(s, stream, value)
+
+
+HANDLERS: dict[int, Callable[[Session, int, Any], None]] = {
+    T.TENSOR_REQUEST: pulls.on_request,
     T.TENSOR_PUT: puts.on_put,
     T.TENSOR_DATA_END: puts.on_data_end,
     T.PING: ping,
@@ -63,15 +59,26 @@ HANDLERS: dict[int, Callable[[Connection, int, Any], None]] = {
     T.LIST: admin.listing,
     T.ALIASES: admin.aliases,
     T.STAT: admin.stat,
-    T.RETAIN: admin.retain,
+    T.RETAIN: private,  # and T.EXTENSION, the same number
 }
 
 # the requests answered at once, by what the latency histograms call them (a push is
-# timed from its first TENSOR_PUT to its ACK, a pull until its last frame is written)
+# timed from its first TENSOR_PUT to its ACK, a pull until its last frame is written;
+# every private operation of the envelope is "extension", until its reply is sent or,
+# for one that answers later, until it has started)
 TIMED: dict[int, str] = {T.DELETE: "delete", T.HAS: "has", T.LINK: "link",
                          T.LOCATE: "locate", T.LIST: "list", T.ALIASES: "aliases",
                          T.STAT: "stat", T.RETAIN: "retain", T.PING: "ping"}
-REQUESTS = ("push", "pull", *TIMED.values())
+REQUESTS = ("push", "pull", *TIMED.values(), "extension")
+
+
+def timed_as(mtype: int, value: Any) -> str | None:
+    """What the latency histograms call a request answered by its handler's return, or
+    None (pushes and pulls are timed apart)."""
+    if isinstance(value, Extension):
+        return "extension"
+    return TIMED.get(mtype)
+
 
 REFUSED: dict[int, str] = {
     T.TENSOR_DATA: "tensor_data without a TENSOR_PUT open on this stream",
@@ -87,6 +94,7 @@ def refusal(mtype: int) -> str | None:
         return None
     if mtype in REFUSED:
         return REFUSED[mtype]
-    if mtype in MessageType._value2member_map_:
+    try:
         return f"{MessageType(mtype).name} does not travel client to server"
-    return f"unknown message_type 0x{mtype:x}"
+    except ValueError:
+        return f"unknown message_type 0x{mtype:x}"

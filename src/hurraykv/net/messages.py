@@ -43,6 +43,15 @@ type  name                payload
                           JSON object ``{"retained": [keys]}`` or ``{"kept": {key:
                           [pinned, expiry, bytes]}}``; a pin past the server's
                           ``--max-pinned-bytes`` is ERROR STORE_FULL
+0xFE  EXTENSION           the private envelope (H95), told from RETAIN by its first u32:
+      (private envelope)  u32 0xFFFFFFFF (``EXTENSION_MARK``, never a RETAIN text's
+                          length), u32 n + utf8 operation (1 to 128 ASCII letters, digits,
+                          ``.``, ``_``, ``-``; ``vendor.name`` by convention), then the
+                          operation's own payload (the rest of the message); answered by
+                          0xFE in the same form, naming the same operation, with the reply's
+                          payload, or by ERROR (UNKNOWN_OPERATION 0xF5 naming an operation
+                          the server does not have).  Every private operation after RETAIN
+                          is one of these: an operation name, never a type number
 ====  ==================  ====================================================================
 
 A layout entry is one byte, or for a private tag (0xF0-0xFE) the byte, ``u16 ext_len`` and
@@ -53,6 +62,7 @@ The data of one tensor is its buffers concatenated in table order without paddin
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -95,6 +105,7 @@ class MessageType(IntEnum):
     ALIASES = 0xFC
     ALIASES_REPLY = 0xFD
     RETAIN = 0xFE
+    EXTENSION = 0xFE  # the same number: the envelope is told apart by EXTENSION_MARK (H95)
 
 
 class ErrorCode(IntEnum):
@@ -112,6 +123,7 @@ class ErrorCode(IntEnum):
     TIMEOUT = 0xF2
     INTERNAL = 0xF3
     UNAUTHORIZED = 0xF4
+    UNKNOWN_OPERATION = 0xF5  # an EXTENSION envelope naming an operation not served (H95)
 
 
 CAP_TRANSCODING, CAP_PARALLEL_STREAMS, CAP_RDMA, CAP_RDMA_GPUDIRECT = 1, 2, 4, 8
@@ -130,16 +142,21 @@ class ProtocolError(HurrayError):
 
 def remote_error(code: int, message: str) -> RemoteError:
     """The error a client raises for an ERROR message, the code named where known."""
-    name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else None
+    try:
+        name: str | None = ErrorCode(code).name
+    except ValueError:
+        name = None
     return RemoteError(code, message, name)
 
 
-def _bad(msg: str, code: ErrorCode = ErrorCode.INVALID_MESSAGE, field_: str = "payload",
-         offset: int | None = None, value: object = None) -> ProtocolError:
+def protocol_error(msg: str, code: ErrorCode = ErrorCode.INVALID_MESSAGE,
+                   field_: str = "payload", offset: int | None = None,
+                   value: object = None) -> ProtocolError:
+    """The :class:`ProtocolError` that answers a bad message with ERROR ``code``."""
     return ProtocolError(msg, code, field=field_, offset=offset, value=value)
 
 
-def _reader(payload: bytes | memoryview, what: str) -> Cursor:
+def payload_reader(payload: bytes | memoryview, what: str) -> Cursor:
     """A bounded reader over one message's payload: short, long or malformed payloads are
     a :class:`ProtocolError` (INVALID_MESSAGE) naming ``what.field`` and its payload byte."""
     return Cursor(payload, error=ProtocolError, noun=f"{what} payload", prefix=f"{what}.",
@@ -151,17 +168,17 @@ def decode_header(raw: bytes | memoryview, max_message_size: int) -> tuple[int, 
     """(message_type, stream_id, payload_length); raises for stream 0, type 0xFF and
     payloads above ``max_message_size`` (MESSAGE_TOO_LARGE: the payload still follows)."""
     if len(raw) != HEADER.size:
-        raise _bad(f"a message header is {HEADER.size} bytes, got {len(raw)}",
-                   field_="header", value=len(raw))
+        raise protocol_error(f"a message header is {HEADER.size} bytes, got {len(raw)}",
+                             field_="header", value=len(raw))
     mtype, stream_id, length = HEADER.unpack(raw)
     if mtype == 0xFF or mtype == 0:
-        raise _bad(f"message_type 0x{mtype:x} is invalid", field_="message_type", offset=0,
-                   value=mtype)
+        raise protocol_error(f"message_type 0x{mtype:x} is invalid", field_="message_type",
+                             offset=0, value=mtype)
     if stream_id == 0:
-        raise _bad("stream_id 0 is reserved", field_="stream_id", offset=4, value=0)
+        raise protocol_error("stream_id 0 is reserved", field_="stream_id", offset=4, value=0)
     if length > max_message_size:
-        raise _bad(f"payload_length {length} exceeds max_message_size {max_message_size}",
-                   ErrorCode.MESSAGE_TOO_LARGE, "payload_length", 8, length)
+        raise protocol_error(f"payload_length {length} exceeds max_message_size {max_message_size}",
+                             ErrorCode.MESSAGE_TOO_LARGE, "payload_length", 8, length)
     return mtype, stream_id, length
 
 
@@ -215,19 +232,19 @@ class Hello:
 
 
 def decode_hello(payload: bytes | memoryview, what: str = "hello") -> Hello:
-    r = _reader(payload, what)
+    r = payload_reader(payload, what)
     version = r.u32("protocol_version")
     size = r.u32("max_message_size")
     caps = r.u64("capability_flags")
     if caps & ~KNOWN_CAPS:
-        raise _bad(f"{what}.capability_flags 0x{caps:x}: bits 4-63 MUST be 0",
-                   field_="capability_flags", offset=8, value=caps)
+        raise protocol_error(f"{what}.capability_flags 0x{caps:x}: bits 4-63 MUST be 0",
+                             field_="capability_flags", offset=8, value=caps)
     if caps & CAP_RDMA_GPUDIRECT and not caps & CAP_RDMA:
-        raise _bad(f"{what}.capability_flags: RDMA_GPUDIRECT needs RDMA_DATA_PLANE",
-                   field_="capability_flags", offset=8, value=caps)
+        raise protocol_error(f"{what}.capability_flags: RDMA_GPUDIRECT needs RDMA_DATA_PLANE",
+                             field_="capability_flags", offset=8, value=caps)
     if size < MIN_MESSAGE_SIZE:
-        raise _bad(f"{what}.max_message_size {size} is below {MIN_MESSAGE_SIZE}",
-                   field_="max_message_size", offset=4, value=size)
+        raise protocol_error(f"{what}.max_message_size {size} is below {MIN_MESSAGE_SIZE}",
+                             field_="max_message_size", offset=4, value=size)
     layouts = _decode_layouts(r)
     devices = tuple(bytes(r.take(r.u16("device_count"), "devices")))
     classes: tuple[int, ...] = (0,)
@@ -254,7 +271,7 @@ class Request:
 
 
 def decode_request(payload: bytes | memoryview) -> Request:
-    r = _reader(payload, "tensor_request")
+    r = payload_reader(payload, "tensor_request")
     key = r.text("key")
     layouts = _decode_layouts(r)
     device = r.u8("preferred_device")
@@ -262,11 +279,11 @@ def decode_request(payload: bytes | memoryview) -> Request:
     flags = r.u32("request_flags")
     r.end()
     if align == 0 or align & (align - 1):
-        raise _bad(f"tensor_request.min_alignment {align} is not a power of two",
-                   field_="min_alignment", value=align)
+        raise protocol_error(f"tensor_request.min_alignment {align} is not a power of two",
+                             field_="min_alignment", value=align)
     if flags & ~3:
-        raise _bad(f"tensor_request.request_flags 0x{flags:x}: bits 2-31 MUST be 0",
-                   field_="request_flags", value=flags)
+        raise protocol_error(f"tensor_request.request_flags 0x{flags:x}: bits 2-31 MUST be 0",
+                             field_="request_flags", value=flags)
     return Request(key, layouts, device, align, flags)
 
 
@@ -280,13 +297,13 @@ def _descriptor(raw: memoryview, what: str) -> TensorDescriptor:
     try:
         desc = decode_descriptor(raw)
     except HurrayError as e:
-        raise _bad(f"{what}: {e}", field_=f"{what}.descriptor", offset=e.offset,
-                   value=e.value) from None
+        raise protocol_error(f"{what}: {e}", field_=f"{what}.descriptor", offset=e.offset,
+                             value=e.value) from None
     for i, h in enumerate(desc.buffers):
         if h.sync_mode != 0:
-            raise _bad(f"{what}: buffers[{i}].sync_mode is {h.sync_mode}; over the network "
-                       "every buffer MUST be PRODUCER_SYNCED (0)", field_="sync_mode",
-                       value=h.sync_mode)
+            raise protocol_error(f"{what}: buffers[{i}].sync_mode is {h.sync_mode}; over the "
+                                 "network every buffer MUST be PRODUCER_SYNCED (0)",
+                                 field_="sync_mode", value=h.sync_mode)
     return desc
 
 
@@ -305,26 +322,27 @@ class DescriptorMessage:
 def _check_total(desc: TensorDescriptor, total: int, what: str) -> None:
     want = total_data_bytes(desc)
     if total != want:
-        raise _bad(f"{what}.total_data_bytes {total} MUST equal the sum of the buffer sizes "
-                   f"{want} (D10)", field_="total_data_bytes", value=total)
+        raise protocol_error(f"{what}.total_data_bytes {total} MUST equal the sum of the "
+                             f"buffer sizes {want} (D10)", field_="total_data_bytes",
+                             value=total)
 
 
 def decode_descriptor_message(payload: bytes | memoryview) -> DescriptorMessage:
     mv = memoryview(payload).cast("B")
     if len(mv) < 10:
-        raise _bad("tensor_descriptor: the payload is shorter than a descriptor",
-                   field_="tensor_descriptor", value=len(mv))
+        raise protocol_error("tensor_descriptor: the payload is shorter than a descriptor",
+                             field_="tensor_descriptor", value=len(mv))
     length = int.from_bytes(mv[6:10], "little")
     desc = _descriptor(mv[:length] if length <= len(mv) else mv, "tensor_descriptor")
-    r = _reader(mv[length:], "tensor_descriptor")
+    r = payload_reader(mv[length:], "tensor_descriptor")
     total = r.u64("total_data_bytes")
     index = r.u32("shard_index")
     shards = r.u32("total_shards")
     r.end()
     _check_total(desc, total, "tensor_descriptor")
     if shards == 0 or index >= shards or (desc.shard is None and (index, shards) != (0, 1)):
-        raise _bad(f"tensor_descriptor: shard {index} of {shards} for a tensor without a "
-                   "shard section", ErrorCode.SHARD_MISMATCH, "shard_index", value=index)
+        raise protocol_error(f"tensor_descriptor: shard {index} of {shards} for a tensor without a "
+                             "shard section", ErrorCode.SHARD_MISMATCH, "shard_index", value=index)
     return DescriptorMessage(desc, total, index, shards)
 
 
@@ -341,14 +359,14 @@ class Put:
 
 
 def decode_put(payload: bytes | memoryview) -> Put:
-    r = _reader(payload, "tensor_put")
+    r = payload_reader(payload, "tensor_put")
     key = r.text("key")
     n = r.u32("descriptor_length")
     raw = r.take(n, "descriptor")
     desc = _descriptor(raw, "tensor_put")
     if len(desc.encode()) != n:
-        raise _bad(f"tensor_put: the descriptor is {len(desc.encode())} bytes, its length "
-                   f"prefix says {n}", field_="descriptor_length", value=n)
+        raise protocol_error(f"tensor_put: the descriptor is {len(desc.encode())} bytes, its "
+                             f"length prefix says {n}", field_="descriptor_length", value=n)
     total = r.u64("total_data_bytes")
     r.end()
     _check_total(desc, total, "tensor_put")
@@ -364,15 +382,15 @@ def encode_data_header(stream_id: int, offset: int, length: int) -> bytes:
 def decode_data(payload: bytes | memoryview) -> tuple[int, memoryview]:
     mv = memoryview(payload).cast("B")
     if len(mv) < 8:
-        raise _bad(f"tensor_data: {len(mv)} bytes cannot hold the u64 byte_offset",
-                   field_="byte_offset_in_buffer", value=len(mv))
+        raise protocol_error(f"tensor_data: {len(mv)} bytes cannot hold the u64 byte_offset",
+                             field_="byte_offset_in_buffer", value=len(mv))
     return int.from_bytes(mv[:8], "little"), mv[8:]
 
 
 def decode_empty(payload: bytes | memoryview, what: str) -> None:
     if len(payload):
-        raise _bad(f"{what} carries no payload, got {len(payload)} bytes", field_=what,
-                   value=len(payload))
+        raise protocol_error(f"{what} carries no payload, got {len(payload)} bytes", field_=what,
+                             value=len(payload))
 
 
 # ---------------------------------------------------------------------------- errors
@@ -387,7 +405,7 @@ class ErrorMessage:
 
 
 def decode_error(payload: bytes | memoryview) -> ErrorMessage:
-    r = _reader(payload, "error")
+    r = payload_reader(payload, "error")
     code = r.u32("error_code")
     text = r.text("message")
     r.end()
@@ -404,7 +422,7 @@ class Delete:
 
 
 def decode_delete(payload: bytes | memoryview) -> Delete:
-    r = _reader(payload, "delete")
+    r = payload_reader(payload, "delete")
     key = r.text("key")
     r.end()
     return Delete(key)
@@ -417,7 +435,62 @@ def encode_text(text: str) -> bytes:
 
 def decode_text(payload: bytes | memoryview, what: str) -> str:
     """A payload that is one ``u32 n + utf8`` string (LIST's prefix, STAT_REPLY's JSON)."""
-    r = _reader(payload, what)
+    r = payload_reader(payload, what)
     text = r.text("text")
     r.end()
     return text
+
+
+# ---------------------------------------------------------------------------- extension
+EXTENSION_MARK = 0xFFFFFFFF  # the first u32 of an envelope: no RETAIN text is that long
+OPERATION_RULE = ("an operation name is 1 to 128 ASCII letters, digits, '.', '_' or '-' "
+                  "(vendor.name by convention)")
+_OPERATION = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def valid_operation(name: str) -> bool:
+    """Whether ``name`` may name a private operation (``OPERATION_RULE``)."""
+    return isinstance(name, str) and _OPERATION.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The EXTENSION envelope (0xFE, H95): a private operation's name and its payload,
+    a request's or, from a server, the reply's (which names the same operation)."""
+
+    operation: str
+    payload: bytes = b""
+
+    def encode(self) -> bytes:
+        raw = self.operation.encode("utf-8")
+        return struct.pack("<II", EXTENSION_MARK, len(raw)) + raw + bytes(self.payload)
+
+
+def is_extension(payload: bytes | memoryview) -> bool:
+    """Whether a 0xFE payload is the envelope (else it is RETAIN's text)."""
+    return len(payload) >= 4 and bytes(payload[:4]) == EXTENSION_MARK.to_bytes(4, "little")
+
+
+def decode_extension(payload: bytes | memoryview) -> Extension:
+    r = payload_reader(payload, "extension")
+    mark = r.u32("mark")
+    if mark != EXTENSION_MARK:
+        raise r.fail("mark", 0, mark, f"an EXTENSION envelope starts with 0x{EXTENSION_MARK:x}")
+    at = r.pos + 4
+    name = r.text("operation")
+    if not valid_operation(name):
+        raise r.fail("operation", at, name[:200], OPERATION_RULE)
+    return Extension(name, bytes(r.take(r.left, "payload")))
+
+
+def encode_private(value: str | Extension) -> bytes:
+    """0xFE's payload: the envelope for an :class:`Extension`, RETAIN's text for a str."""
+    return value.encode() if isinstance(value, Extension) else encode_text(value)
+
+
+def decode_private(payload: bytes | memoryview) -> str | Extension:
+    """0xFE's value: an :class:`Extension` when the payload starts with
+    ``EXTENSION_MARK``, else RETAIN's JSON text (H93, H95)."""
+    if is_extension(payload):
+        return decode_extension(payload)
+    return decode_text(payload, "retain")

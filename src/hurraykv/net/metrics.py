@@ -38,14 +38,17 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..errors import HurrayError, TransportError, require
-from .messages import ErrorCode
+from .counts import LATENCY_BUCKETS
+from .messages import PROTOCOL_VERSION, ErrorCode
 
 if TYPE_CHECKING:
-    from .server import KVServer
+    from .config import ServerConfig
+    from .counts import Counts
+    from .keystore import KeyStore
 
 log = logging.getLogger("hurraykv.server")
 PREFIX = "hurraykv_server_"
@@ -69,11 +72,26 @@ def parse_metrics_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class Monitored(Protocol):
+    """What the endpoint reads of the server it serves (``KVServer``), so that this
+    module never imports the server."""
+
+    config: ServerConfig
+    store: KeyStore
+    counts: Counts  # its latencies hold the requests timed, by name
+    connections: int
+    metrics: MetricsEndpoint | None  # this endpoint, while it runs
+
+    def serving(self) -> bool:
+        """Whether the server still listens."""
+        ...
+
+
 class ServerCollector:
     """The server's metrics, read when scraped (from the HTTP thread: each read is one
     integer or one copied dictionary, so a scrape never waits for the event loop)."""
 
-    def __init__(self, server: KVServer) -> None:
+    def __init__(self, server: Monitored) -> None:
         self.server = server
 
     def describe(self) -> list[Any]:
@@ -88,9 +106,6 @@ class ServerCollector:
         )
 
         from .. import __version__
-        from .handlers import REQUESTS
-        from .messages import PROTOCOL_VERSION
-        from .server import LATENCY_BUCKETS
 
         server = self.server
         yield InfoMetricFamily("hurraykv_build", "The hurraykv version serving, and the "
@@ -103,8 +118,9 @@ class ServerCollector:
                                         "to its last frame written, the others to their "
                                         "reply (requests answered with ERROR: errors_total)",
                                         labels=["request"])
-        for request in REQUESTS:  # every request from the start, at 0
-            counts, total = server.counts.latencies.read(request)
+        latencies = server.counts.latencies
+        for request in latencies.requests:  # every request from the start, at 0
+            counts, total = latencies.read(request)
             running, cumulative = 0, []
             for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
                 running += n
@@ -278,7 +294,7 @@ class _EndpointServer(ThreadingMixIn, WSGIServer):
 class MetricsEndpoint:
     """The HTTP server of one ``KVServer``: started listening, in a daemon thread."""
 
-    def __init__(self, server: KVServer, listen: str,
+    def __init__(self, server: Monitored, listen: str,
                  loop: asyncio.AbstractEventLoop) -> None:
         require("prometheus_client", "metrics", "hurraykv serve --metrics-listen")
         from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
@@ -394,8 +410,7 @@ class MetricsEndpoint:
         started = time.perf_counter()
 
         def probe() -> None:
-            srv = self.server._server
-            listening.append(srv is not None and srv.is_serving())
+            listening.append(self.server.serving())
             answered.set()
 
         try:

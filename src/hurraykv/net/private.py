@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 
-from .messages import _bad, _reader, encode_text
+from .messages import encode_text, payload_reader, protocol_error
 
 MAX_KEYS = 65536  # keys one HAS may ask about
 
@@ -17,7 +17,7 @@ def encode_keys(keys: list[str], per: int = 1) -> bytes:
 def decode_keys(payload: bytes | memoryview, what: str = "has", per: int = 1) -> list[str]:
     """``u32 count`` then ``count * per`` strings (HAS, LOCATE and LOCATE_REPLY: one per
     key; LINK: alias and target)."""
-    r = _reader(payload, what)
+    r = payload_reader(payload, what)
     n = r.count("count", 4 * per, MAX_KEYS)
     keys = [r.text("key") for _ in range(n * per)]
     r.end()
@@ -40,11 +40,11 @@ def encode_flags(flags: list[bool]) -> bytes:
 
 def decode_flags(payload: bytes | memoryview, expected: int | None = None) -> list[bool]:
     """HAS_REPLY; ``expected`` is the number of keys asked about, where known."""
-    r = _reader(payload, "has_reply")
+    r = payload_reader(payload, "has_reply")
     n = r.count("count", 1)
     if expected is not None and n != expected:
-        raise _bad(f"has_reply.count {n}: {expected} keys were asked about", field_="count",
-                   offset=0, value=n)
+        raise protocol_error(f"has_reply.count {n}: {expected} keys were asked about",
+                             field_="count", offset=0, value=n)
     out = bytes(r.take(n, "flags"))
     r.end()
     bad = next((i for i, b in enumerate(out) if b > 1), None)
@@ -61,7 +61,7 @@ def encode_listing(entries: list[tuple[str, int]]) -> bytes:
 def _decode_pairs(payload: bytes | memoryview, message: str, least: int, pair) -> list:
     """``u32 count`` then ``count`` entries of at least ``least`` bytes, each read by
     ``pair(reader)``; a count the payload cannot hold is refused before any is read."""
-    r = _reader(payload, message)
+    r = payload_reader(payload, message)
     n = r.count("count", least)
     out = [pair(r) for _ in range(n)]
     r.end()

@@ -19,7 +19,7 @@ from .messages import ErrorCode, MessageType, ProtocolError, message
 from .messages import Put as PutMessage
 
 if TYPE_CHECKING:
-    from .connection import Connection
+    from .session import Session
 
 log = logging.getLogger("hurraykv.server")
 
@@ -41,14 +41,14 @@ class Put:
     started: float = field(default_factory=time.perf_counter)
 
 
-def on_put(c: Connection, stream: int, put_msg: PutMessage) -> None:
+def on_put(s: Session, stream: int, put_msg: PutMessage) -> None:
     desc = put_msg.descriptor
-    put = c.puts.get(stream)
+    put = s.puts.get(stream)
     if put is None:
         expected = 1 + (desc.layout.member_count if isinstance(desc.layout, Composite)
                         else 0)
-        put = Put(c._key(put_msg.key), put_msg.key, expected)
-        c.puts[stream] = put
+        put = Put(s.key(put_msg.key), put_msg.key, expected)
+        s.puts[stream] = put
     elif put.open:
         raise ProtocolError("TENSOR_PUT while the previous tensor's data is still open")
     elif put_msg.key != put.shown:
@@ -60,20 +60,20 @@ def on_put(c: Connection, stream: int, put_msg: PutMessage) -> None:
     put.nbytes += put_msg.total_data_bytes
     if put.refused is None:
         try:  # objects that would be lost leave only for the group's last member
-            c.server.store.reserve(put_msg.total_data_bytes, keep=put.key,
-                                      owner=c.tenant,
-                                      lossy=put.closed + 1 >= put.expected)
+            s.server.store.reserve(put_msg.total_data_bytes, keep=put.key, owner=s.tenant,
+                                   lossy=put.closed + 1 >= put.expected)
         except StoreFull as e:
             e.in_flight -= put.reserved  # what other PUTs hold, not this one's members
-            c.server.store.release(put.reserved, c.tenant)
+            s.server.store.release(put.reserved, s.tenant)
             put.reserved, put.refused = 0, e
         else:
             put.reserved += put_msg.total_data_bytes
     if put.refused is None:
-        put.assembler = DataAssembler(desc, pool=c.server.pool)
+        put.assembler = DataAssembler(desc, pool=s.server.pool)
 
-def on_data_end(c: Connection, stream: int, _: None = None) -> None:
-    put = c.puts.get(stream)
+
+def on_data_end(s: Session, stream: int, _: None = None) -> None:
+    put = s.puts.get(stream)
     if put is None or not put.open:
         raise ProtocolError("tensor_data_end without an open TENSOR_PUT")
     if put.assembler is not None:
@@ -83,49 +83,47 @@ def on_data_end(c: Connection, stream: int, _: None = None) -> None:
     put.closed += 1
     if put.closed < put.expected:
         return
-    del c.puts[stream]  # the group closes at its Nth member
+    del s.puts[stream]  # the group closes at its Nth member
     if put.refused is not None:
         what = "snapshot" if put.expected > 1 else "tensor"
-        c._send_error(stream, ErrorCode.STORE_FULL,
-                         f"{what} {put.shown!r} {put.refused.needs(put.nbytes)}")
+        s.fail(stream, ErrorCode.STORE_FULL,
+               f"{what} {put.shown!r} {put.refused.needs(put.nbytes)}")
         log.info("refused put key=%r: %s over the memory budget", put.shown,
                  units.size(put.nbytes))
         return
-    c._spawn(_commit(c, stream, put))
+    s.spawn(_commit(s, stream, put))
 
-async def _commit(c: Connection, stream: int, put: Put) -> None:
-    store = c.server.store
+
+async def _commit(s: Session, stream: int, put: Put) -> None:
+    store = s.server.store
     try:
-        obj, snap = object_from_items(put.items, c.cfg.zero_unused)
-        path = await c.loop.run_in_executor(None, store.persist_object, put.key, obj,
-                                               snap)
+        obj, snap = object_from_items(put.items, s.server.config.zero_unused)
+        path = await asyncio.get_running_loop().run_in_executor(
+            None, store.persist_object, put.key, obj, snap)
     except asyncio.CancelledError:
-        store.release(put.reserved, c.tenant)
+        store.release(put.reserved, s.tenant)
         raise
     except PersistFull as e:
-        store.release(put.reserved, c.tenant)
+        store.release(put.reserved, s.tenant)
         what = "snapshot" if put.expected > 1 else "tensor"
-        c._send_error(stream, ErrorCode.STORE_FULL, f"{what} {put.shown!r} {e}")
+        s.fail(stream, ErrorCode.STORE_FULL, f"{what} {put.shown!r} {e}")
         log.info("refused put key=%r: %s over the persist budget", put.shown,
                  units.size(e.nbytes))
         return
     except HurrayError as e:
-        store.release(put.reserved, c.tenant)
-        c._send_error(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE),
-                         f"rejected: {e}")
+        store.release(put.reserved, s.tenant)
+        s.fail(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE), f"rejected: {e}")
         return
     except Exception as e:  # a bug must still answer the client, and be seen
-        store.release(put.reserved, c.tenant)
+        store.release(put.reserved, s.tenant)
         log.exception("put key=%r failed", put.shown)
-        c._send_error(stream, ErrorCode.INTERNAL,
-                         f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
+        s.fail(stream, ErrorCode.INTERNAL,
+               f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
         return
-    store.commit(put.key, obj, path, put.reserved, c.tenant)
+    store.commit(put.key, obj, path, put.reserved, s.tenant)
     seconds = time.perf_counter() - put.started
     log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
              units.rate(obj.nbytes, seconds))
-    c._write(message(MessageType.TENSOR_PUT_ACK, stream))
-    c.server.counts.pushes += 1
-    c.server.counts.latencies.observe("push", seconds)
-
-
+    s.send(message(MessageType.TENSOR_PUT_ACK, stream))
+    s.server.counts.pushes += 1
+    s.server.counts.latencies.observe("push", seconds)

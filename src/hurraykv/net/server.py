@@ -1,109 +1,35 @@
 """``hurraykv serve``: an asyncio KV cache server speaking the Hurray interchange protocol.
 
-This module holds the configuration, the listening socket, what the server counts and
-the thread wrapper; one client connection's protocol is ``connection.py``, the stored
-objects ``keystore.py``, tenants under mutual TLS ``tenants.py``, the Prometheus endpoint
-``metrics.py`` (imported only when ``metrics_listen`` is set).
+This module holds the listening socket and the thread wrapper; the configuration is
+``config.py`` (``ServerConfig``, importable from here too), what the server counts
+``counts.py``, one client connection's protocol ``connection.py`` (which sees the server
+as a ``session.ServerState``), the stored objects ``keystore.py``, tenants under mutual
+TLS ``tenants.py``, the Prometheus endpoint ``metrics.py`` (imported only when
+``metrics_listen`` is set).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import units
 from ..errors import ConfigError, HurrayError, TransportError
 from . import tls
+from .config import ServerConfig
 from .connection import SCRATCH, Connection
+from .counts import Counts, Latencies
 from .handlers import REQUESTS
 from .keystore import KeyStore
 from .memory import ReceivePool
-from .messages import ErrorCode
 
 log = logging.getLogger("hurraykv.server")
-
-
-@dataclass
-class ServerConfig:
-    listen: str = "127.0.0.1:0"  # HOST:PORT, or a Unix socket path
-    memory_budget: int | None = None
-    persist: str | None = None
-    persist_budget: int | None = None  # bytes of .hrry files under persist, LRU beyond
-    max_pinned_bytes: int | None = None  # pinned (RETAIN); default a quarter of a budget
-    max_bytes_per_tenant: int | None = None  # memory per mutual-TLS tenant, LRU within
-    max_message_size: int = 16 << 20
-    read_timeout: float = 30.0  # a message started must keep arriving
-    idle_timeout: float = 600.0  # between messages
-    max_connections: int = 256
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    zero_unused: bool = True
-    frame_bytes: int = 4 << 20
-    recycle_bytes: int = 1 << 30  # idle received memory kept for the next PUTs
-    store: str | None = None  # redis://HOST:PORT or redis+cluster://...: the backing tier
-    metrics_listen: str | None = None  # HOST:PORT of the HTTP /metrics and /healthz
-
-
-# seconds: a small control request is well under a millisecond, a push or pull of a few
-# GiB takes seconds over a fast link
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                   2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class Latencies:
-    """Seconds from a request's arrival to its answer, per request (``handlers.REQUESTS``:
-    push, pull, and the private messages answered at once, by name), in
-    ``LATENCY_BUCKETS``: a push from its first TENSOR_PUT to its ACK, a pull from its
-    TENSOR_REQUEST to its last TENSOR_DATA_END, any other request from its message to its
-    reply.  Requests answered with ERROR are counted by ``Counts.errors`` instead.  Bumped
-    on the event loop; a scrape copies one request's buckets at a time."""
-
-    def __init__(self) -> None:
-        self.buckets = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in REQUESTS}
-        self.sums = dict.fromkeys(REQUESTS, 0.0)
-
-    def observe(self, request: str, seconds: float) -> None:
-        self.buckets[request][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.sums[request] += seconds
-
-    def read(self, request: str) -> tuple[list[int], float]:
-        """``request``'s count per bucket (the last: over every bound) and their sum."""
-        return list(self.buckets[request]), self.sums[request]
-
-
-@dataclass
-class Counts:
-    """What the server counts as it runs: plain integers bumped on the event loop where
-    the work is done (a scrape reads them from another thread: each read is one value)."""
-
-    pushes: int = 0  # PUTs acknowledged
-    pulls: int = 0  # objects sent whole
-    bytes_received: int = 0  # on every connection, framing included
-    bytes_sent: int = 0
-    errors: Counter[int] = field(default_factory=Counter)  # ERROR messages sent, by code
-    latencies: Latencies = field(default_factory=Latencies)
-
-    def as_dict(self) -> dict[str, Any]:
-        errors = dict(self.errors)  # one copy: the loop may add a code meanwhile
-        return {"pushes": self.pushes, "pulls": self.pulls,
-                "bytes_received": self.bytes_received, "bytes_sent": self.bytes_sent,
-                "errors": {_code_name(c): n for c, n in sorted(errors.items())}}
-
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return f"0x{code:02x}"
 
 
 DEFAULT_PORT = 7878
@@ -191,7 +117,7 @@ class KVServer:
         self.tenant_connections: Counter[str] = Counter()
         self.started = time.monotonic()
         self.scratch = memoryview(bytearray(SCRATCH))
-        self.counts = Counts()
+        self.counts = Counts(latencies=Latencies(REQUESTS))
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
         self.metrics: Any = None  # a metrics.MetricsEndpoint once started
@@ -250,6 +176,10 @@ class KVServer:
                           "/healthz")
         return self.address
 
+    def serving(self) -> bool:
+        """Whether the server is listening (started and not stopped)."""
+        return self._server is not None and self._server.is_serving()
+
     def close_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
@@ -259,7 +189,7 @@ class KVServer:
         """Close every client connection (their PUTs in flight leave nothing); how many."""
         closing = list(self.open_connections)
         for c in closing:
-            c._close()
+            c.close()
         return len(closing)
 
     def held(self) -> str:

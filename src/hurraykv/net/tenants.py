@@ -45,7 +45,7 @@ class UnreadableIdentity(HurrayError):
     """A client certificate whose names cannot be read exactly (ERROR UNAUTHORIZED)."""
 
 
-def _x509() -> Any:
+def require_x509() -> Any:
     """cryptography's X.509 module, imported here so that a server without mutual TLS (and
     ``import hurraykv``) never needs it; MissingDependencyError names the extra."""
     return require("cryptography.x509", "tls", "reading client certificates (mutual TLS)")
@@ -54,7 +54,7 @@ def _x509() -> Any:
 def _read(what: str, rule: str, step: Callable[[], T]) -> T:
     """``step()``, with what cryptography raises on a malformed certificate turned into an
     UnreadableIdentity naming the part (``what``), what cryptography found and the rule."""
-    x509 = _x509()
+    x509 = require_x509()
     try:
         return step()
     # ValueError: DER parse errors, strings that do not decode; TypeError: a BIT STRING
@@ -70,7 +70,7 @@ def _read(what: str, rule: str, step: Callable[[], T]) -> T:
 def certificate_names(der: bytes) -> tuple[bytes, bytes, list[bytes]]:
     """``(issuer DER, subject DER, [subjectAltName entry DER, ...])`` of a certificate,
     the entries sorted and each once (a set), or ``UnreadableIdentity``."""
-    x509 = _x509()
+    x509 = require_x509()
     cert = _read("certificate", "an X.509 certificate in DER (RFC 5280)",
                  lambda: x509.load_der_x509_certificate(bytes(der)))
     issuer = _read("issuer", "a Name of string attributes (RFC 5280 4.1.2.4)",

@@ -91,9 +91,9 @@ def server_context(cert: str | None, key: str | None, ca: str | None
         ctx.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: the subject scopes the keys
         # each client's tenant is read from its certificate: without the [tls] extra
         # every connection would fail, so the server does not start
-        from .tenants import _x509
+        from .tenants import require_x509
 
-        _x509()
+        require_x509()
     return ctx
 
 

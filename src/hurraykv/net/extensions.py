@@ -1,0 +1,130 @@
+"""Private operations: what a ``hurraykv serve`` answers inside the EXTENSION envelope
+(message type 0xFE marked by ``EXTENSION_MARK``; decision H95).
+
+Every private type number (0xF0-0xFE) is taken, so a private operation added since RETAIN
+is a *name* in this registry, not a message type: one :func:`register` call and its
+function, no edit of ``messages.py``, ``codecs.py`` or ``handlers.py``.  An operation is
+``operation(session, payload) -> reply``: ``session`` is the :class:`~.session.Session`
+of the connection (its tenant, ``key()`` for tenant-scoped keys, ``server.store``),
+``payload`` the bytes the client put after the operation's name, and the reply the bytes
+sent back in an envelope naming the same operation.  It may instead return an awaitable
+of those bytes (it then runs on the event loop, its answer sent when it completes).  It
+raises :class:`~.messages.ProtocolError` to answer with ERROR (its ``code``); any other
+exception is ERROR INTERNAL, logged.  An envelope naming an operation not registered is
+answered with ERROR UNKNOWN_OPERATION naming it, and the connection carries on.
+
+Operations are registered for the process (every server in it), like
+``handlers.HANDLERS``; ``KVClient.extension(name, payload)`` calls one.  Names are 1 to 128
+ASCII letters, digits, ``.``, ``_`` or ``-``; ``vendor.operation`` by convention, and
+``hurraykv.*`` is this package's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import HurrayError
+from .codecs import frame
+from .messages import (
+    HEADER,
+    OPERATION_RULE,
+    ErrorCode,
+    Extension,
+    MessageType,
+    ProtocolError,
+    valid_operation,
+)
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("hurraykv.server")
+
+Reply = bytes | bytearray | memoryview
+Operation = Callable[["Session", bytes], "Reply | Awaitable[Reply]"]
+
+OPERATIONS: dict[str, Operation] = {}
+
+
+def register(name: str, operation: Operation | None = None, *, replace: bool = False) -> Any:
+    """Serve ``operation`` under ``name`` (``register(name)`` alone is a decorator).  A
+    name already registered is refused unless ``replace``; a name that breaks
+    ``OPERATION_RULE`` is refused."""
+    if not valid_operation(name):
+        raise HurrayError(f"private operation {name!r}: {OPERATION_RULE}", field="operation",
+                          value=name, rule=OPERATION_RULE)
+
+    def add(op: Operation) -> Operation:
+        if name in OPERATIONS and not replace and OPERATIONS[name] is not op:
+            raise HurrayError(f"private operation {name!r} is already registered "
+                              f"({OPERATIONS[name]!r}); unregister it first or pass "
+                              "replace=True", field="operation", value=name,
+                              rule="one operation per name")
+        OPERATIONS[name] = op
+        return op
+
+    return add if operation is None else add(operation)
+
+
+def unregister(name: str) -> None:
+    """Serve ``name`` no more (nothing if it is not registered)."""
+    OPERATIONS.pop(name, None)
+
+
+def on_extension(s: Session, stream: int, env: Extension) -> None:
+    """The handler of an EXTENSION envelope: run its operation, answer in kind."""
+    operation = OPERATIONS.get(env.operation)
+    if operation is None:
+        raise ProtocolError(
+            f"unknown private operation {env.operation!r}: this server has "
+            f"{', '.join(sorted(OPERATIONS)[:20]) or 'none'}", ErrorCode.UNKNOWN_OPERATION,
+            field="extension.operation", value=env.operation,
+            rule="an operation the server registers (extensions.register)")
+    try:
+        reply = operation(s, env.payload)
+    except HurrayError:
+        raise  # ProtocolError: its code; others INVALID_MESSAGE (the connection's rule)
+    except Exception as e:  # a bug in an operation answers the client, and is seen
+        log.exception("private operation %r failed", env.operation)
+        raise _internal(env.operation, e) from None
+    if inspect.isawaitable(reply):
+        s.spawn(_answer_later(s, stream, env.operation, reply))
+        return
+    _answer(s, stream, env.operation, reply)
+
+
+def _internal(name: str, e: Exception) -> ProtocolError:
+    return ProtocolError(f"private operation {name!r} failed: {type(e).__name__}: {e}",
+                         ErrorCode.INTERNAL, field="extension.operation", value=name)
+
+
+def _answer(s: Session, stream: int, name: str, reply: Reply) -> None:
+    if not isinstance(reply, bytes | bytearray | memoryview):
+        raise _internal(name, TypeError(f"it returned {type(reply).__name__}, not bytes"))
+    message = frame(MessageType.EXTENSION, stream, Extension(name, bytes(reply)))
+    most = s.hello.max_message_size if s.hello is not None else None
+    if most is not None and len(message) - HEADER.size > most:
+        raise ProtocolError(f"private operation {name!r}: its reply of "
+                            f"{len(message) - HEADER.size} bytes exceeds the client's "
+                            f"max_message_size {most}", ErrorCode.MESSAGE_TOO_LARGE,
+                            field="extension.payload", value=len(message) - HEADER.size)
+    s.send(message)
+
+
+async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Reply]) -> None:
+    try:
+        try:
+            data = await reply
+        except HurrayError:
+            raise
+        except Exception as e:
+            log.exception("private operation %r failed", name)
+            raise _internal(name, e) from None
+        _answer(s, stream, name, data)
+    except HurrayError as e:
+        code = e.code if isinstance(e, ProtocolError) else ErrorCode.INVALID_MESSAGE
+        log.info("stream %d: %s", stream, e)
+        s.fail(stream, code, str(e))
