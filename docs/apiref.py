@@ -41,6 +41,11 @@ MODULES = [
     ("hurraykv.adapters.flashinfer", "FlashInfer caches (`[adapters]`)"),
     ("hurraykv.adapters.sglang", "SGLang pools (`[adapters]`)"),
     ("hurraykv.adapters.transformers", "Transformers caches (`[adapters]`)"),
+    ("hurraykv.integrations.chunks", "chunk stores: the `ChunkStore` base a store class "
+                                     "subclasses, its `Option`s, `open_store`, the registry"),
+    ("hurraykv.testing", "the chunk-store contract a store from any package runs (pytest)"),
+    ("hurraykv.net.extensions", "private server operations, by name (the EXTENSION "
+                                "envelope, H95)"),
 ]
 
 
