@@ -36,6 +36,8 @@ MODULES = [
     ("hurraykv", "snapshots, tensors, files, streams, the client, server and store, "
                  "descriptors and the errors"),
     ("hurraykv.wire", "element types, layouts, buffer handles, sub-byte packing"),
+    ("hurraykv.wire.quant_registry", "quantization schemes: the `QuantScheme` base a "
+                                     "scheme class subclasses, `register`, the registry"),
     ("hurraykv.store", "the Redis/Valkey page store (`pip install 'hurraykv[redis]'`)"),
     ("hurraykv.adapters.vllm", "vLLM V1 caches (`[adapters]`: PyTorch)"),
     ("hurraykv.adapters.flashinfer", "FlashInfer caches (`[adapters]`)"),

@@ -155,13 +155,16 @@ def test_a_scheme_from_outside_the_package_is_quantized_decoded_and_stored():
         """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(PLUGINS / "quant_scheme"), str(PLUGINS / "broken_scheme"),
+         str(PLUGINS / "noreg_scheme"),
          os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert "'broken'" in lines["warned"] and "no_such_module_anywhere" in lines["warned"]
-    assert "broken-scheme" in lines["warned"]
+    assert "broken-scheme 0.1" in lines["warned"]
+    assert "'forgotten' = 'noreg_scheme' (distribution noreg-scheme 0.1) is skipped: the " \
+        "module registers no scheme on import" in lines["warned"]
     assert lines["names"] == "('per_block_affine', 'per_channel', 'toy_per_slot')"
     assert lines["tag"] == "0xf3"
     assert lines["same"] == "True"

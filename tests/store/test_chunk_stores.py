@@ -118,14 +118,30 @@ def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
     ("hurray://:5", {}, "HOST:PORT"),
     ("file://", {}, "absolute directory"),
     ("file:relative/dir", {}, "absolute directory"),
-    ("redis://127.0.0.1:1", {"max_bytes": 10}, r"\['max_bytes'\] apply to file:///DIR"),
-    ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"apply to hurray://HOST:PORT"),
+    ("redis://127.0.0.1:1", {"max_bytes": 10}, r"option 'max_bytes' is not one a redis:// "
+                                               r"store takes \(its options: none\); "
+                                               r"file:///DIR takes it"),
+    ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"hurray://HOST:PORT takes it"),
+    ("file:///tmp/x", {"max_byte": 1}, r"did you mean 'max_bytes'\?"),
 ])
 def test_a_bad_url_is_refused_with_the_registered_forms(url, options, why):
     why = why or rf"scheme 'ftp' is not one of {re.escape(', '.join(schemes()))};"
     with pytest.raises(HurrayError, match=why) as e:
         open_store(url, **options)
     assert url_forms() in str(e.value)
+
+
+def test_open_store_reads_options_by_their_kind_and_checks_them_first(tmp_path):
+    """``open_store`` reads a text option as the connector and ``hurraykv cache`` do
+    (``"64K"`` for a size), refuses one that is not of its kind naming it, and runs the
+    store class's ``check_options`` before opening (a TLS file that is not there)."""
+    store = open_store(tmp_path.as_uri(), max_bytes="64K")
+    assert store.capacity.max_bytes == 64 * 1024
+    with pytest.raises(HurrayError, match=r"option max_bytes is 'lots'; it is a positive "
+                                          r"byte count or a size like 64G"):
+        open_store(tmp_path.as_uri(), max_bytes="lots")
+    with pytest.raises(HurrayError, match=r"option tls_ca.*nowhere\.pem"):
+        open_store("hurray://127.0.0.1:1", tls_ca=str(tmp_path / "nowhere.pem"))
 
 
 def test_the_docs_and_the_module_docstring_name_every_form():

@@ -65,8 +65,8 @@ def test_the_entry_point_registers_the_store_after_the_builtins(toy, tmp_path):
 
     assert locality_of(f"toy://{tmp_path}") == "LOCAL"
     # its option is its own: no other store takes it, and its URL is checked as any
-    with pytest.raises(HurrayError, match=r"\['bucket'\] apply to toy:///DIR, not "
-                                          r"file:///DIR"):
+    with pytest.raises(HurrayError, match=r"option 'bucket' is not one a file:// store "
+                                          r"takes .*; toy:///DIR takes it"):
         chunks.open_store(tmp_path.as_uri(), bucket="b")
     with pytest.raises(HurrayError, match=r"a toy URL names an absolute directory"):
         chunks.open_store("toy:relative")
@@ -143,8 +143,10 @@ print(json.dumps({{
     assert got["typed"] == ["bucket", "kv_connector_extra_config['bucket'] is 3; it is a "
                             "non-empty string (leave the key out for its default)"]
     assert got["another_store"][0] == "url"
-    assert "['bucket'] apply to toy:///DIR, not file:///DIR" in got["another_store"][1]
-    assert "['max_bytes'] apply to file:///DIR, not toy:///DIR" in got["not_its_own"][1]
+    assert "option 'bucket' is not one a file:// store takes (its options: max_bytes, " \
+        "max_pinned_bytes, max_bytes_per_tenant); toy:///DIR takes it" in got["another_store"][1]
+    assert "option 'max_bytes' is not one a toy:// store takes (its options: bucket); " \
+        "file:///DIR takes it" in got["not_its_own"][1]
     other = chunks.open_store(url, bucket="b1")
     other.put(keys(1), 0, segment(1, 3).with_info(model="model=b1"), {})
 
@@ -160,11 +162,13 @@ print(json.dumps({{
     assert listed.returncode == 0, listed.stderr
     assert [s["identity"] for s in json.loads(listed.stdout)["segments"]] == ["model=b1"]
     for args, why in [((f"{url}/nowhere",), "no such directory"),
-                      (("-o", "buket=b1", url), "['buket'] apply to no store, not toy:///DIR"),
+                      (("-o", "buket=b1", url), "option 'buket' is not one a toy:// store takes "
+                                                "(its options: bucket); did you mean "
+                                                "'bucket'?"),
                       (("-o", "bucket=", url), "--option bucket is ''; it is a non-empty "
                                                "string"),
                       (("-o", "bucket", url), "--option 'bucket' is not NAME=VALUE"),
-                      (("-o", "max_bytes=1G", url), "['max_bytes'] apply to file:///DIR")]:
+                      (("-o", "max_bytes=1G", url), "file:///DIR takes it")]:
         refused = cli("cache", "ls", *args)
         assert refused.returncode == 2 and why in refused.stderr, (args, refused.stderr)
 

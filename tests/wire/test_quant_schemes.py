@@ -106,8 +106,11 @@ def test_a_scheme_tag_must_be_assignable_and_free():
         cls = type("Bad", (Toy,), {"TAG": tag, "NAME": f"bad_{tag}"})
         with pytest.raises(ValueError):
             register(cls)
-    with pytest.raises(ValueError, match="collides"):
+    with pytest.raises(ValueError, match=r"takes the name 'per_tensor' of .*PerTensor"):
         register(type("Bad", (Toy,), {"NAME": "per_tensor"}))
+    with pytest.raises(ValueError, match=r"0x60 is invalid or reserved; a scheme takes "
+                                         r"0x01-0x5F .* or 0xF0-0xFE"):
+        register(type("Bad", (Toy,), {"TAG": 0x60, "NAME": "bad_0x60"}))
     with pytest.raises(TypeError, match="defines no decode_body or encode_body"):
         register(type("NoCodec", (QuantScheme,), {"TAG": 0x5D, "NAME": "no_codec"}))
 

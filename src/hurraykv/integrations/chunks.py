@@ -43,6 +43,7 @@ skipped with a ``StorePluginWarning`` naming the entry point, its distribution a
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib
 import ipaddress
@@ -538,9 +539,15 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
             return why
     extra = sorted(set(options) - set(cls.option_names()))
     if extra:
+        takes = cls.option_names()
+        close = [m for name in extra for m in difflib.get_close_matches(name, takes, 1)]
         owners = sorted({c.FORM for c in store_classes()
                          if set(extra) & set(c.option_names())})
-        return f"{extra} apply to {' and '.join(owners) or 'no store'}, not {cls.FORM}"
+        return (f"option {', '.join(map(repr, extra))} is not one a {parsed.scheme}:// "
+                f"store takes (its options: {', '.join(takes) or 'none'})"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + (f"; {' and '.join(owners)} take{'s' if len(owners) == 1 else ''} it"
+                   if owners else ""))
     return _unread_part(parsed, cls) or cls.url_problem(parsed)
 
 
@@ -689,9 +696,14 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
     options = {k: v for k, v in options.items() if v is not None}
     check_url(url, list(options))
     parsed = urlparse(url)
+    cls = store_class(parsed.scheme)
+    assert cls is not None  # check_url refused any other
+    kinds = {o.name: o for o in cls.OPTIONS}
+    options = {k: kinds[k].parse(v, f"option {k}") if isinstance(v, str) else v
+               for k, v in options.items()}  # "64G" as the connector and the CLI read it
+    cls.check_options(options, lambda name: f"option {name}")
     try:
-        store = store_class(parsed.scheme).open(  # type: ignore[union-attr]
-            url, parsed, timeout=timeout, **options)
+        store = cls.open(url, parsed, timeout=timeout, **options)
     except (OSError, UnicodeError) as e:  # a directory that cannot be made, ...
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         if isinstance(e, OSError) and e.filename:

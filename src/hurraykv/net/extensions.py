@@ -16,14 +16,22 @@ answered with ERROR UNKNOWN_OPERATION naming it, and the connection carries on.
 Operations are registered for the process (every server in it), like
 ``handlers.HANDLERS``; ``KVClient.extension(name, payload)`` calls one.  Names are 1 to 128
 ASCII letters, digits, ``.``, ``_`` or ``-``; ``vendor.operation`` by convention, and
-``hurraykv.*`` is this package's.
+``hurraykv.*`` is this package's.  An operation from another distribution reaches
+``hurraykv serve`` through the entry point group ``hurraykv.server_operations``: each entry
+names a function (served under the entry's name) or a module (which registers on import),
+loaded when a server starts (``load_plugins``); one that fails is skipped with an
+``OperationPluginWarning`` naming it, and the server serves the others.  An operation
+reads its payload through ``messages.payload_reader(payload, name)`` and ends with
+``end()``, so trailing bytes are refused as a malformed payload.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Awaitable, Callable
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HurrayError
@@ -47,6 +55,12 @@ Reply = bytes | bytearray | memoryview
 Operation = Callable[["Session", bytes], "Reply | Awaitable[Reply]"]
 
 OPERATIONS: dict[str, Operation] = {}
+GROUP = "hurraykv.server_operations"  # plugins: a function (by the entry's name) or a module
+_SEEN: set[tuple[str, str, str]] = set()
+
+
+class OperationPluginWarning(UserWarning):
+    """An entry point of ``hurraykv.server_operations`` that was skipped, and why."""
 
 
 def register(name: str, operation: Operation | None = None, *, replace: bool = False) -> Any:
@@ -58,6 +72,10 @@ def register(name: str, operation: Operation | None = None, *, replace: bool = F
                           value=name, rule=OPERATION_RULE)
 
     def add(op: Operation) -> Operation:
+        if not callable(op):
+            raise HurrayError(f"private operation {name!r}: {op!r} is not callable; an "
+                              "operation is a function (session, payload) -> bytes",
+                              field="operation", value=name, rule="a callable operation")
         if name in OPERATIONS and not replace and OPERATIONS[name] is not op:
             raise HurrayError(f"private operation {name!r} is already registered "
                               f"({OPERATIONS[name]!r}); unregister it first or pass "
@@ -74,15 +92,45 @@ def unregister(name: str) -> None:
     OPERATIONS.pop(name, None)
 
 
+def load_plugins() -> list[str]:
+    """Register the operations of the ``hurraykv.server_operations`` entry points not
+    loaded before; returns what was skipped (also each an ``OperationPluginWarning``): an
+    entry that fails to import, registers nothing, or takes a name already served."""
+    problems = []
+    for ep in metadata.entry_points(group=GROUP):
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+        if (dist, ep.name, ep.value) in _SEEN:
+            continue
+        _SEEN.add((dist, ep.name, ep.value))
+        before = set(OPERATIONS)
+        try:
+            loaded = ep.load()
+            if inspect.ismodule(loaded):
+                why = "" if set(OPERATIONS) - before else \
+                    "the module registers no operation (extensions.register) on import"
+            else:
+                register(ep.name, loaded)
+                why = ""
+        except Exception as e:  # a broken plugin must not stop the server serving others
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            problems.append(f"the {GROUP} entry point {ep.name!r} = {ep.value!r} "
+                            f"(distribution {dist}) is skipped: {why}")
+            warnings.warn(problems[-1], OperationPluginWarning, stacklevel=2)
+    return problems
+
+
 def on_extension(s: Session, stream: int, env: Extension) -> None:
     """The handler of an EXTENSION envelope: run its operation, answer in kind."""
     operation = OPERATIONS.get(env.operation)
     if operation is None:
+        # the names it has are not listed: a client of one tenant learns nothing of the
+        # server's other operations
         raise ProtocolError(
-            f"unknown private operation {env.operation!r}: this server has "
-            f"{', '.join(sorted(OPERATIONS)[:20]) or 'none'}", ErrorCode.UNKNOWN_OPERATION,
-            field="extension.operation", value=env.operation,
-            rule="an operation the server registers (extensions.register)")
+            f"unknown private operation {env.operation!r}: this server does not serve it",
+            ErrorCode.UNKNOWN_OPERATION, field="extension.operation", value=env.operation,
+            rule="an operation the server registers (extensions.register, or the entry "
+                 f"point group {GROUP})")
     try:
         reply = operation(s, env.payload)
     except HurrayError:

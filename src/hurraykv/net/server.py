@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import units
 from ..errors import ConfigError, HurrayError, TransportError
-from . import tls
+from . import extensions, tls
 from .config import ServerConfig
 from .connection import SCRATCH, Connection
 from .counts import Counts, Latencies
@@ -141,6 +141,8 @@ class KVServer:
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
+        for problem in extensions.load_plugins():  # said at start, not at the first call
+            log.warning("%s", problem)
         where = parse_address(self.config.listen)
         ctx = self.ssl_context
         try:

@@ -4,9 +4,10 @@ one pytest test class that each backend's test class inherits (as zarr's
 below by subclassing ``ChunkStoreTests`` and giving two fixtures,
 
 * ``make``: a callable opening a new client of the backend (another engine), and
-* ``capped``: a client of the backend with a small capacity (about twelve segments of
-  ``segment(16, ...)``: ``max_bytes``-like, with a quarter of it for pins), or None when
-  it has none,
+* ``capped``: a client of the backend with a small capacity, twelve segments of
+  ``segment(16, ...)`` (``max_bytes``-like, a quarter of it for pins: about 1 MB, as
+  ``12 * segment(16, 0)``'s saved size, 83,542 bytes in files), or None when it has
+  none,
 
 and, where the backend cannot do something, the class attributes ``KEEPS_RECENT`` and
 ``PINS`` (its own test then says what it does instead)::

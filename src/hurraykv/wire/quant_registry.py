@@ -40,6 +40,10 @@ _LISTENERS: list[Callable[[], object]] = []
 _loaded = False
 
 
+class SchemePluginWarning(UserWarning):
+    """An entry point of ``hurraykv.quant_schemes`` that was skipped, and why."""
+
+
 def _load() -> None:
     """Register the built-in schemes, then the plugins, once (on the first lookup)."""
     global _loaded
@@ -48,15 +52,24 @@ def _load() -> None:
     _loaded = True
     importlib.import_module(BUILTIN)
     for ep in entry_points(group=ENTRY_POINTS):
+        before = set(_REGISTRY.values())
         try:
             found = ep.load()
-            if isinstance(found, type) and scheme_class(found.TAG) is not found:
-                register(found)
+            if isinstance(found, type):
+                if scheme_class(found.TAG) is not found:
+                    register(found)
+                why = ""
+            else:
+                why = "" if set(_REGISTRY.values()) - before else (
+                    "the module registers no scheme on import (a QuantScheme class "
+                    "decorated with @register, or the class named in the entry point)")
         except Exception as e:  # a broken plugin must not take the built-ins with it
-            dist = getattr(ep.dist, "name", "?")
-            warnings.warn(f"quantization scheme plugin {ep.name!r} = {ep.value!r} "
-                          f"(distribution {dist}, entry point group {ENTRY_POINTS}) was "
-                          f"not registered: {type(e).__name__}: {e}", stacklevel=2)
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+            warnings.warn(f"the {ENTRY_POINTS} entry point {ep.name!r} = {ep.value!r} "
+                          f"(distribution {dist}) is skipped: {why}", SchemePluginWarning,
+                          stacklevel=3)
 
 
 def on_registry_change(fn: Callable[[], object]) -> None:
@@ -82,15 +95,21 @@ def register(cls: type[QuantScheme]) -> type[QuantScheme]:
     if cls.__module__ != BUILTIN:
         _load()  # the built-ins and plugins first: a collision is this class's
     if not _assignable(cls.TAG):
-        raise ValueError(f"scheme tag 0x{cls.TAG:02x} is invalid or reserved")
+        raise ValueError(f"{cls.NAME}: scheme tag 0x{cls.TAG:02x} is invalid or reserved; a "
+                         "scheme takes 0x01-0x5F (assigned by the spec) or 0xF0-0xFE "
+                         "(private)")
     missing = [m for m in ("decode_body", "encode_body") if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"scheme {cls.__name__} defines no {' or '.join(missing)}: a "
                         "registered scheme reads and writes its own payload")
     for other in _REGISTRY.values():
         if other.TAG == cls.TAG or other.NAME == cls.NAME:
-            raise ValueError(f"{cls.NAME} (0x{cls.TAG:02x}) collides with {other.NAME} "
-                             f"(0x{other.TAG:02x})")
+            what = (f"tag 0x{cls.TAG:02x}" if other.TAG == cls.TAG else
+                    f"name {cls.NAME!r}")
+            raise ValueError(f"{cls.__module__}.{cls.__qualname__} ({cls.NAME}, "
+                             f"0x{cls.TAG:02x}) takes the {what} of "
+                             f"{other.__module__}.{other.__qualname__} ({other.NAME}, "
+                             f"0x{other.TAG:02x}); tags and names are one scheme's each")
     cls.STORAGE_TAGS = frozenset(BY_NAME[n].tag for n in cls.STORAGE)
     _REGISTRY[cls.TAG] = cls
     _changed()
@@ -125,9 +144,13 @@ class RegistryView(Mapping):
     registered later appears in it too."""
 
     def __init__(self, value: Callable[[type[QuantScheme]], Any],
-                 key: Callable[[type[QuantScheme]], Any] = lambda c: c.TAG,
-                 where: Callable[[type[QuantScheme]], bool] = lambda c: True) -> None:
-        self._value, self._key, self._where = value, key, where
+                 key: Callable[[type[QuantScheme]], Any] | None = None,
+                 where: Callable[[type[QuantScheme]], bool] | None = None) -> None:
+        """``{key(c): value(c)}`` of every scheme class ``c`` where ``where(c)``; by
+        default keyed by ``TAG``, of every scheme."""
+        self._value = value
+        self._key = key or (lambda c: c.TAG)
+        self._where = where or (lambda c: True)
 
     def _table(self) -> dict:
         return {self._key(c): self._value(c) for c in schemes() if self._where(c)}
@@ -280,9 +303,26 @@ def scheme_name(tag: int) -> str:
 
 
 __all__ = [
-    "BUILTIN", "ENTRY_POINTS", "INT_STORAGE", "NO_BUFFER", "SCALE_TYPE_NAMES", "SCALE_WIDTHS",
-    "SYMMETRIC", "QuantScheme",
-    "RawQuantization", "RegistryView", "check_param_sizes", "is_pow2", "on_registry_change",
-    "product", "register",
-    "scheme_by_name", "scheme_class", "scheme_name", "schemes", "storage_range", "unregister",
+    "BUILTIN",
+    "ENTRY_POINTS",
+    "INT_STORAGE",
+    "NO_BUFFER",
+    "SCALE_TYPE_NAMES",
+    "SCALE_WIDTHS",
+    "SYMMETRIC",
+    "QuantScheme",
+    "RawQuantization",
+    "RegistryView",
+    "SchemePluginWarning",
+    "check_param_sizes",
+    "is_pow2",
+    "on_registry_change",
+    "product",
+    "register",
+    "scheme_by_name",
+    "scheme_class",
+    "scheme_name",
+    "schemes",
+    "storage_range",
+    "unregister",
 ]
