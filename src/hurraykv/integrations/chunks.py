@@ -50,7 +50,6 @@ import ipaddress
 import re
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 
 import numpy as np
 
-from .. import units
+from .. import plugins, units
 from ..errors import ConfigError, HurrayError
 from ..io import checksums
 from ..snapshot import KVCacheSnapshot
@@ -412,19 +411,9 @@ def load_plugins() -> list[str]:
     ``ChunkStore`` class with ``SCHEMES``, or a scheme already taken; a skipped plugin's
     classes are unregistered, and the built-ins are untouched."""
     global _SCANNED
-    problems = []
     with _LOCK:  # another thread's first use waits for the whole registry
         _import_builtins()
-        for ep in metadata.entry_points(group=GROUP):
-            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
-            if (dist, ep.name, ep.value) in _SEEN:
-                continue
-            _SEEN.add((dist, ep.name, ep.value))
-            why = _load(ep)
-            if why:
-                problems.append(f"the {GROUP} entry point {ep.name!r} = {ep.value!r} "
-                                f"(distribution {dist}) is skipped: {why}")
-                warnings.warn(problems[-1], StorePluginWarning, stacklevel=2)
+        problems = plugins.load(GROUP, _load, StorePluginWarning, _SEEN)
         _SCANNED = True
     return problems
 
@@ -435,20 +424,18 @@ def _load(ep: metadata.EntryPoint) -> str:
     before = dict(_REGISTRY)
     try:
         loaded = ep.load()
-        if isinstance(loaded, type):
-            ok = issubclass(loaded, ChunkStore) and bool(loaded.SCHEMES) and all(
-                _REGISTRY.get(s) is loaded for s in loaded.SCHEMES)
-        else:
-            ok = set(_REGISTRY) != set(before) or any(
-                c.__module__ == getattr(loaded, "__name__", None) for c in _REGISTRY.values())
-        if not ok:
-            return f"{loaded!r} is no ChunkStore class naming SCHEMES, nor a module " \
-                "defining one"
-        return ""
-    except Exception as e:  # a plugin's bug, a missing dependency, a clash
+    except BaseException:
         for scheme in set(_REGISTRY) - set(before):
             del _REGISTRY[scheme]
-        return f"{type(e).__name__}: {e}"
+        raise
+    if isinstance(loaded, type):
+        ok = issubclass(loaded, ChunkStore) and bool(loaded.SCHEMES) and all(
+            _REGISTRY.get(s) is loaded for s in loaded.SCHEMES)
+    else:
+        ok = set(_REGISTRY) != set(before) or any(
+            c.__module__ == getattr(loaded, "__name__", None) for c in _REGISTRY.values())
+    return "" if ok else f"{loaded!r} is no ChunkStore class naming SCHEMES, nor a " \
+        "module defining one"
 
 
 def _registered() -> dict[str, type[ChunkStore]]:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 from collections.abc import Awaitable, Callable
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from .. import plugins
 from ..errors import HurrayError
 from .codecs import frame
 from .messages import (
@@ -96,28 +96,18 @@ def load_plugins() -> list[str]:
     """Register the operations of the ``hurraykv.server_operations`` entry points not
     loaded before; returns what was skipped (also each an ``OperationPluginWarning``): an
     entry that fails to import, registers nothing, or takes a name already served."""
-    problems = []
-    for ep in metadata.entry_points(group=GROUP):
-        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
-        if (dist, ep.name, ep.value) in _SEEN:
-            continue
-        _SEEN.add((dist, ep.name, ep.value))
-        before = set(OPERATIONS)
-        try:
-            loaded = ep.load()
-            if inspect.ismodule(loaded):
-                why = "" if set(OPERATIONS) - before else \
-                    "the module registers no operation (extensions.register) on import"
-            else:
-                register(ep.name, loaded)
-                why = ""
-        except Exception as e:  # a broken plugin must not stop the server serving others
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            problems.append(f"the {GROUP} entry point {ep.name!r} = {ep.value!r} "
-                            f"(distribution {dist}) is skipped: {why}")
-            warnings.warn(problems[-1], OperationPluginWarning, stacklevel=2)
-    return problems
+    return plugins.load(GROUP, _load, OperationPluginWarning, _SEEN)
+
+
+def _load(ep: metadata.EntryPoint) -> str:
+    """Why ``ep`` serves no operation ("" when it does)."""
+    before = set(OPERATIONS)
+    loaded = ep.load()
+    if not inspect.ismodule(loaded):
+        register(ep.name, loaded)
+        return ""
+    return "" if set(OPERATIONS) - before else \
+        "the module registers no operation (extensions.register) on import"
 
 
 def on_extension(s: Session, stream: int, env: Extension) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import importlib
 import struct
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint
 from typing import Any, ClassVar
 
+from .. import plugins
 from ..errors import QuantizationError
 from .cursor import Cursor
 from .dtypes import BY_NAME
@@ -51,25 +51,20 @@ def _load() -> None:
         return
     _loaded = True
     importlib.import_module(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINTS):
-        before = set(_REGISTRY.values())
-        try:
-            found = ep.load()
-            if isinstance(found, type):
-                if scheme_class(found.TAG) is not found:
-                    register(found)
-                why = ""
-            else:
-                why = "" if set(_REGISTRY.values()) - before else (
-                    "the module registers no scheme on import (a QuantScheme class "
-                    "decorated with @register, or the class named in the entry point)")
-        except Exception as e:  # a broken plugin must not take the built-ins with it
-            why = f"{type(e).__name__}: {e}"
-        if why:
-            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
-            warnings.warn(f"the {ENTRY_POINTS} entry point {ep.name!r} = {ep.value!r} "
-                          f"(distribution {dist}) is skipped: {why}", SchemePluginWarning,
-                          stacklevel=3)
+    plugins.load(ENTRY_POINTS, _load_one, SchemePluginWarning, set())
+
+
+def _load_one(ep: EntryPoint) -> str:
+    """Why ``ep`` registers no scheme ("" when it does)."""
+    before = set(_REGISTRY.values())
+    found = ep.load()
+    if isinstance(found, type):
+        if scheme_class(found.TAG) is not found:
+            register(found)
+        return ""
+    return "" if set(_REGISTRY.values()) - before else (
+        "the module registers no scheme on import (a QuantScheme class decorated with "
+        "@register, or the class named in the entry point)")
 
 
 def on_registry_change(fn: Callable[[], object]) -> None:
