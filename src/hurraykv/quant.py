@@ -15,10 +15,16 @@ are computed with absmax (symmetric) or min/max widened to include 0 (asymmetric
 zero-points stay inside the storage range and every element's error is at most
 ``scale / 2``.  Slots no sequence reads get scale 1.0 and zero-point 0 (every stored
 scale must be finite and non-zero).  Work is chunked over slot rows so temporaries stay
-in cache; nothing loops per token or element.
+in cache; nothing loops per token or element.  Where numba is present the compiled
+kernels (``kernels.py``) do the same arithmetic in one pass: per-block-affine and
+symmetric per-channel quantization, the dequantizing gather, float8 e4m3 encoding
+(``fp8_e4m3``), and codes decoded straight into float32 or bfloat16 (``decode_rows``,
+with the scale plan of the scheme's granularity from ``KERNEL_PLANS``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -435,20 +441,26 @@ def gather_dequantized(rows: np.ndarray, et: ElementType, page_size: int, heads:
 
 
 # How the compiled decode (``decode_rows``) reads the scales of a scheme, by the
-# ``GRANULARITY`` the scheme declares: (row scales [slots] or None for ones, column
-# scales [heads * dim] or None), from its float32 scales, the first slot and the count.
-def _slot_plan(q, scales, first, n, heads, dim):
+# ``GRANULARITY`` the scheme declares: (row scales [n] or None for ones, column scales
+# [heads * dim] or None), from its float32 scales, the first slot and the count n.
+Scales = tuple[np.ndarray | None, np.ndarray | None]
+
+
+def _slot_plan(q: Quantization, scales: np.ndarray, first: int, n: int, heads: int,
+               dim: int) -> Scales | None:
     return np.ascontiguousarray(scales[first:first + n], np.float32), None
 
 
-def _channel_plan(q, scales, first, n, heads, dim):
+def _channel_plan(q: Quantization, scales: np.ndarray, first: int, n: int, heads: int,
+                  dim: int) -> Scales | None:
     if q.axis not in (1, 2):
         return None
     cols = np.tile(scales, heads) if q.axis == 2 else np.repeat(scales, dim)
     return None, np.ascontiguousarray(cols, np.float32)
 
 
-def _tensor_plan(q, scales, first, n, heads, dim):
+def _tensor_plan(q: Quantization, scales: np.ndarray, first: int, n: int, heads: int,
+                 dim: int) -> Scales | None:
     return np.full(n, scales[0], np.float32), None
 
 
@@ -456,8 +468,7 @@ KERNEL_PLANS = {"slot": _slot_plan, "channel": _channel_plan, "tensor": _tensor_
 
 
 def kernel_scales(q: Quantization, params: tuple[np.ndarray, ...], count: int, first: int,
-                  n: int, heads: int, dim: int
-                  ) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+                  n: int, heads: int, dim: int) -> Scales | None:
     """Row and column scales of slots ``first .. first + n - 1`` for the compiled decode,
     or None where it does not apply (zero-points, a scheme without a plan):
     ``KERNEL_PLANS`` by the scheme's ``GRANULARITY``; ``count``: its parameter entries."""
@@ -533,7 +544,7 @@ def fp8_e4m3(pages: np.ndarray, what: str = "page_pool") -> tuple[np.ndarray, fl
     return out.view(ml_dtypes.float8_e4m3fn).reshape(pages.shape), float(scale)
 
 
-def _slot_bits(pages: np.ndarray):
+def _slot_bits(pages: np.ndarray) -> tuple[Any, int, np.ndarray] | None:
     """``(kernels, input kind, rows of the unsigned bits the kernels read)``, or None
     where the compiled path does not apply (no numba, another dtype, a view)."""
     kind = _k.input_kind(pages.dtype)
