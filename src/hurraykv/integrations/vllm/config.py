@@ -136,9 +136,9 @@ class ConnectorConfig:
         return config
 
     def store_format(self) -> store_format.StoreFormat:
-        known = ", ".join(store_format.scheme_names())
-        if self.quantization is not None and \
-                self.quantization not in store_format.scheme_names():
+        schemes = store_format.scheme_names()
+        if self.quantization is not None and self.quantization not in schemes:
+            known = ", ".join(schemes)
             raise HurrayError(f"kv_connector_extra_config['quantization'] is "
                               f"{self.quantization!r}; it is one of {known}",
                               field="quantization", value=self.quantization,
