@@ -60,3 +60,14 @@ def test_pins_past_max_pinned_bytes_are_refused_with_store_full():
             c.retain(["c"], pin=True, ttl_s=None)
         assert e.value.code == 0xF1  # STORE_FULL
         assert sorted(c.retention()) == ["a", "b"]
+
+
+def test_a_lifetime_no_float_holds_is_refused_and_the_connection_kept():
+    with client_of() as c:
+        c.push("a", segment(16, 1))
+        for bad in (10**400, -1, 1e300):  # an int past a float once dropped the connection
+            with pytest.raises(RemoteError, match=r"ttl_s is .*at most 3155760000") as e:
+                c.retain(["a"], pin=None, ttl_s=bad)
+            assert e.value.code == 6  # INVALID_MESSAGE, on this stream only
+        assert c.retain(["a"], pin=None, ttl_s=60) == ["a"]  # the same connection
+        assert c.has(["a"]) == [True]

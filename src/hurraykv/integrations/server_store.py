@@ -104,10 +104,12 @@ class ServerChunks(ChunkStore):
 
     def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
                extend: bool = False) -> list[str]:
-        from ..io.retention import PinRefused
+        from ..io.retention import PinRefused, ttl_seconds
         from ..net.messages import ErrorCode, RemoteError
 
         keys = [self.prefix + check_name(n) for n in names]
+        if ttl_s is not None:  # refused here by field, as the server would by message only
+            ttl_s = ttl_seconds(ttl_s)
         try:
             done = self._call(lambda c: c.retain(keys, pin=pin, ttl_s=ttl_s, extend=extend))
         except RemoteError as e:

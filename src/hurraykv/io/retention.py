@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -87,14 +86,30 @@ def write(directory: Path, kept: dict[str, Kept], budget: int | None = None) -> 
     write_pieces(directory / RECORD, [text], len(text))
 
 
+# The longest lifetime any store can keep: 100 years.  Past it a lifetime is not one an
+# operator means (keep such a segment with a pin), and a bound keeps every store's arithmetic
+# finite: ``10**400`` is an int no float holds, ``1e308 * 1000`` ms is inf for Redis.
+MAX_TTL_S = 100 * 365.25 * 86400
+
+
+def ttl_seconds(ttl_s: object, field: str = "ttl_s") -> float:
+    """``ttl_s`` as float seconds: a number (not a bool), positive, at most ``MAX_TTL_S``;
+    anything else a ``HurrayError`` naming ``field``.  Compared before converting, so an
+    integer too large for a float is refused, never an ``OverflowError``."""
+    if not (isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
+            and 0 < ttl_s <= MAX_TTL_S):
+        shown = ttl_s if not isinstance(ttl_s, int) or ttl_s.bit_length() < 64 else (
+            f"an integer of {len(str(ttl_s))} digits")
+        raise HurrayError(f"{field} is {shown!r}; it is a number of seconds, more than 0 and "
+                          f"at most {MAX_TTL_S:.0f} (100 years)", field=field, value=shown,
+                          rule=f"0 < seconds <= {MAX_TTL_S:.0f}")
+    return float(ttl_s)
+
+
 def expiry_of(ttl_s: float | None, now: float | None = None) -> float | None:
     if ttl_s is None:
         return None
-    if not (isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
-            and 0 < ttl_s < math.inf):
-        raise HurrayError(f"ttl_s {ttl_s!r} is not a positive number of seconds",
-                          field="ttl_s", value=ttl_s, rule="seconds > 0, finite")
-    return (time.time() if now is None else now) + float(ttl_s)
+    return (time.time() if now is None else now) + ttl_seconds(ttl_s)
 
 
 def pinned_bytes(kept: dict[str, Kept], now: float) -> int:
@@ -154,5 +169,5 @@ def mtime(directory: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
-__all__ = ["RECORD", "Kept", "PinRefused", "expiry_of", "merged", "pinned_bytes", "read",
-           "recorded_budget", "updated", "write"]
+__all__ = ["MAX_TTL_S", "RECORD", "Kept", "PinRefused", "expiry_of", "merged",
+           "pinned_bytes", "read", "recorded_budget", "ttl_seconds", "updated", "write"]

@@ -251,6 +251,17 @@ class ChunkStoreTests:
         store.put(k, 0, snap, {})  # stored again: a new segment, not one past its lifetime
         assert store.get_verified(store.locate(k)[0]).equal(snap)
 
+    def test_a_lifetime_that_is_not_one_is_refused_naming_ttl_s(self, store):
+        k = keys(1)
+        store.put(k, 0, segment(1, 22), {})
+        name = store.locate(k)[0]
+        for bad in (10**400, float("nan"), float("inf"), 0, -1, 1e300, True, "60"):
+            with pytest.raises(hk.HurrayError) as e:  # never an OverflowError, never a drop
+                store.retain([name], pin=None, ttl_s=bad)
+            assert e.value.field is not None and e.value.field.endswith("ttl_s"), (bad, e.value)
+        assert {s.name: s for s in store.catalog()}[name].expiry is None  # nothing changed
+        assert store.retain([name], pin=None, ttl_s=3600.0) == [name]  # and it still answers
+
     def test_a_requests_lifetime_never_undoes_a_pin(self, store):
         if not self.PINS:
             pytest.skip("no pins on this backend (see its test class)")

@@ -167,7 +167,8 @@ def test_a_requests_retention_ask_is_read_from_kv_transfer_params():
     assert keep_of(req({"hurraykv": {"pin": False}})) is None  # nothing asked
     for bad, field in (({"pin": "yes"}, "pin"), ({"ttl_s": -1}, "ttl_s"),
                        ({"ttl_s": True}, "ttl_s"), ({"pinned": True}, "hurraykv"),
-                       ([1], "hurraykv")):
+                       ({"ttl_s": 10**400}, "ttl_s"), ({"ttl_s": float("nan")}, "ttl_s"),
+                       ({"ttl_s": 1e300}, "ttl_s"), ([1], "hurraykv")):
         with pytest.raises(hk.HurrayError) as e:
             keep_of(req({"hurraykv": bad}))
         assert e.value.field.endswith(field), (bad, e.value.field)

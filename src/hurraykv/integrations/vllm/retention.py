@@ -42,7 +42,6 @@ to the scheduler thread, which announces its blocks removed at the next
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import HurrayError, did_you_mean
+from ...io.retention import ttl_seconds
 from ..chunks import suffixed
 from .common import log
 
@@ -90,12 +90,9 @@ def keep_of(request: Any) -> Keep | None:
         raise HurrayError(f"kv_transfer_params[{PARAMS!r}]['pin'] is {pin!r}; it is true "
                           "or false", field=f"kv_transfer_params.{PARAMS}.pin", value=pin,
                           rule="a boolean")
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
-                            or not 0 < ttl < math.inf):
-        raise HurrayError(f"kv_transfer_params[{PARAMS!r}]['ttl_s'] is {ttl!r}; it is a "
-                          "positive number of seconds", value=ttl,
-                          field=f"kv_transfer_params.{PARAMS}.ttl_s", rule="seconds > 0")
-    return Keep(pin, None if ttl is None else float(ttl)) if pin or ttl is not None else None
+    if ttl is not None:
+        ttl = ttl_seconds(ttl, f"kv_transfer_params.{PARAMS}.ttl_s")
+    return Keep(pin, ttl) if pin or ttl is not None else None
 
 
 def retain(store: Any, names: list[str], keep: Keep, stats: Any) -> None:
