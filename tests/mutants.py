@@ -384,7 +384,8 @@ MUTANTS = [
            "save_snapshot's docstring: checksums (the default, \"auto\") let validate catch "
            "a flipped value byte"),
     Mutant("connector-tls-unchecked", "hurraykv/integrations/vllm/config.py",
-           "        config._check_tls()\n", "",
+           "            store.check_options(self.store_options,\n",
+           "            (lambda *a: None)(self.store_options,\n",
            ("tests/integrations/vllm/test_vllm_config.py::test_the_tls_files_are_checked_at_start_not_as_an_"
             "outage_later",),
            "docs/vllm.md, the config table: TLS files are checked at start"),
@@ -396,8 +397,8 @@ MUTANTS = [
             "the_dtype",),
            "BlockPagedTensor.decode_pages: compiled, the spec formula's values"),
     Mutant("scheme-plugins-not-loaded", "hurraykv/wire/quant_registry.py",
-           "    for ep in entry_points(group=ENTRY_POINTS):",
-           "    for ep in entry_points(group=ENTRY_POINTS + '-off'):",
+           "    plugins.load(ENTRY_POINTS, _load_one,",
+           "    plugins.load(ENTRY_POINTS + '-off', _load_one,",
            ("tests/paged/test_decode_pages.py::test_a_scheme_from_outside_the_package_is_"
             "quantized_decoded_and_stored",),
            "docs/architecture.md, a quantization scheme: one from outside the package "
