@@ -5,6 +5,8 @@ noun that agrees with its count (``1 key``, ``2 keys``)."""
 
 from __future__ import annotations
 
+import re
+
 _UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -44,14 +46,35 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{count(n)} {many}"
 
 
-def parse_size(text: str) -> int:
-    """``8G``, ``512M``, ``64K``, ``1.5GiB`` or a plain byte count (binary multiples);
+# Numbers as text are ASCII: int() and float() also read the digits of every other
+# script ('\uff11\uff12' is 12, '\u0661' is 1) and '1_000', which no config means.
+_INT = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_FLOAT = re.compile(r"\s*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*",
+                    re.ASCII)
+_SIZE = re.compile(r"\s*([+-]?[0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])I?)?B?\s*", re.ASCII)
+_MULTIPLES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_int(text: str) -> int:
+    """A whole number written in ASCII digits (a sign and spaces around allowed);
     ValueError for anything else."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except OverflowError:  # "infG", "1e400G": not a size
-        raise ValueError(f"{text!r} is not a finite size") from None
+    if not isinstance(text, str) or _INT.fullmatch(text) is None:
+        raise ValueError(f"{text!r} is not a whole number in ASCII digits")
+    return int(text)
+
+
+def parse_float(text: str) -> float:
+    """A decimal number written in ASCII (``2000``, ``0.5``, ``1e3``); ValueError for
+    anything else (``inf`` and ``nan`` included)."""
+    if not isinstance(text, str) or _FLOAT.fullmatch(text) is None:
+        raise ValueError(f"{text!r} is not a number in ASCII digits")
+    return float(text)
+
+
+def parse_size(text: str) -> int:
+    """``8G``, ``512M``, ``64K``, ``1.5GiB`` or a plain byte count (binary multiples), in
+    ASCII digits; ValueError for anything else."""
+    m = _SIZE.fullmatch(text.upper()) if isinstance(text, str) else None
+    if m is None or ("." in m[1] and not m[2]):  # "1.5" bytes is no size
+        raise ValueError(f"{text!r} is not a size: ASCII digits, then K, M, G or T")
+    return int(float(m[1]) * _MULTIPLES[m[2]]) if m[2] else int(m[1])

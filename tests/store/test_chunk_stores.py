@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hurraykv.errors import HurrayError
+from hurraykv.errors import ConfigError, HurrayError
 from hurraykv.integrations import chunks
-from hurraykv.integrations.chunks import open_store, schemes, store_class, url_forms
+from hurraykv.integrations.chunks import Option, open_store, schemes, store_class, url_forms
 from hurraykv.net.server import KVServer
 from hurraykv.testing import ChunkStoreTests, segment
 from tests.support.redis_servers import free_port, redis_server_binary, start_redis
@@ -142,6 +142,21 @@ def test_open_store_reads_options_by_their_kind_and_checks_them_first(tmp_path):
         open_store(tmp_path.as_uri(), max_bytes="lots")
     with pytest.raises(HurrayError, match=r"option tls_ca.*nowhere\.pem"):
         open_store("hurray://127.0.0.1:1", tls_ca=str(tmp_path / "nowhere.pem"))
+
+
+@pytest.mark.parametrize(("kind", "text"), [
+    ("int", "\uff11\uff12"), ("int", "\u0661\u0662"), ("int", "1_000"), ("float", "\uff12.5"),
+    ("float", "1_0.5"), ("size", "\uff16\uff14G"), ("size", "\u0664K"), ("size", "1_024"),
+])
+def test_a_numeric_option_is_ascii_digits_only(kind, text):
+    """Item 13 (issue 46): int() and float() read any script's digits ('\uff11\uff12' is 12)
+    and '1_000'; an option's number or size is ASCII digits, else a ConfigError naming
+    the option, the text and the rule (``open_store``'s and ``hurraykv cache``'s)."""
+    option = Option("n", kind)
+    with pytest.raises(ConfigError, match=rf"option n is '{text}'; it is .*ASCII digits") as e:
+        option.parse(text, "option n")
+    assert (e.value.field, e.value.value) == ("n", text)
+    assert option.parse(" 12 ", "option n") == {"int": 12, "float": 12.0, "size": 12}[kind]
 
 
 def test_the_docs_and_the_module_docstring_name_every_form():

@@ -177,8 +177,8 @@ class Option:
         """``text`` (a command line's) read as this option's kind; a ``ConfigError``
         naming it as ``named`` (``--option bucket``) and the rule when it is not."""
         rules = {"str": "a non-empty string", "size": "a positive byte count or a size "
-                 "like 64G", "int": "a positive integer", "float": "a positive number",
-                 "bool": "true or false"}
+                 "like 64G, in ASCII digits", "int": "a positive integer in ASCII digits",
+                 "float": "a positive number in ASCII digits", "bool": "true or false"}
         value: Any = None
         with contextlib.suppress(ValueError, OverflowError):
             if self.kind == "str":
@@ -186,8 +186,8 @@ class Option:
             elif self.kind == "bool":
                 value = {"true": True, "false": False}.get(text.strip().lower())
             else:
-                number = {"size": units.parse_size, "int": int, "float": float}[self.kind](
-                    text)
+                number = {"size": units.parse_size, "int": units.parse_int,
+                          "float": units.parse_float}[self.kind](text)
                 value = number if 0 < number < float("inf") else None
         if value is None:
             raise ConfigError(f"{named} is {text!r}; it is {rules[self.kind]}",
