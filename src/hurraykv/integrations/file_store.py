@@ -258,6 +258,17 @@ class FileChunks(ChunkStore):
         self._by_size: dict[int, list[_FileLayout]] = {}
 
     @classmethod
+    def url_problem(cls, parsed: ParseResult) -> str:
+        """A directory that is the filesystem root: segments, ``aliases.log`` and the
+        quarantine would land among the system's directories, and ``hurraykv cache
+        clear`` would sweep them (issue 46)."""
+        path = unquote(parsed.path)
+        if os.path.normpath(path).strip("/") == "":  # "/", "//", "/.", "/tmp/..", "%2F"
+            return (f"its directory is the filesystem root ({parsed.path!r}); name a "
+                    "directory of its own, file:///DIR")
+        return ""
+
+    @classmethod
     def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
              **options: Any) -> FileChunks:
         return cls(unquote(parsed.path), **options)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import hurraykv as hk
+from hurraykv.integrations.chunks import open_store
 from hurraykv.integrations.vllm.config import KEYS, ConnectorConfig
 
 
@@ -127,6 +128,39 @@ def test_every_refusal_is_a_hurray_error_naming_the_key(extra, key, why):
     with pytest.raises(hk.HurrayError, match=why) as e:
         ConnectorConfig.from_extra(extra)
     assert e.value.field == key
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("chunk_size", "\uff11\uff12"),  # full-width digits: int() reads them as 12
+    ("store_threshold", "\u0662"),  # an Arabic-Indic 2
+    ("lookup_timeout_ms", "\uff12\uff10\uff10\uff10"),  # float() reads 2000.0
+    ("max_pending_saves", "1_000"),  # int() takes Python's digit separators too
+    ("max_bytes", "\uff16\uff14G"),  # a size: float() inside parse_size
+    ("max_pending_save_bytes", "\u0661G"),
+])
+def test_numbers_as_text_are_ascii_digits_only(key, value):
+    """Item 13 (issue 46): Python's int() and float() read the digits of every script,
+    so '\uff11\uff12' became 12: a number or a size given as text is ASCII digits, and a
+    ConfigError names the key, the value and the rule."""
+    with pytest.raises(hk.ConfigError, match=rf"kv_connector_extra_config\['{key}'\] is "
+                       rf"'{value}';.*ASCII digits") as e:
+        ConnectorConfig.from_extra({"url": "file:///kv", key: value})
+    assert (e.value.field, e.value.value) == (key, value) and "ASCII" in e.value.rule
+    ConnectorConfig.from_extra({"url": "file:///kv", key: " 12 " if "bytes" not in key
+                                else "12G"})  # the same in ASCII is taken
+
+
+@pytest.mark.parametrize("url", ["file:///", "file:////", "file:///.", "file:///tmp/..",
+                                 "file://localhost/", "file:///%2F"])
+def test_a_file_store_at_the_filesystem_root_is_refused(url):
+    """Item 13 (issue 46): ``file:///`` would put segments, ``aliases.log`` and the
+    quarantine in ``/``, and ``hurraykv cache clear`` would sweep it."""
+    with pytest.raises(hk.ConfigError, match=r"kv_connector_extra_config\['url'\] is "
+                       rf"'{re.escape(url)}': its directory is the filesystem root") as e:
+        ConnectorConfig.from_extra({"url": url})
+    assert (e.value.field, e.value.value) == ("url", url)
+    with pytest.raises(hk.ConfigError, match=r"the filesystem root"):
+        open_store(url)  # the command line's stores too (hurraykv cache)
 
 
 @pytest.mark.parametrize("url", ["file://localhost/kv", "file:///a%20b%3Fc", "hurray://h:1/",

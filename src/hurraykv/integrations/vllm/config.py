@@ -6,8 +6,9 @@ a plugin store's ``bucket``), so that a new store edits only its own module; the
 parsed by their kind into ``store_options`` (``docs/vllm.md``'s table is tested against
 ``KEYS``).  An unknown key is refused with the list of known ones, a
 boolean is ``true``/``false`` (JSON or the strings) and nothing else, numbers must be
-positive, strings non-empty, sizes bytes or binary multiples ("64G", "64GB" and "64GiB"
-are all 64 GiB): a typo never silently becomes a default.
+positive (as text: ASCII digits; ``int()`` reads any script's), strings non-empty,
+sizes bytes or binary multiples ("64G", "64GB" and "64GiB" are all 64 GiB): a typo
+never silently becomes a default.  Every refusal is a ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ... import units
-from ...errors import HurrayError, did_you_mean
+from ...errors import ConfigError, did_you_mean
 from .. import chunks
 from . import store_format
 
@@ -98,7 +99,7 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         if extra is not None and not isinstance(extra, Mapping):
-            raise HurrayError(f"kv_connector_extra_config is a {type(extra).__name__} "
+            raise ConfigError(f"kv_connector_extra_config is a {type(extra).__name__} "
                               f"({_shown(extra)}); it is an object of keys and values",
                               field="kv_connector_extra_config",
                               value=type(extra).__name__, rule="a JSON object (a dict)")
@@ -108,12 +109,12 @@ class ConnectorConfig:
         known = [*own, *(k for k in stores if k not in own)]
         unknown = sorted(set(extra) - set(known), key=repr)  # keys need not be strings
         if unknown:
-            raise HurrayError(f"kv_connector_extra_config has unknown key(s) {unknown}"
+            raise ConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}"
                               f"{did_you_mean(unknown[0], known)}; known: "
                               f"{', '.join(known)}", field="kv_connector_extra_config",
                               value=unknown, rule="a key the connector reads")
         if not extra.get("url"):
-            raise HurrayError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
+            raise ConfigError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
                               f"{chunks.url_forms()}", field="url",
                               rule="kv_connector_extra_config.url")
         # a store option is read as the URL's store declares it (else as the first
@@ -126,7 +127,7 @@ class ConnectorConfig:
                      store_options={k: v for k, v in parsed.items()
                                     if k not in own and v is not None})
         if config.load_mode not in LOAD_MODES:
-            raise HurrayError(f"kv_connector_extra_config['load_mode'] is "
+            raise ConfigError(f"kv_connector_extra_config['load_mode'] is "
                               f"{config.load_mode!r}; it is one of {', '.join(LOAD_MODES)}",
                               field="load_mode", value=config.load_mode,
                               rule=f"one of {', '.join(LOAD_MODES)}")
@@ -139,12 +140,12 @@ class ConnectorConfig:
         schemes = store_format.scheme_names()
         if self.quantization is not None and self.quantization not in schemes:
             known = ", ".join(schemes)
-            raise HurrayError(f"kv_connector_extra_config['quantization'] is "
+            raise ConfigError(f"kv_connector_extra_config['quantization'] is "
                               f"{self.quantization!r}; it is one of {known}",
                               field="quantization", value=self.quantization,
                               rule=f"one of {known}")
         if self.quantization is not None and self.store_dtype not in ("int8", "int4"):
-            raise HurrayError(f"kv_connector_extra_config['quantization'] is "
+            raise ConfigError(f"kv_connector_extra_config['quantization'] is "
                               f"{self.quantization!r} with store_dtype {self.store_dtype!r}; "
                               "a quantization scheme applies to store_dtype int8 and int4",
                               field="quantization", value=self.quantization,
@@ -167,7 +168,7 @@ class ConnectorConfig:
         failed requests); the schemes and what each takes come from the store registry."""
         why = chunks.url_problem(self.url, list(self.store_options))
         if why:
-            raise HurrayError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
+            raise ConfigError(f"kv_connector_extra_config['url'] is {self.url!r}: {why}",
                               field="url", value=self.url, rule="a chunk store URL")
 
     def _check_store_options(self) -> None:
@@ -191,15 +192,15 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
         except ValueError:
             out = None
         if out is None or not 0 < out <= MAX_SIZE:
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; a size "
-                              "is a positive byte count or a string like \"64G\", \"512M\", "
-                              "up to 8 EiB", field=key, value=value,
-                              rule="a positive size up to 2**63 - 1 bytes")
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; a size "
+                              "is a positive byte count or a string like \"64G\", \"512M\" "
+                              "in ASCII digits, up to 8 EiB", field=key, value=value,
+                              rule="a positive size up to 2**63 - 1 bytes, in ASCII digits")
         return out
     if kind.startswith("tuple"):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(x, str) for x in items):
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
                               "list of strings (or one comma-separated string)", field=key,
                               value=value, rule="a list of strings")
         return tuple(x.strip() for x in items if x.strip())
@@ -208,24 +209,28 @@ def _parse(key: str, kind: Any, value: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; a boolean is "
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] is {value!r}; a boolean is "
                           "true or false", field=key, value=value, rule="true or false")
     if kind.startswith(("int", "float")):
         number = int if kind.startswith("int") else float
         try:
             if isinstance(value, bool) or (number is int and isinstance(value, float)):
                 raise ValueError
-            out = number(value)
+            if isinstance(value, str):  # int() and float() read any script's digits
+                out = (units.parse_int if number is int else units.parse_float)(value)
+            else:
+                out = number(value)
         except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
             out = None
         least = "0 or more" if key in ZERO_OFF else "positive"
         if out is None or not (out >= 0 if key in ZERO_OFF else out > 0) or out > LIMIT:
-            raise HurrayError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; it is "
-                              f"a {least} {number.__name__} up to {LIMIT:g}", field=key,
-                              value=value, rule=f"a {least} {number.__name__}")
+            raise ConfigError(f"kv_connector_extra_config[{key!r}] is {_shown(value)}; it is "
+                              f"a {least} {number.__name__} up to {LIMIT:g} (as text: in "
+                              "ASCII digits)", field=key, value=value,
+                              rule=f"a {least} {number.__name__}, as text in ASCII digits")
         return out
     if not isinstance(value, str) or not value.strip():
-        raise HurrayError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] is {value!r}; it is a "
                           "non-empty string (leave the key out for its default)", field=key,
                           value=value, rule="a non-empty string")
     return value
