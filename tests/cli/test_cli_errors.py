@@ -188,7 +188,7 @@ def test_client_tls_files_are_checked_before_connecting(files, capsys, args, sai
     (["serve", "--listen", ":http"],
      "argument --listen: address ':http': port 'http' is not a number: a port is 0..65535"),
     (["push", "http://127.0.0.1:7878", "k", "f.hrry"],
-     "argument address: address 'http://127.0.0.1:7878': hurraykv serve speaks the "
+     "argument ADDRESS: address 'http://127.0.0.1:7878': hurraykv serve speaks the "
      "Hurray protocol over TCP, not HTTP; give HOST:PORT, e.g. 127.0.0.1:7878"),
     (["serve", "--memory-budget", "-5G"], "argument --memory-budget: '-5G': a size must be > 0"),
     (["serve", "--max-message-size", "-1"],

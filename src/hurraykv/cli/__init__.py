@@ -7,24 +7,31 @@
                    [--persist-budget 64G] [--metrics-listen HOST:PORT] ...
     hurraykv push [-q] ADDRESS KEY FILE  /  hurraykv pull [-q] ADDRESS KEY OUT.hrry
     hurraykv ls [--json] [--aliases] ADDRESS [PREFIX]  /  stat [--json] ADDRESS
-    hurraykv rm [-q] ADDRESS KEY...
+    hurraykv rm [-q] ADDRESS KEY...      every KEY that exists; exit 1 if one is missing
     hurraykv store fsck URL              repair a Redis page store after a crash
     hurraykv cache ls [--segments] URL   a connector's store: per cache identity
     hurraykv cache clear URL (--identity ID | --all)
     hurraykv cache pin URL (--segment NAME | --tokens FILE --identity S) [--ttl S] [--unpin]
+
+``python -m hurraykv`` is the same command.  A KEY is 1 to 4096 UTF-8 bytes without
+NUL (an empty one is a usage error); a PREFIX with ``*``, ``?`` or ``[...]`` is a
+Redis-style glob the whole key must match (``\\*`` a literal ``*``), any other a literal
+prefix.  A key the server does not hold is said ``no such key 'KEY'``.
 
 A path of ``-`` is standard input for what is read (inspect, validate) and standard
 output for the .hrry file ``compact`` and ``pull`` write; their summary line then goes to
 stderr, so standard output holds only the file.
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
-on stderr); 2 usage (an option, address or URL that cannot be used, named with its value
-and the rule), or a file, directory or server that cannot be read, written or reached;
-141 (128 + SIGPIPE, as for a program the signal ends) when whoever reads standard output
-closed it early (``| head``): nothing more is printed.  Progress bars go to stderr for
-work over about a second, unless -q/--quiet (which also drops the summary line) or
-stderr is not a terminal.  Sizes are binary (KiB, MiB, GiB), rates too (bytes/s, KiB/s,
-MiB/s, GiB/s: the unit that fits).
+on stderr as ``hurraykv: SUBJECT: ERRORTYPE: message``, the file, address or URL first;
+with ``--json``, ``inspect`` and ``validate`` also print ``{path, valid: false, error:
+{type, message, field}}`` on stdout); 2 usage (an option, address or URL that cannot be
+used, named with its value and the rule), or a file, directory or server that cannot be
+read, written or reached; 141 (128 + SIGPIPE, as for a program the signal ends) when
+whoever reads standard output closed it early (``| head``): nothing more is printed.
+Progress bars go to stderr for work over about a second, unless -q/--quiet (which also
+drops the summary line) or stderr is not a terminal. Sizes are binary (KiB, MiB, GiB),
+rates too (bytes/s, KiB/s, MiB/s, GiB/s: the unit that fits).
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from ..errors import (
 from .cache import add_parsers as add_cache_parsers
 from .inputs import CannotRead
 from .local import cmd_compact, cmd_inspect, cmd_validate
-from .remote import cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
+from .remote import NoSuchKey, cmd_ls, cmd_pull, cmd_push, cmd_rm, cmd_serve, cmd_stat
 from .store import cmd_store_fsck
 
 USAGE, INVALID = 2, 1
@@ -76,6 +83,22 @@ class _Parser(argparse.ArgumentParser):
             command.error(f"unrecognized arguments: {' '.join(extra)}"
                           + did_you_mean(unknown.split("=")[0], options))
         return parsed
+
+
+class _Version(argparse.Action):
+    """``--version``: the line as written (argparse's own wraps it to the terminal's
+    width, and to 80 columns through a pipe)."""
+
+    def __init__(self, option_strings: list[str], version: str, dest: str = "version",
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and the format versions it reads, and exit")
+        self.version = version
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(self.version)
+        parser.exit()
 
 
 def _greater_than_zero(parse: Callable[[str], Any], what: str, rule: str
@@ -110,6 +133,23 @@ def _address(text: str) -> str:
     return text
 
 
+def _key(text: str) -> str:
+    """An argparse ``type``: a key as the server takes it (1 to 4096 UTF-8 bytes, no NUL),
+    so that an empty one is a usage error here rather than a rejection by the server."""
+    from ..net.tenants import check_key
+
+    try:
+        return check_key(text)
+    except HurrayError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except UnicodeEncodeError:  # bytes of no encoding, kept by the filesystem decoding
+        raise argparse.ArgumentTypeError(f"key {text!r} is not UTF-8 text: a key is 1 to "
+                                         "4096 UTF-8 bytes without NUL") from None
+
+
+KEY_RULE = "1 to 4096 UTF-8 bytes, no NUL; under mutual TLS, your tenant's own"
+
+
 def _metrics_address(text: str) -> str:
     """An argparse ``type``: ``HOST:PORT`` for the HTTP metrics endpoint."""
     from ..net.metrics import parse_metrics_address
@@ -127,7 +167,7 @@ def _quiet(sp: argparse.ArgumentParser, what: str = "progress bar") -> None:
 
 
 def _client_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("address", type=_address, help="the server: HOST:PORT, HOST "
+    sp.add_argument("address", type=_address, metavar="ADDRESS", help="the server: HOST:PORT, HOST "
                     "(port 7878), hurray://HOST:PORT, or a Unix socket path (the address "
                     "`hurraykv serve` prints as 'listening on', not its metrics port)")
     sp.add_argument("--tls-ca", help="PEM CA bundle that verifies the server's certificate "
@@ -151,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "in the Hurray block-paged format.",
                 epilog="exit codes: 0 success, 1 data rejected, 2 usage or cannot "
                 "read/write/reach, 141 standard output closed early (| head)")
-    p.add_argument("--version", action="version", version=(
+    p.add_argument("--version", action=_Version, version=(
         f"hurraykv {__version__} (Hurray descriptor 1.0, .hrry container 1.0, "
         "interchange protocol 1)"))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -176,7 +216,7 @@ def _add_file_commands(sub: _Commands) -> None:
                    help="also draw the block table of the first member as an SVG picture")
     i.add_argument("--permissive", action="store_true",
                    help="decode a descriptor as a permissive reader may")
-    i.add_argument("path", help="a file, or - for standard input")
+    i.add_argument("path", metavar="PATH", help="a file, or - for standard input")
     i.set_defaults(func=cmd_inspect)
     v = sub.add_parser("validate", help="exit 0 when valid, 1 when rejected (the reason on "
                        "stderr)")
@@ -186,13 +226,13 @@ def _add_file_commands(sub: _Commands) -> None:
                    "stdout, also when rejected: path, valid, kind, snapshot, checksums "
                    "(verified, absent or null), summary; or error {type, message, field}")
     _quiet(v)
-    v.add_argument("path", help="a file, or - for standard input")
+    v.add_argument("path", metavar="PATH", help="a file, or - for standard input")
     v.set_defaults(func=cmd_validate)
     c = sub.add_parser("compact", help="rewrite a snapshot keeping only referenced pages")
     _quiet(c)
-    c.add_argument("input", help="a .hrry file or a stream holding a snapshot")
-    c.add_argument("output", help="the .hrry file to write (atomically), or - for standard "
-                   "output (the summary then goes to stderr)")
+    c.add_argument("input", metavar="IN", help="a .hrry file or a stream holding a snapshot")
+    c.add_argument("output", metavar="OUT", help="the .hrry file to write (atomically), or "
+                   "- for standard output (the summary then goes to stderr)")
     c.set_defaults(func=cmd_compact)
 
 
@@ -264,6 +304,11 @@ def _serve_connection_limits(sv: argparse.ArgumentParser) -> None:
                     help="a connection silent this long is closed; default 600")
     sv.add_argument("--max-connections", type=_positive, default=256, metavar="N",
                     help="connections beyond this are answered SERVER_BUSY; default 256")
+    sv.add_argument("--max-connections-per-tenant", type=_positive, default=None,
+                    metavar="N", help="with --tls-ca: connections one client identity "
+                    "(tenant) may hold at once, at most --max-connections; its next one is "
+                    "answered SERVER_BUSY naming this limit, and other tenants still "
+                    "connect; default a quarter of --max-connections (at least 1)")
 
 
 def _add_transfer_commands(sub: _Commands) -> None:
@@ -272,14 +317,17 @@ def _add_transfer_commands(sub: _Commands) -> None:
                            ("pull", "pull a snapshot from a server into a .hrry file")):
         sp = sub.add_parser(name, help=helptext)
         _client_options(sp)
-        sp.add_argument("key")
+        sp.add_argument("key", type=_key, metavar="KEY", help=(
+            "the name to store the snapshot under" if name == "push" else
+            "the key (or alias) to fetch") + f" ({KEY_RULE})")
         if name == "push":
-            sp.add_argument("file", help="a .hrry file or a stream holding a snapshot (one "
-                            "larger than a budget the server's stat shows is refused "
-                            "before a byte is sent)")
+            sp.add_argument("file", metavar="FILE", help="a .hrry file or a stream holding a "
+                            "snapshot (one larger than a budget the server's stat shows is "
+                            "refused before a byte is sent)")
         else:
-            sp.add_argument("output", help="the .hrry file to write (atomically), or - for "
-                            "standard output (the summary then goes to stderr)")
+            sp.add_argument("output", metavar="OUT.hrry", help="the .hrry file to write "
+                            "(atomically), or - for standard output (the summary then goes "
+                            "to stderr)")
         _quiet(sp)
         sp.set_defaults(func=cmd_push if name == "push" else cmd_pull)
 
@@ -294,7 +342,9 @@ def _add_server_admin_commands(sub: _Commands) -> None:
                         "what it holds itself: keys only in the Redis store (pushed before "
                         "its restart, or by another server) are pulled but not listed.")
     _client_options(ls)
-    ls.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
+    ls.add_argument("prefix", nargs="?", default="", metavar="PREFIX", help="only keys "
+                    "starting with this; with *, ? or [...] a Redis-style glob the whole "
+                    "key must match (k* = keys starting with k; \\* is a literal *)")
     ls.add_argument("--aliases", action="store_true", help="list aliases (LINK) and the "
                     "keys they name instead of stored keys")
     ls.add_argument("--json", action="store_true", help="one JSON object: address, prefix, "
@@ -311,7 +361,10 @@ def _add_server_admin_commands(sub: _Commands) -> None:
                         "from a server")
     _client_options(rm)
     _quiet(rm, "line per key removed")
-    rm.add_argument("keys", nargs="+", metavar="KEY")
+    rm.add_argument("keys", nargs="+", metavar="KEY", type=_key, help="keys (each "
+                    "removed with the aliases naming it) or aliases to remove, each "
+                    f"{KEY_RULE}; every one that exists is removed, each missing one "
+                    "named on stderr (exit 1)")
     rm.set_defaults(func=cmd_rm)
 
 
@@ -401,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                      "give --tls-ca (and --tls-cert, --tls-key)")
     args.subject = (getattr(args, "path", None) or getattr(args, "input", None)
                     or getattr(args, "address", None) or getattr(args, "url", ""))
+    if args.subject == "-":  # as the messages name standard input
+        args.subject = "<stdin>"
 
     def say(text: str, subject: str | None = None) -> None:
         subject = args.subject if subject is None else subject
@@ -419,10 +474,21 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file the user named
         say(e.strerror or str(e), str(e.filename) if e.filename else None)
         return USAGE
-    except HurrayError as e:  # named once: by the message when it names the subject
-        named = bool(args.subject) and str(e).startswith(str(args.subject))
-        say(f"{type(e).__name__}: {e}", "" if named else None)
+    except NoSuchKey as e:  # the server's answer, in the user's words
+        say(str(e))
+        return INVALID
+    except HurrayError as e:
+        say(error_text(e, args.subject))
         return INVALID
 
 
-__all__ = ["build_parser", "main"]
+def error_text(e: HurrayError, subject: str | None) -> str:
+    """``TYPE: message`` for the line ``hurraykv: SUBJECT: TYPE: message``: the subject
+    is said first and once, also where the message itself starts by naming it."""
+    text = str(e)
+    if subject and text.startswith(f"{subject}: "):
+        text = text[len(subject) + 2:]
+    return f"{type(e).__name__}: {text}"
+
+
+__all__ = ["build_parser", "error_text", "main"]

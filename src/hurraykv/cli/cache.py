@@ -59,7 +59,7 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("-q", "--quiet", action="store_true", help="no summary line (errors "
                        "still go to stderr; the exit code says how it went)")
     for p, func in ((ls, cmd_cache_ls), (cl, cmd_cache_clear), (pn, cmd_cache_pin)):
-        p.add_argument("url", help="file:///DIR, hurray://HOST:PORT or redis://HOST:PORT")
+        p.add_argument("url", metavar="URL", help="file:///DIR, hurray://HOST:PORT or redis://HOST:PORT")
         p.add_argument("--json", action="store_true", help="the answer as one JSON object")
         for opt in TLS:
             p.add_argument("--" + opt.replace("_", "-"), dest=opt,
@@ -143,7 +143,16 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
                   f"{s.identity_key or '-'}  {kept.strip()}")
     print(f"{units.plural(len(segments), 'segment')}, "
           f"{units.size(sum(s.nbytes for s in segments))} in {args.url}")
+    if any(r[k] is None for r in rows for k in ("oldest", "last_used")):
+        print(UNRECORDED)
     return 0
+
+
+# A "-" under OLDEST or LAST USE is not an age too small to show: the store has no such
+# time to give (docs/vllm.md, "For operators").
+UNRECORDED = ("-: not recorded by this store (file:// keeps each segment's last use, its "
+              "modification time, not when it was stored; a hurray:// server keeps "
+              "neither)")
 
 
 def _identity(wanted: str, segments: list[Any]) -> str:

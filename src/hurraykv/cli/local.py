@@ -61,7 +61,24 @@ def descriptor_summary(desc: TensorDescriptor) -> str:
     return "\n".join(lines)
 
 
+def rejected_json(path: str, e: Exception) -> str:
+    """What ``--json`` prints on stdout for an input that was rejected or cannot be read
+    (the usual line still goes to stderr, with the usual exit code)."""
+    return json.dumps({"path": "<stdin>" if path == "-" else path, "valid": False,
+                       "error": {"type": type(e).__name__, "message": str(e),
+                                 "field": getattr(e, "field", None)}}, sort_keys=True)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    try:
+        return _inspect(args)
+    except (HurrayError, CannotRead) as e:
+        if args.json:  # an object on stdout for scripts, as validate --json prints
+            print(rejected_json(args.path, e))
+        raise
+
+
+def _inspect(args: argparse.Namespace) -> int:
     inp = Input(args.path)
     contents = load_contents(inp, args.permissive)
     if contents.desc is not None:
@@ -156,10 +173,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         verdict = _validate(args)
     except (HurrayError, CannotRead) as e:
         if args.json:  # the verdict on stdout, then the usual line on stderr and exit code
-            print(json.dumps({"path": "<stdin>" if args.path == "-" else args.path,
-                              "valid": False, "error": {
-                                  "type": type(e).__name__, "message": str(e),
-                                  "field": getattr(e, "field", None)}}, sort_keys=True))
+            print(rejected_json(args.path, e))
         raise
     if args.json:
         print(json.dumps(verdict, sort_keys=True))

@@ -6,14 +6,42 @@ import argparse
 import contextlib
 import ipaddress
 import json
+import re
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .. import units
+from ..errors import HurrayError, RemoteError
 from .inputs import CannotRead, Input, load_contents
 from .outputs import STDOUT, check_output, human, write_output
 from .progress import Progress
+
+
+class NoSuchKey(HurrayError):
+    """A key (or alias) the server does not hold, said as such (the server's answer is
+    ``UNKNOWN_TENSOR``): exit 1."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no such key {key!r}", field="key", value=key,
+                         rule="a key or alias the server holds (`hurraykv ls` lists them)")
+
+
+def _unknown(e: RemoteError) -> bool:
+    from ..net.messages import ErrorCode
+
+    return e.code == ErrorCode.UNKNOWN_TENSOR
+
+
+@contextlib.contextmanager
+def _said_missing(key: str) -> Iterator[None]:
+    try:
+        yield
+    except RemoteError as e:
+        if _unknown(e):
+            raise NoSuchKey(key) from None
+        raise
 
 
 def _tls(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_bytes_per_tenant=args.max_bytes_per_tenant,
                           max_message_size=args.max_message_size,
                           read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
-                          max_connections=args.max_connections, store=args.store,
+                          max_connections=args.max_connections,
+                          max_connections_per_tenant=args.max_connections_per_tenant,
+                          store=args.store,
                           zero_unused=not args.no_zero_unused,
                           metrics_listen=args.metrics_listen, **_tls(args))
     server = KVServer(config)
@@ -77,10 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.persist:
             persist += (" (unlimited)" if args.persist_budget is None
                         else f" (budget {units.size(args.persist_budget)})")
+        share = f" ({config.tenant_share()} per tenant)" if args.tls_ca else ""
         say(f"memory budget {budget}; persist {persist}; backing store "
             f"{args.store or 'none'}; TLS "
             f"{'mutual' if args.tls_ca else 'on' if args.tls_cert else 'off'}; at most "
-            f"{args.max_connections} connections, messages up to "
+            f"{args.max_connections} connections{share}, messages up to "
             f"{units.size(args.max_message_size)}; holding {server.held()}")
         task = asyncio.current_task()
         assert task is not None
@@ -127,7 +158,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     check_output(args.output)  # before the transfer, not after it
     progress = Progress(f"pull {args.key}", args.quiet)
     t0 = time.perf_counter()
-    with _client(args) as client:
+    with _client(args) as client, _said_missing(args.key):
         snap = client.pull(args.key, progress=progress)
     seconds = time.perf_counter() - t0
     progress.close()
@@ -141,10 +172,61 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+GLOB = re.compile(r"\\.|[*?]|\[(?:\\.|[^\]\\])+\]")  # \x, *, ?, a closed [...]
+WILDCARDS = {"*": ".*", "?": "."}
+
+
+def glob(pattern: str) -> tuple[str, re.Pattern[str] | None]:
+    """``ls PREFIX``: the literal prefix to ask the server for, and the regular
+    expression the whole key must match where ``pattern`` is a Redis-style glob (``*``,
+    ``?``, ``[abc]``, ``[^a]``, ``[a-z]``; ``\\x`` is ``x`` itself; a ``[`` never
+    closed is itself); None for a plain prefix (escapes undone)."""
+    regex, prefix, wild, at = [], [], False, 0
+    for m in GLOB.finditer(pattern):
+        escaped = m[0].startswith("\\")
+        literal = pattern[at:m.start()] + (m[0][1] if escaped else "")
+        at = m.end()
+        regex.append(re.escape(literal))
+        if not wild:  # the server filters by what comes before the first wildcard
+            prefix.append(literal)
+        if not escaped:
+            wild = True
+            regex.append(WILDCARDS.get(m[0]) or _char_class(m[0][1:-1]))
+    tail = pattern[at:]
+    if not wild:
+        return "".join(prefix) + tail, None
+    return "".join(prefix), re.compile("".join(regex) + re.escape(tail), re.DOTALL)
+
+
+def _char_class(body: str) -> str:
+    negate = body.startswith("^")
+    body = body[1:] if negate else body
+    items = re.findall(r"\\.|.", body, re.DOTALL)
+    chars = [c[-1] for c in items]
+    out, i = [], 0
+    while i < len(chars):
+        if i + 2 < len(chars) and items[i + 1] == "-":
+            lo, hi = sorted((chars[i], chars[i + 2]))  # Redis takes z-a as a-z
+            out.append(f"{re.escape(lo)}-{re.escape(hi)}")
+            i += 3
+        else:
+            out.append(re.escape(chars[i]))
+            i += 1
+    return f"[{'^' if negate else ''}{''.join(out)}]" if out else ("(?s:.)" if negate
+                                                                    else "(?!)")
+
+
+def _matching(pattern: str, fetch: Any) -> list[Any]:
+    """What ``fetch(prefix)`` lists (pairs, the name first) that ``pattern`` names."""
+    prefix, whole = glob(pattern)
+    found = fetch(prefix)
+    return found if whole is None else [n for n in found if whole.fullmatch(n[0])]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.aliases:
         with _client(args) as client:
-            aliases = sorted(client.aliases(args.prefix))
+            aliases = sorted(_matching(args.prefix, client.aliases))
         if args.json:
             print(json.dumps({"address": args.address, "prefix": args.prefix,
                               "count": len(aliases), "aliases": [
@@ -158,7 +240,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                                                       if aliases else ""))
         return 0
     with _client(args) as client:
-        keys = sorted(client.list_keys(args.prefix))
+        keys = sorted(_matching(args.prefix, client.list_keys))
     total = sum(n for _, n in keys)
     if args.json:
         print(json.dumps({"address": args.address, "prefix": args.prefix,
@@ -220,9 +302,19 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    """Every key that exists is removed, whatever its place among missing ones (as
+    ``DEL`` does); each missing one is named on stderr, and makes the exit 1."""
+    missing = 0
     with _client(args) as client:
         for key in args.keys:
-            client.delete(key)
+            try:
+                client.delete(key)
+            except RemoteError as e:
+                if not _unknown(e):
+                    raise
+                missing += 1
+                print(f"hurraykv: {args.address}: {NoSuchKey(key)}", file=sys.stderr)
+                continue
             if not args.quiet:
                 print(f"removed {key}")
-    return 0
+    return 1 if missing else 0

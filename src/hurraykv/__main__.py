@@ -1,0 +1,7 @@
+"""``python -m hurraykv``: the ``hurraykv`` command, where its script is not on PATH."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
