@@ -13,7 +13,10 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
 * CLIENT_HELLO first, answered by SERVER_HELLO; anything else first, or a first message
   over 64 KiB, closes the connection.  Under mutual TLS a certificate that names nobody
-  is answered with ERROR UNAUTHORIZED and the connection closes.
+  is answered with ERROR UNAUTHORIZED and the connection closes.  A connection past
+  ``--max-connections``, or past its tenant's ``--max-connections-per-tenant`` (a
+  quarter of it by default), is answered with ERROR SERVER_BUSY naming the limit and
+  closes: one tenant's idle connections never take every slot.
 * A group PUT is all or nothing: ``TENSOR_PUT(head)`` + ``TENSOR_DATA_END``, then one
   ``TENSOR_PUT`` + ``TENSOR_DATA``* + ``TENSOR_DATA_END`` per member; one ACK or ERROR
   after the Nth member.  Each member's bytes are reserved against the memory budget before
@@ -77,7 +80,8 @@ class Connection(asyncio.BufferedProtocol):
         self.tenant = ""  # tenant id (hex) under mutual TLS
         self.refusal: str | None = None  # why the handshake will be refused
         self.hello: Hello | None = None
-        self.busy = False
+        self.busy = False  # over --max-connections
+        self.over_share = False  # over its tenant's --max-connections-per-tenant
         self.closed = False
         self.puts: dict[int, Put] = {}
         self.dead: OrderedDict[int, None] = OrderedDict()  # streams closed by an ERROR
@@ -122,6 +126,8 @@ class Connection(asyncio.BufferedProtocol):
                     self.tenant, readable = identity
                     self.server.tenant_connections[self.tenant] += 1
                     log.info("tenant %s (%s) connected", self.tenant, readable)
+                    self.over_share = (self.server.tenant_connections[self.tenant]
+                                       > self.cfg.tenant_share())
         elif transport.get_extra_info("sslcontext") is None:
             # A duplicate of the plain socket lets buffer_updated keep reading while bytes
             # are waiting, instead of one event-loop round per kernel-buffer's worth.
@@ -432,6 +438,11 @@ class Connection(asyncio.BufferedProtocol):
         elif self.busy:
             refusal = (ErrorCode.SERVER_BUSY, f"more than {self.cfg.max_connections} "
                        "connections")
+        elif self.over_share:
+            share = self.cfg.tenant_share()
+            refusal = (ErrorCode.SERVER_BUSY, f"tenant {self.tenant} already holds {share} "
+                       f"connections: at most {share} per tenant "
+                       "(--max-connections-per-tenant)")
         if refusal is not None:
             self.fail(stream, *refusal)
             self.close()

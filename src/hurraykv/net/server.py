@@ -89,6 +89,12 @@ class KVServer:
                 "client identities of mutual TLS, and no --tls-ca is given",
                 field="max_bytes_per_tenant", value=c.max_bytes_per_tenant,
                 rule="--max-bytes-per-tenant needs --tls-ca")
+        if c.max_connections_per_tenant is not None and not c.tls_ca:
+            raise ConfigError(
+                f"--max-connections-per-tenant {c.max_connections_per_tenant}: tenants are "
+                "the client identities of mutual TLS, and no --tls-ca is given",
+                field="max_connections_per_tenant", value=c.max_connections_per_tenant,
+                rule="--max-connections-per-tenant needs --tls-ca")
         self.ssl_context = tls.server_context(c.tls_cert, c.tls_key, c.tls_ca)
         backing = None
         if c.store:
@@ -126,8 +132,9 @@ class KVServer:
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """What ``hurraykv stat`` shows: objects, bytes, budget, connections; for a
-        ``tenant`` (mutual TLS) its own objects, bytes and connections only, and whether
-        the server persists rather than where."""
+        ``tenant`` (mutual TLS) its own objects, bytes and connections only (and how
+        many it may hold, ``max_connections_per_tenant``), and whether the server
+        persists rather than where."""
         from .. import __version__
 
         out = {"version": __version__, "address": self.address,
@@ -137,6 +144,7 @@ class KVServer:
             return {**out, "connections": self.connections, **self.store.stats(),
                     **self.counts.as_dict()}
         return {**out, "tenant": tenant, "connections": self.tenant_connections[tenant],
+                "max_connections_per_tenant": self.config.tenant_share(),
                 **self.store.stats(tenant)}
 
     async def start(self) -> str:
