@@ -309,11 +309,6 @@ def _serve_connection_limits(sv: argparse.ArgumentParser) -> None:
                     "(tenant) may hold at once, at most --max-connections; its next one is "
                     "answered SERVER_BUSY naming this limit, and other tenants still "
                     "connect; default a quarter of --max-connections (at least 1)")
-    sv.add_argument("--max-connections-per-tenant", type=_positive, default=None,
-                    metavar="N", help="with --tls-ca: connections one client identity "
-                    "(tenant) may hold at once, at most --max-connections; its next one is "
-                    "answered SERVER_BUSY naming this limit, and other tenants still "
-                    "connect; default a quarter of --max-connections (at least 1)")
 
 
 def _add_transfer_commands(sub: _Commands) -> None:
