@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from collections import Counter
@@ -74,6 +76,43 @@ def parse_address(address: str) -> tuple[str, int] | str:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _cannot_listen(listen: str, why: str) -> TransportError:
+    return TransportError(f"--listen {listen}: cannot listen: {why}", field="listen",
+                          value=listen, rule="a free local HOST:PORT or a socket path the "
+                          "server may create")
+
+
+def clear_stale_socket(path: str, listen: str) -> None:
+    """Remove the socket file a server that died left at ``path``, one no server answers
+    on.  A socket a server answers on, or one it cannot tell, and anything that is not a
+    socket (a symbolic link included) are left as they are: ``TransportError`` naming
+    ``--listen``."""
+    if path.startswith("\0"):
+        return  # an abstract socket (Linux) has no file
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # binding there fails and says why
+    if not stat.S_ISSOCK(mode):
+        raise _cannot_listen(listen, f"{path} exists and is not a socket; it is left as "
+                             "it is (remove it, or give another path)")
+    probe = socket.socket(socket.AF_UNIX)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: what a killed server leaves behind
+        return
+    except OSError as e:
+        raise _cannot_listen(listen, f"{path} is a socket the server cannot tell is "
+                             f"unused: {e.strerror or e}") from None
+    finally:
+        probe.close()
+    raise _cannot_listen(listen, f"{path}: a server answers on it")
+
+
 class KVServer:
     """The server; ``await start()`` then ``serve_forever()``, or ``run_in_thread()``."""
 
@@ -126,6 +165,7 @@ class KVServer:
         self.counts = Counts(latencies=Latencies(REQUESTS))
         self._server: asyncio.AbstractServer | None = None
         self.address: str = ""
+        self._socket_file: tuple[str, int, int] | None = None  # path, st_dev, st_ino
         self.metrics: Any = None  # a metrics.MetricsEndpoint once started
         self.metrics_address: str | None = None
         self.stopped = False
@@ -155,10 +195,12 @@ class KVServer:
         ctx = self.ssl_context
         try:
             if isinstance(where, str):
-                if os.path.exists(where):
-                    os.unlink(where)
+                clear_stale_socket(where, self.config.listen)
                 self._server = await loop.create_unix_server(lambda: Connection(self),
                                                              where, ssl=ctx)
+                if not where.startswith("\0"):
+                    made = os.lstat(where)
+                    self._socket_file = (where, made.st_dev, made.st_ino)
                 self.address = where
             else:
                 self._server = await loop.create_server(lambda: Connection(self), where[0],
@@ -178,6 +220,7 @@ class KVServer:
                 self.metrics = MetricsEndpoint(self, self.config.metrics_listen, loop)
             except BaseException:
                 self._server.close()
+                self._remove_socket_file()
                 raise
             self.metrics_address = self.metrics.address
         self.announce(f"listening on {self.address}")  # the first line ends in it
@@ -185,6 +228,20 @@ class KVServer:
             self.announce(f"metrics on http://{self.metrics_address}/metrics, health on "
                           "/healthz")
         return self.address
+
+    def _remove_socket_file(self) -> None:
+        """Remove the Unix socket file this server made, if it is still that file (not
+        one another server made at the path since)."""
+        if self._socket_file is None:
+            return
+        path, dev, ino = self._socket_file
+        self._socket_file = None
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (dev, ino):
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or its directory with it
 
     def serving(self) -> bool:
         """Whether the server is listening (started and not stopped)."""
@@ -220,6 +277,7 @@ class KVServer:
         self.stopped = True
         if self._server is not None:
             self._server.close()
+        self._remove_socket_file()
         closed = self._close_connections()
         self.close_metrics()
         self.store.close()
