@@ -71,3 +71,22 @@ def test_a_lifetime_no_float_holds_is_refused_and_the_connection_kept():
             assert e.value.code == 6  # INVALID_MESSAGE, on this stream only
         assert c.retain(["a"], pin=None, ttl_s=60) == ["a"]  # the same connection
         assert c.has(["a"]) == [True]
+
+
+def test_an_overwrite_of_a_pinned_key_is_held_to_max_pinned_bytes(tmp_path):
+    """Issue 46 item 3: a pinned key pushed again pins its new size.  Past
+    --max-pinned-bytes the push is refused STORE_FULL naming it (the old value stays,
+    pinned at its size); within it, the pin holds the new size."""
+    small, big = segment(16, 1), segment(64, 2)
+    with client_of(max_pinned_bytes=small.nbytes + small.nbytes // 2,
+                   persist=str(tmp_path / "persist")) as c:
+        c.push("a", small)
+        assert c.retain(["a"], pin=True, ttl_s=None) == ["a"]
+        with pytest.raises(RemoteError, match="max_pinned_bytes") as e:
+            c.push("a", big)
+        assert e.value.code == 0xF1  # STORE_FULL
+        assert c.pull("a").equal(small) and c.retention()["a"][::2] == (True, small.nbytes)
+        c.push("b", big)  # not pinned: any size
+        smaller = segment(8, 3)
+        c.push("a", smaller)
+        assert c.retention()["a"][::2] == (True, smaller.nbytes)

@@ -2,7 +2,8 @@
 
 Held in memory as two maps (alias -> target, target -> its aliases), so dropping a
 target's aliases costs what it drops; ``nbytes`` is what the table holds (the key strings
-and the entries), which the server counts against ``--memory-budget``.
+and the entries), which the server counts against ``--memory-budget``; ``nbytes_by`` is
+that by the tenant of the alias, which its ``--max-bytes-per-tenant`` quota holds.
 
 With ``--persist`` they also live in ``DIR/aliases.jsonl``, one JSON line per change:
 ``["alias","target"]`` links, ``["alias",null]`` removes.  An append writes whole lines
@@ -31,10 +32,12 @@ import stat
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from ..errors import ContainerError, HurrayError
 from ..io.atomic import append_lines, replacement, write_all
+from .tenants import tenant_of
 
 log = logging.getLogger("hurraykv.server")
 
@@ -74,6 +77,7 @@ class AliasTable:
         self._target: dict[str, str] = {}
         self._aliases: dict[str, set[str]] = {}
         self.nbytes = 0
+        self.nbytes_by: Counter[str] = Counter()  # by the alias's tenant ("" without)
         self._file_bytes = 0
         self._live_bytes = 0  # of the file, what the live aliases' lines take
         self._file_lock = threading.Lock()  # an append, or a compaction's final rename
@@ -140,6 +144,7 @@ class AliasTable:
         self._target[alias] = target
         self._aliases.setdefault(target, set()).add(alias)
         self.nbytes += cost(alias, target)
+        self.nbytes_by[tenant_of(alias)] += cost(alias, target)
         self._live_bytes += len(_line(alias, target))
 
     def _unset(self, alias: str) -> None:
@@ -149,6 +154,10 @@ class AliasTable:
         if not mine:
             del self._aliases[target]
         self.nbytes -= cost(alias, target)
+        tenant = tenant_of(alias)
+        self.nbytes_by[tenant] -= cost(alias, target)
+        if not self.nbytes_by[tenant]:
+            del self.nbytes_by[tenant]
         self._live_bytes -= len(_line(alias, target))
 
     # -- the file --------------------------------------------------------------------

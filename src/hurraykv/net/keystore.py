@@ -6,6 +6,12 @@ store, with LINK's aliases (``aliases.py``) held against the memory budget.
 The memory budget bounds objects in memory, PUTs in flight, the receive pool's idle
 buffers and the aliases; ``KeyStore`` here holds that tier and its accounts, lookups
 through memory, disk and the backing store in that order, and the listings.
+
+Under ``--max-bytes-per-tenant`` (mutual TLS) every byte a tenant makes the server hold
+counts against that tenant's quota (its objects in memory, copies read back from the
+backing store, its pushes and payloads in flight, its aliases), and room is only ever made
+from the tenant's own objects: under the quota and under the memory budget alike, no
+tenant's request evicts another tenant's object.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import os
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +29,17 @@ from ..errors import HurrayError
 from ..io import retention
 from .aliases import AliasTable, cost
 from .persisted import PersistedTier, hrry_size
-from .stored import Items, PersistFull, StoredObject, StoreFull, TenantFull, object_from_items
-from .tenants import SEPARATOR
+from .stored import (
+    Items,
+    PersistFull,
+    PinnedFull,
+    SharedFull,
+    StoredObject,
+    StoreFull,
+    TenantFull,
+    object_from_items,
+)
+from .tenants import SEPARATOR, tenant_of
 
 log = logging.getLogger("hurraykv.server")
 ALIASES = "aliases.jsonl"
@@ -56,6 +72,7 @@ class KeyStore(PersistedTier):
         self._init_disk(persist, persist_budget)
         self.evictions: Counter[str] = Counter()  # by tier: "memory", "disk"
         self.memory_bytes = 0
+        self._memory_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
         self.reserved_bytes = 0
         self._reserved_by: Counter[str] = Counter()  # by tenant id ("" without tenants)
         self.aliases = AliasTable()
@@ -97,6 +114,16 @@ class KeyStore(PersistedTier):
         """Bytes held against the budget: objects in memory, reservations, aliases."""
         return self.memory_bytes + self.reserved_bytes + self.aliases.nbytes
 
+    def _tenant_used(self, tenant: str) -> int:
+        """Bytes held against ``tenant``'s quota: its objects in memory, its reservations
+        (pushes and payloads in flight) and its aliases."""
+        return (self._memory_by[tenant] + self._reserved_by[tenant]
+                + self.aliases.nbytes_by[tenant])
+
+    def _isolated(self, owner: str) -> bool:
+        """Whether room for ``owner`` comes from its own objects only (tenant quotas)."""
+        return self.tenant_max is not None and bool(owner)
+
     def reserve(self, nbytes: int, *, keep: str | None = None, lossy: bool = True,
                 owner: str = "") -> None:
         """Account ``nbytes`` of a PUT before its data arrives, or raise ``StoreFull``.
@@ -106,55 +133,69 @@ class KeyStore(PersistedTier):
         yet known: more members follow) only objects that stay on disk or in the backing
         store leave memory; objects that would be lost are evicted only once the group's
         last member shows the whole group fits, so a group refused midway loses nobody
-        else's key (meanwhile memory may pass the budget by at most the group's bytes)."""
-        if self.tenant_max is not None and owner:
+        else's key (meanwhile memory may pass the budget by at most the group's bytes).
+        Under tenant quotas only ``owner``'s own objects leave, for both bounds."""
+        if self._isolated(owner):
             self._within_quota(nbytes, keep, lossy, owner)
-        budget = self.memory_budget
-        if budget is None:
-            self._add_reserved(nbytes, owner)
-            return
-        self._make_room(nbytes, keep, lossy)
+        if self.memory_budget is not None:
+            self._make_room(nbytes, keep, lossy, owner=owner)
         self._add_reserved(nbytes, owner)
 
-    def _within_quota(self, nbytes: int, keep: str | None, lossy: bool, tenant: str
-                      ) -> None:
+    def _within_quota(self, nbytes: int, keep: str | None, lossy: bool, tenant: str,
+                      targets: Collection[str] = ()) -> None:
         """Room for ``nbytes`` more of ``tenant``'s under ``--max-bytes-per-tenant``: its
-        own least recently used objects leave memory (never another tenant's), or
-        ``TenantFull`` (decided before anything is evicted)."""
-        quota, prefix = self.tenant_max, tenant + SEPARATOR
+        own least recently used objects leave memory (never another tenant's, nor ``keep``
+        or the ``targets`` of aliases being linked), or ``TenantFull`` (decided before
+        anything is evicted)."""
+        quota, prefix, spare = self.tenant_max, tenant + SEPARATOR, {keep, *targets}
         assert quota is not None
         mine = [k for k in self._objects if k.startswith(prefix)]
-        fixed = sum(self._objects[k].nbytes for k in mine if k == keep or self.pinned(k))
-        if self._reserved_by[tenant] + fixed + nbytes > quota:
-            raise TenantFull(nbytes, quota, self._reserved_by[tenant], fixed)
-        used = self._reserved_by[tenant] + sum(self._objects[k].nbytes for k in mine)
+        fixed = sum(self._objects[k].nbytes for k in mine if k in spare or self.pinned(k))
+        aliases = self.aliases.nbytes_by[tenant]
+        if self._reserved_by[tenant] + fixed + aliases + nbytes > quota:
+            raise TenantFull(nbytes, quota, self._reserved_by[tenant], fixed, aliases)
         for key in mine:  # oldest use first
+            used = self._tenant_used(tenant)  # an object lost takes its aliases with it
             if used + nbytes <= quota:
                 break
-            if key != keep and (lossy or self._objects[key].durable) and not self.pinned(key):
-                used -= self._objects[key].nbytes
+            if key not in spare and (lossy or self._objects[key].durable) and not self.pinned(key):
                 self._evict_key(key)
 
+    def _evictable(self, key: str, spare: Collection[str | None], owner: str) -> bool:
+        """Whether ``key`` may leave memory to make room for ``owner``: not spared, not
+        pinned, and under tenant quotas ``owner``'s own."""
+        return key not in spare and not self.pinned(key) and (
+            not self._isolated(owner) or key.startswith(owner + SEPARATOR))
+
     def _make_room(self, nbytes: int, keep: str | None, lossy: bool,
-                   field: str = "total_data_bytes") -> None:
+                   field: str = "total_data_bytes", owner: str = "",
+                   targets: Collection[str] = ()) -> None:
         """Room for ``nbytes`` more under the budget: decided first (``StoreFull`` if even
-        evicting every object but ``keep`` cannot make it), then idle receive buffers are
-        dropped and least recently used objects evicted (``lossy=False``: only those kept
-        on disk or in the backing store)."""
+        evicting every object it may cannot make it; ``SharedFull`` when, under tenant
+        quotas, the rest is other tenants'), then idle receive buffers are dropped and
+        least recently used objects evicted (``lossy=False``: only those kept on disk or in
+        the backing store): never ``keep`` nor the ``targets`` of aliases being linked,
+        and under tenant quotas only ``owner``'s."""
         budget = self.memory_budget
         assert budget is not None
-        kept = self._objects[keep].nbytes if keep in self._objects else 0
+        spare = {keep, *targets}
         aliases = self.aliases.nbytes
-        pinned = sum(o.nbytes for k, o in self._objects.items() if k != keep and self.pinned(k))
-        if self.reserved_bytes + kept + aliases + pinned + nbytes > budget:  # not even
-            raise StoreFull(nbytes, budget, self.reserved_bytes, kept + pinned, aliases,
-                            field)  # evicting every object not pinned
+        fixed = sum(o.nbytes for k, o in self._objects.items()
+                    if not self._evictable(k, spare, owner))
+        if self.reserved_bytes + aliases + fixed + nbytes > budget:  # not even evicting
+            if self._isolated(owner):  # every object it may: named in its own terms
+                prefix = owner + SEPARATOR
+                mine = sum(o.nbytes for k, o in self._objects.items()
+                           if k.startswith(prefix) and not self._evictable(k, spare, owner))
+                raise SharedFull(nbytes, budget, self._reserved_by[owner], mine,
+                                 self.aliases.nbytes_by[owner], field)
+            raise StoreFull(nbytes, budget, self.reserved_bytes, fixed, aliases, field)
         if self.pool is not None:
             self.pool.trim(max(0, budget - self._used() - nbytes))
         for key in list(self._objects):
             if self._used() + nbytes <= budget:
                 break
-            if key != keep and (lossy or self._objects[key].durable) and not self.pinned(key):
+            if self._evictable(key, spare, owner) and (lossy or self._objects[key].durable):
                 self._evict_key(key)
 
     def _add_reserved(self, nbytes: int, owner: str) -> None:
@@ -220,6 +261,40 @@ class KeyStore(PersistedTier):
         self._save_kept()
         return list(present)
 
+    def check_pin(self, key: str, nbytes: int) -> None:
+        """A PUT replacing a pinned ``key`` keeps the pin at its new size: ``PinnedFull``
+        (nothing changes) when ``nbytes``, the PUT's bytes announced so far, would take
+        the pinned bytes past ``max_pinned_bytes``."""
+        cap = self.max_pinned_bytes
+        if cap is None or not self.pinned(key):
+            return
+        before = retention.pinned_bytes(self.kept, time.time())
+        others = before - self.kept[key].nbytes
+        if others + nbytes > max(before, cap):
+            raise PinnedFull(nbytes, cap, others)
+
+    def _repin(self, key: str, nbytes: int) -> None:
+        """``key``'s retention at the size of the object just stored under it.  Its size
+        was checked as it arrived (``check_pin``); should pins added meanwhile leave it no
+        room now, the pin is dropped (logged) rather than pass ``max_pinned_bytes``."""
+        old = self.kept.get(key)
+        if old is None or old.nbytes == nbytes:
+            return
+        pinned = old.pinned
+        if pinned and self.max_pinned_bytes is not None and nbytes > old.nbytes:
+            total = retention.pinned_bytes(self.kept, time.time()) - old.nbytes + nbytes
+            if total > self.max_pinned_bytes:
+                log.warning("unpinned %r: stored again with %s, it would pin %s, over "
+                            "max_pinned_bytes %s (pins added while it was pushed)", key,
+                            units.size(nbytes), units.size(total),
+                            units.size(self.max_pinned_bytes))
+                pinned = False
+        if pinned or old.expiry is not None:
+            self.kept[key] = retention.Kept(pinned, old.expiry, nbytes)
+        else:
+            del self.kept[key]
+        self._save_kept()
+
     def retention_listing(self) -> dict[str, retention.Kept]:
         now = time.time()
         return {k: v for k, v in self.kept.items() if not v.expired(now)}
@@ -245,8 +320,25 @@ class KeyStore(PersistedTier):
         snap = self.backing.get(key)
         items = [(snap.head(), [])] + [(d, list(b)) for _, d, b in snap.members()]
         obj = StoredObject(items, snap.nbytes, backed=True)
-        self.commit(key, obj, None)  # kept in memory (LRU) until evicted
+        if self._room_for_copy(key, obj.nbytes):
+            self.commit(key, obj, None)  # kept in memory (LRU) until evicted
         return obj
+
+    def _room_for_copy(self, key: str, nbytes: int) -> bool:
+        """Whether a copy of ``key``'s object read back from the backing store may stay in
+        memory: room is made by evicting only objects that lose nothing by it (kept on
+        disk or in the backing store) and, under tenant quotas, only the key's tenant's;
+        False when that is not enough (the copy is served, not kept)."""
+        owner = tenant_of(key)
+        try:
+            self.reserve(nbytes, keep=key, lossy=False, owner=owner)
+        except StoreFull:
+            return False
+        self.release(nbytes, owner)
+        quota, budget = self.tenant_max, self.memory_budget
+        over_quota = (quota is not None and self._isolated(owner)
+                      and self._tenant_used(owner) + nbytes > quota)
+        return not over_quota and (budget is None or self._used() + nbytes <= budget)
 
     def commit(self, key: str, obj: StoredObject, path: Path | None, reserved: int = 0,
                owner: str = "") -> None:
@@ -257,12 +349,14 @@ class KeyStore(PersistedTier):
             self._save_kept()
         self._drop_memory(key)
         self.release(reserved, owner)
+        self._repin(key, obj.nbytes)
         if path is not None:
             with self._disk:  # unless evicted from disk already, by a PUT since
                 if self._files.get(key) == path:
                     obj.path = path
         self._objects[key] = obj
         self.memory_bytes += obj.nbytes
+        self._memory_by[tenant_of(key)] += obj.nbytes
         self._evict(keep=key)
         self._drop_gone()
 
@@ -271,11 +365,18 @@ class KeyStore(PersistedTier):
             self._mapped.pop(key, None)  # a replaced file is a new inode: map it afresh
         old = self._objects.pop(key, None)
         if old is not None:
-            self.memory_bytes -= old.nbytes
+            self._forget_memory(key, old)
+
+    def _forget_memory(self, key: str, old: StoredObject) -> None:
+        self.memory_bytes -= old.nbytes
+        tenant = tenant_of(key)
+        self._memory_by[tenant] -= old.nbytes
+        if not self._memory_by[tenant]:
+            del self._memory_by[tenant]
 
     def _evict_key(self, key: str) -> None:
         old = self._objects.pop(key)
-        self.memory_bytes -= old.nbytes
+        self._forget_memory(key, old)
         self.evictions["memory"] += 1
         log.info("evicted %r (%s)%s", key, units.size(old.nbytes),
                  "; still on disk" if key in self._files else "")
@@ -283,24 +384,33 @@ class KeyStore(PersistedTier):
             self.aliases.drop_target(key)  # gone for good: so are its aliases
 
     def _evict(self, keep: str) -> None:
-        """Objects loaded from the backing store may overshoot: evict down to the budget."""
+        """Memory past the budget at a commit (the PUT's room was made as it arrived, so
+        only by what came in meanwhile): evict down to it (under tenant quotas, only
+        objects of ``keep``'s tenant)."""
         if self.memory_budget is None:
             return
+        owner = tenant_of(keep)
         for key in list(self._objects):
             if self._used() <= self.memory_budget:
                 return
-            if key != keep and not self.pinned(key):
+            if self._evictable(key, {keep}, owner):
                 self._evict_key(key)
 
     # -- aliases -------------------------------------------------------------------------
     def link(self, pairs: list[tuple[str, str]]) -> None:
         """Each alias names its target's object from now on.  Aliases are held against the
-        memory budget (``StoreFull`` when it cannot hold them: decided before anything is
-        evicted) and appended to the persist directory's ``aliases.jsonl``, fsynced, so a
+        memory budget and their tenant's quota (``StoreFull`` when they cannot hold them:
+        decided before anything is evicted; room is never made by evicting a target being
+        linked) and appended to the persist directory's ``aliases.jsonl``, fsynced, so a
         restarted server keeps them."""
         added = self.aliases.added_bytes(pairs)
-        if self.memory_budget is not None and added > 0:
-            self._make_room(added, None, True, field="aliases")
+        if added > 0:
+            owner, targets = tenant_of(pairs[0][0]), {t for _, t in pairs}
+            if self._isolated(owner):  # a session links its own tenant's keys only
+                self._within_quota(added, None, True, owner, targets)
+            if self.memory_budget is not None:
+                self._make_room(added, None, True, field="aliases", owner=owner,
+                                targets=targets)
         self.aliases.link(pairs)
 
     def locate(self, key: str) -> str | None:

@@ -60,6 +60,7 @@ def on_put(s: Session, stream: int, put_msg: PutMessage) -> None:
     put.nbytes += put_msg.total_data_bytes
     if put.refused is None:
         try:  # objects that would be lost leave only for the group's last member
+            s.server.store.check_pin(put.key, put.nbytes)  # a pinned key: its new size
             s.server.store.reserve(put_msg.total_data_bytes, keep=put.key, owner=s.tenant,
                                    lossy=put.closed + 1 >= put.expected)
         except StoreFull as e:
@@ -88,8 +89,8 @@ def on_data_end(s: Session, stream: int, _: None = None) -> None:
         what = "snapshot" if put.expected > 1 else "tensor"
         s.fail(stream, ErrorCode.STORE_FULL,
                f"{what} {put.shown!r} {put.refused.needs(put.nbytes)}")
-        log.info("refused put key=%r: %s over the memory budget", put.shown,
-                 units.size(put.nbytes))
+        log.info("refused put key=%r: %s over %s", put.shown, units.size(put.nbytes),
+                 put.refused.rule)
         return
     s.spawn(_commit(s, stream, put))
 

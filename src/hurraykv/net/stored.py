@@ -1,9 +1,10 @@
 """What the KV server stores, and the budgets' refusals: ``StoredObject`` (an object as
 the wire carries it, in pre-order), ``object_from_items`` (received items validated and
-prepared for storage), ``StoreFull`` (the memory budget) and ``PersistFull`` (the persist
-budget), both answered with ERROR STORE_FULL; ``FileBytes`` (a buffer of an object served
-from its persisted file) and ``UnreadableObject`` (such a file found damaged: ERROR
-INTERNAL).
+prepared for storage), ``StoreFull`` (the memory budget; ``TenantFull`` a tenant's quota,
+``SharedFull`` the budget held by other tenants, ``PinnedFull`` the pinned bytes) and
+``PersistFull`` (the persist budget), all answered with ERROR STORE_FULL; ``FileBytes`` (a
+buffer of an object served from its persisted file) and ``UnreadableObject`` (such a file
+found damaged: ERROR INTERNAL).
 
 An object is a snapshot (a group head and its members) or one tensor, kept as the list
 of ``(descriptor, buffers)`` the wire carries, in pre-order.  Objects are immutable once
@@ -32,11 +33,13 @@ Items = list[tuple[TensorDescriptor, list[Any]]]
 class StoreFull(HurrayError):
     """A PUT the memory budget cannot hold; answered with ERROR STORE_FULL."""
 
+    RULE = "--memory-budget"
+
     def __init__(self, nbytes: int, budget: int, in_flight: int, kept: int, aliases: int = 0,
                  field: str = "total_data_bytes") -> None:
         self.nbytes, self.budget, self.in_flight, self.kept = nbytes, budget, in_flight, kept
         self.aliases = aliases
-        super().__init__(self.needs(nbytes), field=field, value=nbytes, rule="--memory-budget")
+        super().__init__(self.needs(nbytes), field=field, value=nbytes, rule=self.RULE)
 
     def needs(self, nbytes: int) -> str:
         """Why ``nbytes`` do not fit, in the budget's terms."""
@@ -48,17 +51,52 @@ class StoreFull(HurrayError):
 
 
 class TenantFull(StoreFull):
-    """A PUT past its tenant's ``--max-bytes-per-tenant`` once that tenant's own least
-    recently used objects are evicted; answered with ERROR STORE_FULL."""
+    """A PUT (or LINK) past its tenant's ``--max-bytes-per-tenant`` once that tenant's own
+    least recently used objects are evicted; answered with ERROR STORE_FULL."""
 
-    def __init__(self, nbytes: int, quota: int, in_flight: int, kept: int) -> None:
-        super().__init__(nbytes, quota, in_flight, kept, field="max_bytes_per_tenant")
+    RULE = "--max-bytes-per-tenant"
+
+    def __init__(self, nbytes: int, quota: int, in_flight: int, kept: int, aliases: int = 0
+                 ) -> None:
+        super().__init__(nbytes, quota, in_flight, kept, aliases, field="max_bytes_per_tenant")
 
     def needs(self, nbytes: int) -> str:
         return (f"needs {nbytes} bytes but this tenant's quota (--max-bytes-per-tenant) is "
                 f"{self.budget} bytes, of which {self.in_flight} are reserved by its other "
-                f"PUTs in flight and {self.kept} held by its pinned objects and the key's "
-                "current value")
+                f"PUTs in flight, {self.kept} held by its pinned objects and the key's "
+                f"current value and {self.aliases} by its aliases")
+
+
+class SharedFull(StoreFull):
+    """A tenant's PUT (or LINK) within its quota that ``--memory-budget`` cannot hold
+    without other tenants' objects, which a tenant's push never evicts (under
+    ``--max-bytes-per-tenant``); answered with ERROR STORE_FULL.  Only this tenant's own
+    bytes are named: the others' would tell their activity."""
+
+    def needs(self, nbytes: int) -> str:
+        return (f"needs {nbytes} bytes but the memory budget (--memory-budget, {self.budget} "
+                f"bytes) is held by other tenants, whose objects no tenant's push evicts; of "
+                f"this tenant's, {self.in_flight} bytes are reserved by its other PUTs in "
+                f"flight, {self.kept} held by its pinned objects and the key's current value "
+                f"and {self.aliases} by its aliases")
+
+
+class PinnedFull(StoreFull):
+    """A PUT replacing a pinned object whose new size would take the pinned bytes past
+    ``--max-pinned-bytes``: an overwrite keeps the pin, at the new size.  Answered with
+    ERROR STORE_FULL; the old value stays, pinned."""
+
+    RULE = "--max-pinned-bytes"
+
+    def __init__(self, nbytes: int, cap: int, others: int) -> None:
+        self.others = others  # bytes pinned besides the key's own
+        super().__init__(nbytes, cap, 0, 0, field="max_pinned_bytes")
+
+    def needs(self, nbytes: int) -> str:
+        return (f"is pinned, and its new value of {nbytes} bytes would pin {self.others + nbytes} "
+                f"bytes in all, over max_pinned_bytes {self.budget} (--max-pinned-bytes): not "
+                "stored, the old value stays pinned (unpin it first, or raise "
+                "--max-pinned-bytes)")
 
 
 class PersistFull(HurrayError):

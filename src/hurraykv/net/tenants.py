@@ -146,6 +146,12 @@ def scoped_key(tenant_id: str, key: str) -> str:
     return f"{tenant_id}{SEPARATOR}{key}" if tenant_id else key
 
 
+def tenant_of(internal: str) -> str:
+    """The tenant id an internal key belongs to ("" for a key of a server without
+    tenants)."""
+    return internal.split(SEPARATOR, 1)[0] if SEPARATOR in internal else ""
+
+
 def client_key(tenant_id: str, internal: str) -> str | None:
     """The client's view of an internal key, or None when it belongs to someone else."""
     if not tenant_id:
