@@ -107,6 +107,11 @@ class Counters:
     chunks_saved: int = 0
     segments_saved: int = 0
     saves_present: int = 0  # segments not written: the store had every chunk already
+    # every segment set out to store, and the ones not landed yet (saves.py: attempted =
+    # saved + present + dropped + deduplicated + pending at every read)
+    saves_attempted: int = 0
+    saves_pending: int = 0
+    saves_deduplicated: int = 0  # runs of chunks another request of this engine stores
     chunks_unadmitted: int = 0  # computed chunks not stored: below store_threshold
     bytes_saved: int = 0
     saves_dropped: int = 0

@@ -108,6 +108,17 @@ METRICS: dict[str, tuple[str, str]] = {
     "saves_present": ("vllm:hurraykv_present_saves",
                       "Segments not written because the store already held their chunks "
                       "(another request or engine stored them)."),
+    "saves_attempted": ("vllm:hurraykv_attempted_saves",
+                        "Segments the connector set out to store; each is stored, present, "
+                        "dropped, deduplicated or pending: attempted = stored_segments + "
+                        "present_saves + dropped_saves + deduplicated_saves + pending_saves "
+                        "at every scrape."),
+    "saves_deduplicated": ("vllm:hurraykv_deduplicated_saves",
+                           "Runs of computed chunks not copied out because another request "
+                           "of this engine was storing them (a burst sharing a prefix)."),
+    "saves_pending": ("vllm:hurraykv_pending_saves",
+                      "Segments taken to be stored and not yet stored, present or dropped "
+                      "(a gauge: waiting for or in the writer)."),
     "chunks_unadmitted": ("vllm:hurraykv_unadmitted_chunks",
                           "Computed chunks not stored because they were computed fewer "
                           "times than store_threshold."),
@@ -129,11 +140,15 @@ METRICS: dict[str, tuple[str, str]] = {
                          "reset_cache (vLLM's reset_prefix_cache with reset_connector)."),
 }
 
+# payload names whose values go up and down (sums of deltas all the same): gauges
+GAUGES = frozenset({"saves_pending"})
+
 # keys counted once per chunk (not per byte or second): with tensor parallelism every
 # rank handles the same chunks, so only rank 0 reports them (see ``CounterDeltas``)
 PER_CHUNK = frozenset({"chunks_loaded", "tokens_loaded", "segments_loaded", "chunks_saved",
                        "tokens_saved", "segments_saved", "loads_async", "loads_sync",
-                       "loads_cancelled", "saves_present"})
+                       "loads_cancelled", "saves_present", "saves_attempted",
+                       "saves_pending", "saves_deduplicated"})
 
 
 @dataclass
@@ -215,7 +230,8 @@ class CounterDeltas:
 
 
 class HurrayPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per ``METRICS`` entry, labelled like vLLM's own metrics
+    """One Prometheus counter per ``METRICS`` entry (a gauge for ``GAUGES``, set to the
+    sum of its deltas: Ray's gauge has ``set`` only), labelled like vLLM's own metrics
     (``model_name``, ``engine``), created through the metric classes vLLM passes in (so
     the Ray wrappers work too: ``vllm/v1/metrics/ray_wrappers.py:178``)."""
 
@@ -223,19 +239,28 @@ class HurrayPromMetrics(KVConnectorPromMetrics):
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, Any]] = {}
+        self.levels: dict[tuple[str, int], float] = {}  # a gauge's value, per engine
         for key, (name, doc) in METRICS.items():
-            family = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            family = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                     multiprocess_mode="mostrecent") if key in GAUGES \
+                else self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self.counters[key] = {idx: family.labels(*values)
                                   for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             per_engine = self.counters.get(key)
-            if per_engine is None or not isinstance(value, int | float) or value <= 0:
-                continue  # Prometheus counters only go up
-            counter = per_engine.get(engine_idx)
-            if counter is not None:
-                counter.inc(value)
+            if per_engine is None or not isinstance(value, int | float) or not value:
+                continue
+            metric = per_engine.get(engine_idx)
+            if metric is None:
+                continue
+            if key in GAUGES:
+                level = self.levels[key, engine_idx] = self.levels.get(
+                    (key, engine_idx), 0) + value
+                metric.set(level)
+            elif value > 0:  # Prometheus counters only go up
+                metric.inc(value)
 
 
 def build_kv_connector_stats(data: dict[str, Any] | None = None) -> HurrayConnectorStats:
@@ -249,5 +274,5 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[st
     return HurrayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-__all__ = ["METRICS", "PER_CHUNK", "CounterDeltas", "HurrayConnectorStats",
+__all__ = ["GAUGES", "METRICS", "PER_CHUNK", "CounterDeltas", "HurrayConnectorStats",
            "HurrayPromMetrics", "build_kv_connector_stats", "build_prom_metrics"]

@@ -12,6 +12,16 @@ segment's chunks already (another request, or another engine, stored them meanwh
 the scheduler no longer asks on its own thread): such a segment is counted
 ``saves_present`` and announced as stored, not written again.  A segment whose load
 failed is stored again whatever the store says (``Transfer.rewrite``).
+
+Every segment of a plan is counted ``saves_attempted`` and ``saves_pending`` when
+``wait_for_save`` takes it, and leaves ``saves_pending`` for exactly one outcome, in the
+same update of the counters: ``segments_saved``, ``saves_present`` or ``saves_dropped``
+(a copy or a build that failed, the writer's queue full, the store failing or late, the
+writer shut down first).  So at any read of the counters, with the runs the scheduler
+found another request storing (``saves_deduplicated``, attempted too)::
+
+    saves_attempted == segments_saved + saves_present + saves_dropped
+                       + saves_deduplicated + saves_pending
 """
 
 from __future__ import annotations
@@ -119,7 +129,8 @@ class Saver:
         self.index: dict[str, int] = {}
         self.scales: list[tuple[float, float]] | None = None
         self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[tuple[Future, int]] = []  # (the write, its bytes)
+        self._pending: list[tuple[Future, int, Transfer]] = []  # (the write, its bytes)
+        self._copy_failed = False  # a layer of this step's saves could not be copied
         self.backlog = WriterBacklog(ctx.url)
         self._staged: dict[int, list[list[Any]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
@@ -130,7 +141,8 @@ class Saver:
         self.group_map: dict[str, Any] = {}
 
     def save_kv_layer(self, layer_name: str, plan: Plan | None) -> None:
-        if plan is None or not plan.saves or layer_name not in self.index:
+        if plan is None or not plan.saves or layer_name not in self.index or \
+                self._copy_failed:
             return
         started = time.perf_counter()
         layer = self.index[layer_name]
@@ -147,11 +159,9 @@ class Saver:
                     parts = [self.format.encode(p, role, layer)
                              for p, role in zip(parts, roles, strict=True)]
                 staged[layer] = parts
-        except Exception as e:  # nothing stored this step; the engine goes on
+        except Exception as e:  # nothing stored this step (counted by wait_for_save)
             self._staged.clear()
-            self.ctx.stats.add(saves_dropped=len(plan.saves))
-            for save in plan.saves:
-                self.saved.dropped(save.segment_id)
+            self._copy_failed = True
             log.warning("copying layer %s out failed (%s: %s); this step's chunks are not "
                         "stored", layer_name, type(e).__name__, e)
         self.ctx.stats.add(save_seconds=time.perf_counter() - started)
@@ -162,16 +172,20 @@ class Saver:
             return
         config, stats = self.ctx.config, self.ctx.stats
         started = time.perf_counter()
+        copy_failed, self._copy_failed = self._copy_failed, False
         for i, save in enumerate(plan.saves):
             staged = self._staged.pop(i, None)
-            if staged is None or any(not parts for parts in staged):
+            # pending until it lands in exactly one outcome (_settle), so that a read of
+            # the counters meanwhile still adds up
+            stats.add(saves_attempted=1, saves_pending=1)
+            if copy_failed or staged is None or any(not parts for parts in staged):
+                self._settle(save, saves_dropped=1)  # a layer not copied: no segment
                 continue
             nbytes = sum(_nbytes(p) for parts in staged for p in parts)
             try:  # owns copies: the blocks may be reused now
                 segment = self._hybrid(save, staged) if self.groups else self._segment(staged)
             except Exception as e:
-                stats.add(saves_dropped=1)
-                self.saved.dropped(save.segment_id)
+                self._settle(save, saves_dropped=1)
                 log.warning("request %s: building a segment failed (%s: %s); not stored",
                             save.req_id, type(e).__name__, e)
                 continue
@@ -180,21 +194,30 @@ class Saver:
                 continue
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
-            self._pending = [(f, n) for f, n in self._pending if not f.done()]
-            waiting = sum(n for _, n in self._pending)
+            self._pending = [p for p in self._pending if not p[0].done()]
+            waiting = sum(n for _, n, _ in self._pending)
             if (waiting + nbytes > config.max_pending_save_bytes and self._pending) or (
                     config.max_pending_saves is not None
                     and len(self._pending) >= config.max_pending_saves):
                 self._drop_save(save)  # a slow store never grows the queue without bound
                 continue
             self._pending.append((self._writer.submit(self._put, save, segment, nbytes),
-                                  nbytes))
+                                  nbytes, save))
         self._staged.clear()
         stats.add(save_seconds=time.perf_counter() - started)
 
+    def _settle(self, save: Transfer, **outcome: float) -> None:
+        """``save`` is no longer pending: ``outcome`` (``segments_saved``,
+        ``saves_present`` or ``saves_dropped``, with what else it counts) in the same
+        update of the counters; the scheduler is told it was written or not."""
+        self.ctx.stats.add(saves_pending=-1, **outcome)
+        if outcome.get("saves_dropped"):
+            self.saved.dropped(save.segment_id)  # another request may store it
+        else:
+            self.saved.saved(save.segment_id)
+
     def _drop_save(self, save: Transfer) -> None:
-        self.ctx.stats.add(saves_dropped=1)
-        self.saved.dropped(save.segment_id)  # another request may store it
+        self._settle(save, saves_dropped=1)
         # guard.py logs a store that is down: the backlog is its consequence
         self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
 
@@ -219,19 +242,18 @@ class Saver:
 
         done = ctx.saves.call("put", put, None)
         if done is None:
-            ctx.stats.add(evictions=evicted[0], saves_dropped=1)
-            self.saved.dropped(save.segment_id)
+            self._settle(save, evictions=evicted[0], saves_dropped=1)
             return
         if done == "stored" and save.keep is not None:  # as its request asked, under a
             name = segment_name(save.keys, save.first_chunk)  # deadline of its own
             ctx.saves.call("retain", lambda store: retain(store, [name], save.keep,
                                                           ctx.stats), None)
         if done == "present":
-            ctx.stats.add(saves_present=1)
+            self._settle(save, saves_present=1)
         else:
-            ctx.stats.add(evictions=evicted[0], chunks_saved=len(save.keys), segments_saved=1,
-                          bytes_saved=nbytes, write_seconds=time.perf_counter() - started)
-        self.saved.saved(save.segment_id)
+            self._settle(save, evictions=evicted[0], chunks_saved=len(save.keys),
+                         segments_saved=1, bytes_saved=nbytes,
+                         write_seconds=time.perf_counter() - started)
         self.backlog.stored()
 
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
@@ -292,14 +314,18 @@ class Saver:
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every segment handed to the writer is stored or dropped."""
         pending, self._pending = self._pending, []
-        for f, _ in pending:
+        for f, _, _ in pending:
             with contextlib.suppress(Exception):
                 f.result(timeout=timeout)
 
     def shutdown(self) -> None:
+        pending = list(self._pending)
         self.drain(timeout=self.ctx.config.save_timeout_ms / 1000)
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
+        for f, _, save in pending:  # never written: dropped, not pending for ever
+            if f.cancelled():
+                self._settle(save, saves_dropped=1)
 
 
 def _nbytes(part: Any) -> int:

@@ -333,10 +333,13 @@ class SchedulerSide:
         admitted = self._admitted(keys, first, chunks, rewrite, mamba)
         out: list[Transfer] = []
         now = time.monotonic()
+        deduplicated, last = 0, -2  # runs of chunks another request is storing
         for c in range(first, chunks):
             if not admitted[c - first]:
                 continue
             if (not mamba or not out) and self._planned_elsewhere(keys[c], rewrite, now):
+                deduplicated += last != c - 1
+                last = c
                 continue
             self.planned[keys[c]] = (self.steps, now)
             self.planned.move_to_end(keys[c])
@@ -354,6 +357,8 @@ class SchedulerSide:
                 t.first_block, t.state = t.first_chunk * per, mamba
                 end = (t.first_chunk + len(t.keys)) * per
                 t.groups = [g[t.first_block:end] for g in st.groups]
+        if deduplicated:  # attempted, and landed at once: counted with the segments saved
+            ctx.stats.add(saves_attempted=deduplicated, saves_deduplicated=deduplicated)
         while len(self.planned) > self.MAX_PLANNED:
             self.planned.popitem(last=False)
         while len(self.saving) > self.MAX_PLANNED:
