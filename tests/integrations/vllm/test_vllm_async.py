@@ -98,6 +98,20 @@ def test_an_async_hit_is_written_exactly_and_counted_when_reported(side, tmp_pat
     assert not again.loads and not again.async_loads and not again.saves
 
 
+def test_get_finished_reports_a_load_as_received_never_as_sent(side, tmp_path):
+    """vLLM's ``get_finished`` answers ``(finished_sending, finished_recving)``
+    (``kv_connector/v1/base.py:383-398``; ``get_transfer_results`` unpacks it in that
+    order, lines 400-409): a request swapped into the sending set would have its
+    blocks freed as a finished send and never be scheduled with its loaded tokens."""
+    sched, w, _ = stored(side, (tmp_path / "kv").as_uri(), load_mode="async")
+    w.start_load(async_plan(sched, "a", list(range(10, 16))))
+    deadline = time.monotonic() + 10.0
+    while (got := w.get_finished(set())) == (None, None) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert got == (None, {"a"})
+    assert w.get_finished(set()) == (None, None)  # reported once
+
+
 def test_an_async_load_with_a_damaged_segment_fails_from_its_first_chunk(side, tmp_path):
     kv = tmp_path / "kv"
     sched, w, keys = stored(side, kv.as_uri(), load_mode="async")

@@ -224,8 +224,9 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         """Requests whose asynchronous load is over (loaded, failed or cancelled); their
-        failed blocks come from ``get_block_ids_with_load_errors`` in the same step."""
-        return None, self.worker.finished(finished_req_ids) or None
+        failed blocks come from ``get_block_ids_with_load_errors`` in the same step
+        (``WorkerSide.get_finished``: vLLM's order, sending then receiving)."""
+        return self.worker.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished``, plus the loads that failed as a whole (``failed_recving``:

@@ -134,6 +134,14 @@ class WorkerSide:
         """Requests whose asynchronous load is over (loaded, failed or cancelled)."""
         return self.transfer_results(finished_req_ids)[0]
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        """vLLM's ``get_finished``: ``(finished_sending, finished_recving)`` in that
+        order (``vllm/distributed/kv_transfer/kv_connector/v1/base.py:383-398``).  A
+        load over is a receive; nothing is ever sent from the blocks after a request
+        ends (``request_finished`` answers False), so sending is always None."""
+        return None, self.finished(finished_req_ids) or None
+
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous load is over (loaded, failed or cancelled), and
         those of them that failed as a whole without known blocks (vLLM recomputes them
