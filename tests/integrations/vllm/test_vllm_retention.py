@@ -5,7 +5,9 @@ real store.  Through a running vLLM (``LLM.reset_prefix_cache``, events over ZMQ
 
 from __future__ import annotations
 
+import functools
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +15,9 @@ import pytest
 import hurraykv as hk
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
 from hurraykv.integrations.vllm.config import ConnectorConfig
-from hurraykv.integrations.vllm.events import SavedSegments
+from hurraykv.integrations.vllm.events import EventAPI, HurrayKVEvents, SavedSegments
 from hurraykv.integrations.vllm.retention import Keep, Watch, keep_of, rank_names
+from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from hurraykv.io import checksums
 from tests.integrations.vllm.test_vllm_scheduler import (
     BLOCK,
@@ -97,6 +100,40 @@ def test_a_segment_planned_before_a_reset_and_written_after_it_is_removed(side):
     alloc(sched, fresh, 0)
     assert [len(s.keys) for s in sched.plan(step(new=[("b", range(9), 0)],
                                                  scheduled={"b": 128})).saves] == [4]
+
+
+# vLLM's BlockStored / BlockRemoved take these keywords (vllm/distributed/kv_events.py);
+# with block_size == hash_block_size resolve_block_hashes returns request.block_hashes
+# as they are, and maybe_convert_block_hash returns bytes as they are by default
+# (vllm/v1/core/kv_cache_utils.py:96-99, 2780-2781)
+EVENTS = EventAPI(stored=functools.partial(SimpleNamespace, kind="stored"),
+                  removed=functools.partial(SimpleNamespace, kind="removed"),
+                  resolve=lambda hashes, hash_block_size, block_size: hashes,
+                  convert=lambda h: h)
+
+
+def test_a_reset_announces_every_block_it_announced_stored_removed(side):
+    """vLLM's reset_prefix_cache(reset_connector=True) clears this identity from the
+    store: a router that was told the blocks are stored must be told they are gone, or
+    it keeps sending their prompts here for a hit that is not there."""
+    plain, store = side  # its context, with KV events on
+    sched = SchedulerSide(plain.ctx, HurrayKVEvents(BLOCK, CHUNK, api=EVENTS))
+    try:
+        req = request("a", PROMPT)
+        req.block_hashes = [f"a{b}".encode() for b in range(6)]  # its 6 whole blocks
+        assert match(sched, req) == (0, False)
+        alloc(sched, req, 0)
+        save, = sched.plan(step(new=[("a", range(7), 0)], scheduled={"a": 100})).saves
+        store.put(save.keys, save.first_chunk, segment_of(IDENTITY, len(save.keys)), {})
+        sched.output(reported(save.segment_id))  # the worker's record: written
+        stored, = sched.take_events()
+        assert (stored.kind, stored.block_hashes) == ("stored", req.block_hashes)
+        assert sched.reset() is True and sched.ctx.stats["segments_cleared"] == 1
+        removed, = sched.take_events()
+        assert (removed.kind, removed.block_hashes) == ("removed", req.block_hashes)
+        assert sched.take_events() == []  # told once
+    finally:
+        sched.close()
 
 
 def test_a_reset_that_cannot_reach_its_store_fails(tmp_path):

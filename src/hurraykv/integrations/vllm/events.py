@@ -53,7 +53,8 @@ only: this module imports without torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ..chunks import is_local
@@ -66,6 +67,27 @@ def locality_of(url: str) -> str:
     """vLLM's ``Locality`` value for a store URL: a store whose class is ``LOCAL`` (a
     directory, ``file://``) is this host's."""
     return "LOCAL" if is_local(url) else "REMOTE"
+
+
+@dataclass(frozen=True)
+class EventAPI:
+    """What the events are built with: vLLM's ``BlockStored`` and ``BlockRemoved``
+    (``vllm/distributed/kv_events.py``), and its ``resolve_block_hashes`` and
+    ``maybe_convert_block_hash`` (``vllm/v1/core/kv_cache_utils.py``).  ``vllm_api()``
+    imports them on first use, so this module imports without torch; a test without
+    vLLM passes its own with the same signatures."""
+
+    stored: Callable[..., Any]
+    removed: Callable[..., Any]
+    resolve: Callable[[Any, int, int], Any]
+    convert: Callable[[Any], Any]
+
+
+def vllm_api() -> EventAPI:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
+
+    return EventAPI(BlockStored, BlockRemoved, resolve_block_hashes, maybe_convert_block_hash)
 
 
 class _Payload:
@@ -89,13 +111,14 @@ class HurrayKVEvents:
     vLLM sets before creating the scheduler's connector: ``vllm/v1/engine/core.py:371-374``;
     default ``block_size``); ``ranks``: tensor-parallel ranks that each write their own
     part of a segment; ``enabled``: ``vllm_config.kv_events_config.enable_kv_cache_events``
-    (when False every method is a no-op, as vLLM's own block pool does)."""
+    (when False every method is a no-op, as vLLM's own block pool does); ``api``: what
+    the events are built with (default: vLLM's, ``vllm_api``)."""
 
     def __init__(self, block_size: int, chunk_size: int, *, hash_block_size: int | None = None,
                  ranks: int = 1, enabled: bool = True, medium: str = MEDIUM,
                  ownership: str | None = OWNERSHIP, locality: str | None = None,
                  group_idx: int = 0, spec_kind: str | None = None,
-                 max_tracked: int = 100_000) -> None:
+                 max_tracked: int = 100_000, api: EventAPI | None = None) -> None:
         if chunk_size % block_size:
             raise ValueError(f"chunk_size {chunk_size} is not a multiple of {block_size}")
         self.block_size, self.chunk_size = block_size, chunk_size
@@ -110,39 +133,42 @@ class HurrayKVEvents:
         self._segments: OrderedDict[str, list[Any]] = OrderedDict()
         self._events: list[Any] = []
         self.removed_blocks = 0  # blocks announced removed (for the "evictions" counter)
+        self._api = api
+
+    @property
+    def api(self) -> EventAPI:
+        if self._api is None:
+            self._api = vllm_api()
+        return self._api
 
     # ---------------------------------------------------------------- building
     def _payload(self, request: Any, first_chunk: int, chunks: int) -> _Payload | None:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
-
+        convert = self.api.convert
         per = self.chunk_size // self.block_size
         first, end = first_chunk * per, (first_chunk + chunks) * per
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size,
-                                      self.block_size)
+        hashes = self.api.resolve(request.block_hashes, self.hash_block_size, self.block_size)
         if chunks <= 0 or end > len(hashes):
             return None  # not hashed that far (should not happen: chunks are full blocks)
         lora = getattr(request, "lora_request", None)
         return _Payload(
-            [maybe_convert_block_hash(hashes[b]) for b in range(first, end)],
-            maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            [convert(hashes[b]) for b in range(first, end)],
+            convert(hashes[first - 1]) if first else None,
             list(request.all_token_ids[first * self.block_size:end * self.block_size]),
             lora.adapter_id if lora else None, lora.name if lora else None,
             getattr(request, "session_id", None))
 
     def _stored(self, p: _Payload) -> Any:
-        from vllm.distributed.kv_events import BlockStored
-
         for h in p.hashes:
             self._announced[h] = None
             self._announced.move_to_end(h)
         while len(self._announced) > self.max_tracked:
             self._announced.popitem(last=False)
-        return BlockStored(block_hashes=p.hashes, parent_block_hash=p.parent,
-                           token_ids=p.tokens, block_size=self.block_size,
-                           lora_id=p.lora_id, medium=self.medium, lora_name=p.lora_name,
-                           group_idx=self.group_idx, kv_cache_spec_kind=self.spec_kind,
-                           locality=self.locality, ownership=self.ownership,
-                           session_id=p.session)
+        return self.api.stored(block_hashes=p.hashes, parent_block_hash=p.parent,
+                               token_ids=p.tokens, block_size=self.block_size,
+                               lora_id=p.lora_id, medium=self.medium, lora_name=p.lora_name,
+                               group_idx=self.group_idx, kv_cache_spec_kind=self.spec_kind,
+                               locality=self.locality, ownership=self.ownership,
+                               session_id=p.session)
 
     # ---------------------------------------------------------------- feeding
     def stored(self, request: Any, first_chunk: int, chunks: int) -> None:
@@ -215,14 +241,12 @@ class HurrayKVEvents:
         return self.removed_hashes(list(self._announced)) if self.enabled else 0
 
     def removed_hashes(self, hashes: Iterable[Any]) -> int:
-        from vllm.distributed.kv_events import BlockRemoved
-
         gone = [h for h in hashes if self._announced.pop(h, 0) is None]
         if gone:
-            self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium,
-                                             group_idx=self.group_idx,
-                                             locality=self.locality,
-                                             ownership=self.ownership))
+            self._events.append(self.api.removed(block_hashes=gone, medium=self.medium,
+                                                 group_idx=self.group_idx,
+                                                 locality=self.locality,
+                                                 ownership=self.ownership))
             self.removed_blocks += len(gone)
         return len(gone)
 
@@ -336,5 +360,5 @@ class WorkerSegments:
         return SavedSegments(saved) if saved else None
 
 
-__all__ = ["DROPPED", "LOADED", "MEDIUM", "OWNERSHIP", "HurrayKVEvents", "SavedSegments",
-           "WorkerSegments", "locality_of", "split_records"]
+__all__ = ["DROPPED", "LOADED", "MEDIUM", "OWNERSHIP", "EventAPI", "HurrayKVEvents",
+           "SavedSegments", "WorkerSegments", "locality_of", "split_records", "vllm_api"]
