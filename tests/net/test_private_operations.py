@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,3 +264,92 @@ def test_register_refuses_what_cannot_be_called():
     with pytest.raises(HurrayError, match="42 is not callable"):
         extensions.register("acme.not-a-function", 42)
     assert "acme.not-a-function" not in extensions.OPERATIONS
+
+
+# ------------------------------------------- issue 46 item 9: what an operation may do
+def _raising(exc: BaseException, later: bool):
+    if later:
+        async def operation(s: Session, payload: bytes) -> bytes:
+            await asyncio.sleep(0)
+            raise exc
+    else:
+        def operation(s: Session, payload: bytes) -> bytes:
+            raise exc
+    return operation
+
+
+BASE_EXCEPTIONS = [SystemExit(3), KeyboardInterrupt(), GeneratorExit(),
+                   asyncio.CancelledError(), BaseException("odd")]
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS, ids=lambda e: type(e).__name__)
+def test_whatever_an_operation_raises_is_internal_and_the_server_serves_on(exc, later):
+    """Before: SystemExit and KeyboardInterrupt stopped the server, a CancelledError from
+    a synchronous operation dropped the connection unanswered, and an asynchronous one
+    raising any of these left its request unanswered."""
+    extensions.register("test.raise", _raising(exc, later))
+    try:
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st, \
+                KVClient(st.address, timeout=5) as c:
+            with pytest.raises(RemoteError) as e:
+                c.extension("test.raise")
+            assert e.value.code == E.INTERNAL, str(e.value)
+            assert f"'test.raise' failed: {type(exc).__name__}" in str(e.value)
+            assert c.ping() >= 0  # the connection carries on
+            assert st.server.serving()
+            with KVClient(st.address, timeout=5) as d:  # and so does the server
+                assert d.ping() >= 0
+    finally:
+        extensions.unregister("test.raise")
+
+
+def test_operations_in_flight_on_a_connection_are_bounded():
+    """An envelope arriving while MAX_IN_FLIGHT operations of its connection are still
+    running is answered ERROR SERVER_BUSY naming the limit, without running; the others
+    are answered when they complete, and the connection carries on.  Before: no bound
+    (60,000 pending on one connection)."""
+    import threading
+
+    released = threading.Event()
+    started: list[bytes] = []
+
+    @extensions.register("test.wait")
+    async def wait(s: Session, payload: bytes) -> bytes:
+        started.append(payload)
+        while not released.is_set():
+            await asyncio.sleep(0.005)
+        return payload
+
+    most, extra = extensions.MAX_IN_FLIGHT, 5
+    try:
+        with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+            host, port = st.address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(m.message(T.CLIENT_HELLO, 1, m.Hello().encode()))
+                assert _read(s)[0] == T.SERVER_HELLO
+                s.sendall(b"".join(
+                    frame(T.EXTENSION, 2 * i + 3, Extension("test.wait", b"%d" % i))
+                    for i in range(most + extra)))
+                for i in range(most, most + extra):
+                    mtype, stream, payload = _read(s)
+                    assert (mtype, stream) == (T.ERROR, 2 * i + 3)
+                    err = m.decode_error(payload)
+                    assert err.code == E.SERVER_BUSY, err.message
+                    assert f"{most} private operations" in err.message, err.message
+                    assert "'test.wait'" in err.message, err.message
+                deadline = time.monotonic() + 5
+                while len(started) < most and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                # the first MAX_IN_FLIGHT run; the refused ones never did
+                assert sorted(started) == sorted(b"%d" % i for i in range(most))
+                released.set()
+                replies = {_read(s) for _ in range(most)}
+                assert replies == {(0xFE, 2 * i + 3, Extension("test.wait", b"%d" % i)
+                                    .encode()) for i in range(most)}
+                s.sendall(m.message(T.PING, 1, b"on"))
+                assert _read(s) == (T.PONG, 1, b"on")
+                s.sendall(frame(T.EXTENSION, 5, Extension("test.wait", b"again")))
+                assert _read(s)[:2] == (0xFE, 5)  # room again once they completed
+    finally:
+        extensions.unregister("test.wait")

@@ -86,6 +86,7 @@ class Connection(asyncio.BufferedProtocol):
         self.puts: dict[int, Put] = {}
         self.dead: OrderedDict[int, None] = OrderedDict()  # streams closed by an ERROR
         self.tasks: set[asyncio.Task] = set()
+        self.operations_in_flight = 0  # extensions.MAX_IN_FLIGHT bounds it
         self._header = bytearray(HEADER.size)
         self._offset = bytearray(8)
         self._payload = bytearray()

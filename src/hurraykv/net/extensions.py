@@ -9,8 +9,15 @@ of the connection (its tenant, ``key()`` for tenant-scoped keys, ``server.store`
 ``payload`` the bytes the client put after the operation's name, and the reply the bytes
 sent back in an envelope naming the same operation.  It may instead return an awaitable
 of those bytes (it then runs on the event loop, its answer sent when it completes).  It
-raises :class:`~.messages.ProtocolError` to answer with ERROR (its ``code``); any other
-exception is ERROR INTERNAL, logged.  An envelope naming an operation not registered is
+raises :class:`~.messages.ProtocolError` to answer with ERROR (its ``code``); anything
+else it raises is ERROR INTERNAL naming the exception, logged, the connection and the
+server carrying on: ``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``,
+``asyncio.CancelledError`` and every other ``BaseException`` included (an operation
+cannot stop the server, nor drop its connection).  Only an awaitable cancelled because its
+connection closed goes unanswered.  A connection has at most ``MAX_IN_FLIGHT`` (64)
+operations awaiting their answer at a time: an envelope arriving while it has that many
+is answered with ERROR SERVER_BUSY naming the operation and the limit, without running,
+and the connection carries on.  An envelope naming an operation not registered is
 answered with ERROR UNKNOWN_OPERATION naming it, and the connection carries on.
 
 Operations are registered for the process (every server in it), like
@@ -27,6 +34,7 @@ reads its payload through ``messages.payload_reader(payload, name)`` and ends wi
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -55,6 +63,9 @@ Reply = bytes | bytearray | memoryview
 Operation = Callable[["Session", bytes], "Reply | Awaitable[Reply]"]
 
 OPERATIONS: dict[str, Operation] = {}
+# Awaitable operations of one connection not yet answered: each holds its task, payload
+# and whatever it awaits, so a client pipelining envelopes must not hold unbounded memory.
+MAX_IN_FLIGHT = 64
 GROUP = "hurraykv.server_operations"  # plugins: a function (by the entry's name) or a module
 _SEEN: set[tuple[str, str, str]] = set()
 
@@ -121,20 +132,28 @@ def on_extension(s: Session, stream: int, env: Extension) -> None:
             ErrorCode.UNKNOWN_OPERATION, field="extension.operation", value=env.operation,
             rule="an operation the server registers (extensions.register, or the entry "
                  f"point group {GROUP})")
+    if s.operations_in_flight >= MAX_IN_FLIGHT:
+        raise ProtocolError(
+            f"private operation {env.operation!r} not run: {MAX_IN_FLIGHT} private "
+            "operations of this connection are awaiting their answer; send it again once "
+            "one is answered", ErrorCode.SERVER_BUSY, field="extension.operation",
+            value=env.operation,
+            rule=f"at most {MAX_IN_FLIGHT} private operations in flight per connection")
     try:
         reply = operation(s, env.payload)
     except HurrayError:
         raise  # ProtocolError: its code; others INVALID_MESSAGE (the connection's rule)
-    except Exception as e:  # a bug in an operation answers the client, and is seen
+    except BaseException as e:  # SystemExit, CancelledError...: the operation's, not ours
         log.exception("private operation %r failed", env.operation)
         raise _internal(env.operation, e) from None
     if inspect.isawaitable(reply):
+        s.operations_in_flight += 1
         s.spawn(_answer_later(s, stream, env.operation, reply))
         return
     _answer(s, stream, env.operation, reply)
 
 
-def _internal(name: str, e: Exception) -> ProtocolError:
+def _internal(name: str, e: BaseException) -> ProtocolError:
     return ProtocolError(f"private operation {name!r} failed: {type(e).__name__}: {e}",
                          ErrorCode.INTERNAL, field="extension.operation", value=name)
 
@@ -158,7 +177,9 @@ async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Rep
             data = await reply
         except HurrayError:
             raise
-        except Exception as e:
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and _connection_closed():
+                raise
             log.exception("private operation %r failed", name)
             raise _internal(name, e) from None
         _answer(s, stream, name, data)
@@ -166,3 +187,12 @@ async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Rep
         code = e.code if isinstance(e, ProtocolError) else ErrorCode.INVALID_MESSAGE
         log.info("stream %d: %s", stream, e)
         s.fail(stream, code, str(e))
+    finally:
+        s.operations_in_flight -= 1
+
+
+def _connection_closed() -> bool:
+    """Whether the running task was cancelled from outside (``Session.spawn`` cancels it
+    when its connection closes), rather than handed a CancelledError by the operation."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

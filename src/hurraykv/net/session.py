@@ -52,6 +52,7 @@ class Session(Protocol):
     tenant: str  # the tenant id (hex) under mutual TLS, "" without tenants
     hello: Hello | None  # the client's CLIENT_HELLO
     puts: dict[int, Any]  # PUTs arriving (``puts.Put``), by stream
+    operations_in_flight: int  # private operations awaiting their answer (extensions)
 
     def key(self, key: str) -> str:
         """The store's key for a key the client sent (tenant-scoped); ``ProtocolError``
