@@ -142,7 +142,7 @@ def test_objects_pulled_back_from_the_store_stay_within_the_quota(tmp_path, redi
     size = segment(16, 0).nbytes
     quota = 2 * size + size // 2
     with tenants(tmp_path, store=redis_url, max_bytes_per_tenant=quota,
-                 memory_budget=2 * quota) as connect:
+                 memory_budget=4 * quota) as connect:  # the quota binds, not the budget
         a, b = connect("a"), connect("b")
         for i in range(2):
             b.push(f"b{i}", segment(16, 20 + i))
