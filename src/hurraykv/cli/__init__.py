@@ -277,14 +277,16 @@ def _serve_budgets(sv: argparse.ArgumentParser) -> None:
                     help="keep each committed snapshot as a .hrry file in DIR (kept across "
                     "restarts); default: memory only")
     sv.add_argument("--max-bytes-per-tenant", type=_size, default=None, metavar="SIZE",
-                    help="with --tls-ca: most bytes of one client identity's (tenant's) "
-                    "objects in memory; past it that tenant's own least recently used "
+                    help="with --tls-ca: most bytes one client identity (tenant) makes the "
+                    "server hold in memory (objects, pushes in flight, aliases); past it, and "
+                    "under --memory-budget, only that tenant's own least recently used "
                     "objects leave memory, never another's, and a push that still cannot "
                     "fit is refused with STORE_FULL; default: no quota")
     sv.add_argument("--max-pinned-bytes", type=_size, default=None, metavar="SIZE",
                     help="most bytes of objects pinned (RETAIN: never evicted to make "
-                    "room); a pin past it is refused with STORE_FULL; default: a quarter "
-                    "of the smaller budget (unlimited without one)")
+                    "room); a pin past it, or a push of a pinned key whose new size would "
+                    "pass it, is refused with STORE_FULL; default: a quarter of the "
+                    "smaller budget (unlimited without one)")
     sv.add_argument("--persist-budget", type=_size, default=None, metavar="SIZE",
                     help="most bytes of .hrry files kept in --persist DIR, e.g. 64G; beyond "
                     "it the least recently pushed or pulled files are deleted, and a "
