@@ -103,6 +103,17 @@ def test_lookup_prefix_on_shared_and_diverging_prompts(store):
     assert store.lookup_prefix(tokens[0]) is None
 
 
+def test_a_sequence_shorter_than_a_page_is_indexed_by_its_full_pages_only(store):
+    """Before: a put whose token_ids held a sequence of fewer tokens than a page failed
+    with NumPy's ValueError (no full page to reshape) after the snapshot was stored."""
+    s = make_snapshot()  # sequences of 10, 6, 5 and 1 tokens, pages of 4
+    tokens = np.arange(22)
+    store.put("short", s, token_ids=tokens)
+    assert store.get("short").equal(zeroed(s))
+    assert store.lookup_prefix(tokens[:10], 4) == ("short", 0, 8)
+    assert store.lookup_prefix(tokens[21:], 4) is None  # the 1-token sequence: no page
+
+
 _GEN = bytes(range(16))
 _GOOD = prefix_value("chat", 1, 16, _GEN)
 _DAMAGED = [

@@ -88,7 +88,9 @@ def token_chains(tokens: np.ndarray, page_size: int) -> list[bytes]:
     """Chained digest over each full page of token ids (engine-style prefix hashing)."""
     out, prev = [], struct.pack("<I", page_size)
     full = len(tokens) // page_size
-    data = np.ascontiguousarray(tokens[: full * page_size], dtype="<i8").reshape(full, -1)
+    # (full, page_size), not (full, -1): a sequence shorter than a page has no full page
+    data = np.ascontiguousarray(tokens[: full * page_size], dtype="<i8").reshape(
+        full, page_size)
     for row in data:
         prev = hashlib.blake2b(prev + row.tobytes(), digest_size=DIGEST).digest()
         out.append(prev)
