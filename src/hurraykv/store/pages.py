@@ -61,6 +61,13 @@ refuses writes at the limit instead: a put raises ``StoreFullError`` (field
 ``maxmemory``) after taking back what it wrote, nothing stored before is touched, and
 deletes still work.  See ``capacity.py``.
 
+A Redis that goes away (killed, ``SHUTDOWN``, failed over, loading its data after a restart,
+a cluster node down) makes every call that needs it raise ``TransportError`` naming the
+server, never a redis-py exception; a reply refusing a command for another reason (a key of
+another type) is ``StoreError``.  Once Redis is back, the same store works again: the Lua
+scripts, which a restarted server no longer holds, are loaded again when Redis answers
+NOSCRIPT, in pipelines too (only the refused calls are sent again).
+
 Pages travel on the raw path of ``resp.py`` (MSETs gathered from the pool's memory, GET
 replies received into the rows being rebuilt) where the connection allows, else in
 redis-py pipelines.  ``members.py`` digests pages, ``manifest.py`` encodes manifests and
@@ -116,7 +123,7 @@ def _legacy(snapshot_id: str) -> StoreError:
 URL_SCHEMES = ("redis", "redis+cluster", "rediss", "unix")
 
 
-def _where(client: Any) -> str:
+def server_name(client: Any) -> str:
     """The server a redis-py client talks to, for a message."""
     try:
         kw = client.connection_pool.connection_kwargs
@@ -125,11 +132,22 @@ def _where(client: Any) -> str:
         return type(client).__name__
 
 
+# Replies of a Redis that is there but not serving: loading its data after a restart
+# (LOADING, raised by redis-py as a ConnectionError), a cluster without a quorum or with a
+# slot's master down (CLUSTERDOWN, MASTERDOWN), a slot moving (TRYAGAIN), a primary
+# demoted by a failover (READONLY).  They pass once Redis is back, as a refused connection
+# does, so they are TransportError too.
+_NOT_SERVING = ("ClusterDownError", "TryAgainError", "ReadOnlyError", "NoScriptError")
+
+
 @contextlib.contextmanager
 def unreachable_as_transport(where: str | Callable[[], str]) -> Iterator[None]:
     """redis-py's errors for a store it cannot reach (refused, timed out, unknown host, a
-    cluster with no reachable node) raised as ``TransportError`` naming ``where`` (or what
-    ``where()`` says, asked only then)."""
+    cluster with no reachable node) or that is not serving (loading its data after a
+    restart, a cluster down, a script cache lost again and again while it restarts)
+    raised as ``TransportError`` naming ``where`` (or what ``where()`` says, asked only
+    then).  Any other redis-py error (a reply refusing a command, such as WRONGTYPE on a
+    key that is not the store's) is ``StoreError`` naming the reply."""
     redis = require("redis", "redis", "the Redis page store")
     from redis.exceptions import RedisClusterException
 
@@ -137,9 +155,19 @@ def unreachable_as_transport(where: str | Callable[[], str]) -> Iterator[None]:
         yield
     except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as e:
         name = where() if callable(where) else where
-        raise TransportError(f"redis store {name}: cannot reach it: {e}", field="url",
-                             value=name, rule="a reachable Redis or Valkey server"
-                             ) from None
+        said = "it is loading its data" if isinstance(e, redis.BusyLoadingError) else \
+            "cannot reach it"
+        raise TransportError(f"redis store {name}: {said}: {e}", field="url", value=name,
+                             rule="a reachable Redis or Valkey server") from None
+    except redis.RedisError as e:
+        name = where() if callable(where) else where
+        if any(c.__name__ in _NOT_SERVING for c in type(e).__mro__):
+            raise TransportError(f"redis store {name}: it is not serving: {e}", field="url",
+                                 value=name, rule="a Redis or Valkey server serving "
+                                 "commands") from None
+        raise StoreError(f"redis store {name}: Redis refused a command: {e}", field="reply",
+                         value=str(e)[:200], rule="a store holding only hurraykv's keys, "
+                         "each of its type") from None
 
 
 T = TypeVar("T")
@@ -150,7 +178,7 @@ def _reaching(method: Callable[..., T]) -> Callable[..., T]:
     that cannot be reached at all), never as redis-py's own exceptions."""
     @functools.wraps(method)
     def call(self: PageStore, *args: Any, **kwargs: Any) -> T:
-        with unreachable_as_transport(lambda: _where(self.client)):
+        with unreachable_as_transport(lambda: server_name(self.client)):
             return method(self, *args, **kwargs)
     return call
 
@@ -171,7 +199,7 @@ class PageStore:
         self.client = client
         self.zero_unused = zero_unused
         self.drop_damaged = drop_damaged
-        with unreachable_as_transport(_where(client)):  # its scripts load at once
+        with unreachable_as_transport(server_name(client)):  # its scripts load at once
             self._refs = Refs(client)
 
     @classmethod
@@ -415,6 +443,7 @@ class PageStore:
     def stats(self) -> dict[str, int]:
         return self._refs.stats()
 
+    @_reaching
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))
 

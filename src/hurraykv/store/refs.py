@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StoreError, require
-from .scripts import MANY, SCRIPTS, STATS, Script, legacy_ref_key, owners_key, page_key
+from .scripts import MANY, SCRIPTS, STATS, Pipe, Script, legacy_ref_key, owners_key, page_key
 
 BATCH_BYTES = 64 << 20  # bytes per pipeline round trip
 
@@ -37,8 +37,9 @@ class Refs:
         self.scripts = {name: Script(client, lua) for name, lua in SCRIPTS.items()}
 
     # -- pipelines ---------------------------------------------------------------------
-    def pipe(self) -> Any:
-        return self.client.pipeline(transaction=False)
+    def pipe(self) -> Pipe:
+        """A pipeline whose script calls are sent again where Redis lost its scripts."""
+        return Pipe(self.client, self.scripts)
 
     def batched(self, keys: Sequence[Any], sizes: Sequence[int],
                 run: Callable[[Any, Any], Any]) -> list[Any]:

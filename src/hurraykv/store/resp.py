@@ -20,7 +20,7 @@ import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import StoreError
+from ..errors import StoreError, TransportError
 from ..net.gather import send_gathered
 
 _READ = 1 << 16
@@ -52,7 +52,7 @@ class Wire:
         with memoryview(self._buf) as mv:
             n = self.sock.recv_into(mv[self._end:self._end + limit])
         if not n:
-            raise StoreError("the Redis server closed the connection", field="connection")
+            raise closed()
         self._end += n
 
     def line(self, limit: int = _READ) -> bytes:
@@ -76,14 +76,14 @@ class Wire:
         while got < view.nbytes:
             n = self.sock.recv_into(view[got:])
             if not n:
-                raise StoreError("the Redis server closed the connection", field="connection")
+                raise closed()
             got += n
 
     def simple(self) -> bytes:
         """A status or integer reply; an error reply raises ``StoreError``."""
         head = self.line()
         if head[:1] == b"-":
-            raise StoreError(f"Redis: {head[1:].decode(errors='replace')}", field="reply")
+            raise reply_error(head)
         return head[1:]
 
     def bulk_into(self, view: memoryview) -> bool:
@@ -92,7 +92,7 @@ class Wire:
         # a short read for the header: the value itself then lands in ``view`` directly
         head = self.line(HEADER_READ)
         if head[:1] == b"-":
-            raise StoreError(f"Redis: {head[1:].decode(errors='replace')}", field="reply")
+            raise reply_error(head)
         if head == b"_":  # RESP3's null
             return False
         if head[:1] != b"$":
@@ -107,6 +107,26 @@ class Wire:
         self._into(view)
         self._into(memoryview(bytearray(2)))  # CRLF
         return True
+
+
+def closed() -> TransportError:
+    return TransportError("the Redis server closed the connection", field="connection",
+                          rule="a connection open until its replies are read")
+
+
+# Error replies of a server that is there but not serving yet (restarted, loading; a
+# replica a failover has not promoted): it will be again, as a refused connection.
+_NOT_SERVING = (b"LOADING", b"MASTERDOWN", b"READONLY")
+
+
+def reply_error(head: bytes) -> StoreError | TransportError:
+    """An error reply (``head``: its line) as ``TransportError`` where Redis is not
+    serving, else ``StoreError``."""
+    text = head[1:].decode(errors="replace")
+    if head[1:].split(b" ", 1)[0] in _NOT_SERVING:
+        return TransportError(f"Redis is not serving: {text}", field="reply", value=text,
+                              rule="a Redis server serving commands")
+    return StoreError(f"Redis: {text}", field="reply", value=text)
 
 
 def mset(keys: Sequence[str], values: Sequence[Any]) -> list[Any]:
@@ -146,6 +166,12 @@ def open_wire(client: Any) -> Iterator[Wire | None]:
         raise
     try:
         yield Wire(sock) if ok else None
+    except OSError as e:  # reset, broken pipe, timed out: the server went away midway
+        conn.disconnect()
+        where = getattr(conn, "path", None) or f"{conn.host}:{conn.port}"
+        raise TransportError(f"redis store {where}: the connection broke: {e}",
+                             field="connection", value=where,
+                             rule="a connection open until its replies are read") from None
     except BaseException:
         conn.disconnect()  # replies may be left unread: the connection is out of step
         raise

@@ -127,7 +127,10 @@ PAGE_SIZES = "hkv:page_sizes"
 class Script:
     """A Lua script run by EVALSHA, also inside cluster pipelines (redis-py refuses its
     Script helpers there; a raw EVALSHA whose keys share one slot is routed normally).
-    The script is loaded on every primary first, so pipelines never meet NOSCRIPT."""
+    The script is loaded on every primary at once, and again whenever Redis answers
+    NOSCRIPT: a server restarted, failed over or told ``SCRIPT FLUSH`` has an empty script
+    cache, and an EVALSHA it refuses did not run, so it is sent again (in a pipeline,
+    ``Pipe`` sends only the calls refused)."""
 
     def __init__(self, client: Any, lua: str) -> None:
         self.lua = lua
@@ -144,8 +147,72 @@ class Script:
 
     def __call__(self, keys: list[str], args: list[Any] | None = None, client: Any = None
                  ) -> Any:
-        target = client if client is not None else self.client
-        return target.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
+        command = ("EVALSHA", self.sha, len(keys), *keys, *(args or []))
+        if client is not None:  # a pipeline: its execute() answers NOSCRIPT
+            return client.execute_command(*command)
+        for _attempt in range(RELOADS):
+            try:
+                return self.client.execute_command(*command)
+            except Exception as e:
+                if not is_noscript(e):
+                    raise
+                self.load()
+        return self.client.execute_command(*command)
+
+
+RELOADS = 3  # loads of a script a call tries before NOSCRIPT is raised (Redis restarting
+# again and again)
+
+
+def is_noscript(error: BaseException) -> bool:
+    """Whether ``error`` is Redis's NOSCRIPT: the EVALSHA did not run."""
+    from redis.exceptions import NoScriptError
+
+    return isinstance(error, NoScriptError)
+
+
+class Pipe:
+    """A redis-py pipeline (no transaction) whose script calls survive a Redis that lost
+    its script cache: the EVALSHAs answered NOSCRIPT did not run, so once the scripts are
+    loaded again those calls alone are sent again (running the others twice would count
+    a freed page twice).  Every other command goes to the pipeline as it is."""
+
+    def __init__(self, client: Any, scripts: dict[str, Script]) -> None:
+        self._client = client
+        self._pipe = client.pipeline(transaction=False)
+        self._scripts = {s.sha: s for s in scripts.values()}
+        self._calls: dict[int, tuple[Any, ...]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def __len__(self) -> int:
+        return len(self._pipe)
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args and args[0] == "EVALSHA":
+            self._calls[len(self._pipe)] = args
+        return self._pipe.execute_command(*args, **options)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        calls, self._calls = self._calls, {}
+        replies = self._pipe.execute(raise_on_error=False)
+        for _attempt in range(RELOADS):
+            lost = [i for i, r in enumerate(replies) if is_noscript(r)]
+            if not lost:
+                break
+            for sha in dict.fromkeys(calls[i][1] for i in lost):
+                self._scripts[sha].load()
+            again = self._client.pipeline(transaction=False)
+            for i in lost:
+                again.execute_command(*calls[i])
+            for i, reply in zip(lost, again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
 
 
 SCRIPTS = {"addref": _ADDREF, "addref_many": _ADDREF_MANY, "dropref": _DROPREF,
