@@ -152,6 +152,12 @@ def test_vllm_logging_and_prometheus_accept_the_stats() -> None:
         assert value("vllm:hurraykv_loaded_bytes", "0") == 4096
         assert value("vllm:hurraykv_load_seconds", "0") == 0.5
         assert value("vllm:hurraykv_evictions", "0") == 0  # every metric exists from start
+        # a gauge of the sum of its deltas, per engine (issue 46 item 16: saves in flight)
+        prom.observe({"saves_attempted": 5, "saves_pending": 5}, 0)
+        prom.observe({"segments_saved": 3, "saves_pending": -3}, 0)
+        assert REGISTRY.get_sample_value("vllm:hurraykv_pending_saves",
+                                         {"model_name": "tiny", "engine": "0"}) == 2
+        assert value("vllm:hurraykv_attempted_saves", "0") == 5
         names = {m.name for m in REGISTRY.collect()}
         assert {METRICS[k][0] for k in METRICS} <= names
     finally:
