@@ -15,8 +15,10 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
         ("pages_freed", "pages freed with their last reference"),
         ("orphan_pages_freed", "pages nobody referenced, freed"),
         ("legacy_counters_removed", "reference counters of before generations, removed"),
-        ("damaged_removed", "snapshots that lost pages (Redis eviction), removed with "
-                            "their other pages (see the stats lines)"),
+        ("damaged_pages_removed", "pages whose bytes did not match their key (truncated, "
+                                  "changed, another type), removed"),
+        ("damaged_removed", "snapshots that lost pages (Redis eviction, damage), removed "
+                            "with their other pages (see the stats lines)"),
         ("dangling_owners_removed", "owner sets of pages that are gone, removed")]
 
 
@@ -40,9 +42,13 @@ def cmd_store_fsck(args: argparse.Namespace) -> int:
             b, a = before.get(key, 0), after.get(key, 0)
             change = "unchanged" if a == b else f"was {b}"
             print(f"{'stats ' + key:>24}: {a} ({change})")
+        if report["stats_damaged"]:
+            print(f"damaged: statistics ({report['stats_damaged']}): rewritten")
+        for key, problem in sorted(report["damaged_pages"].items()):
+            print(f"damaged: page {key}: {problem} (removed)")
         for sid, n in sorted(report["missing_pages"].items()):
-            print(f"damaged: snapshot {sid!r} named {n} page(s) the store had lost "
-                  "(removed; store it again)")
+            print(f"damaged: snapshot {sid!r} named {n} page(s) the store had lost or "
+                  "that were damaged (removed; store it again)")
     # under allkeys-lru a scheduled fsck finds damage routinely: a failure only when some
     # damaged snapshot is still there
     return 1 if len(report["missing_pages"]) > report["damaged_removed"] else 0

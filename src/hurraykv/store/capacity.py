@@ -15,7 +15,8 @@ The store's capacity is Redis's own: ``maxmemory`` with an eviction policy (``pa
 The statistics and the prefix index are an account and an accelerator, not data: a write
 to them that Redis refuses for memory is skipped (``fsck`` recomputes the statistics; a
 missing index entry is a lookup miss), so a put that stored its manifest, or a delete that
-removed one, is not reported failed because of them.
+removed one, is not reported failed because of them.  So is a statistics write Redis
+refuses because the hash is damaged (a key of another type, a field not a number).
 """
 
 from __future__ import annotations
@@ -87,13 +88,19 @@ def refusing_full(client: Any, what: str,
         raise full_error(client, what, outcome) from None
 
 
+# What Redis answers to HINCRBY on a statistics hash that is damaged: a key of another
+# type, a field that is not a number.
+_DAMAGED_ACCOUNT = ("WRONGTYPE", "hash value is not an integer")
+
+
 def best_effort(pipe: Any) -> list[Any]:
-    """Run ``pipe`` (statistics, prefix index); replies Redis refused for memory come back
-    as None, any other error is raised."""
+    """Run ``pipe`` (statistics, prefix index); replies Redis refused for memory, or for a
+    statistics hash that is damaged (``fsck`` rewrites it), come back as None; any other
+    error is raised."""
     out = []
     for reply in pipe.execute(raise_on_error=False):
         if isinstance(reply, Exception):
-            if not is_full(reply):
+            if not is_full(reply) and not any(s in str(reply) for s in _DAMAGED_ACCOUNT):
                 raise reply
             reply = None
         out.append(reply)

@@ -5,10 +5,15 @@ with its manifests after a client or server crash, or after Redis evicted keys u
 1. Releases left pending (a put or delete killed after its manifest moved) are completed.
 2. Every manifest is read; version 1 manifests (references counted before generations)
    get a generation and are rewritten as version 2, and the counters of those references
-   (``hkv:r:``) are removed (upgrade a store while no client writes to it).  A manifest
-   naming a page the store no longer holds (evicted, lost in a failover) is damaged: it is
-   reported, and removed with its references unless ``drop_damaged=False`` (its snapshot
-   cannot be read whole again: removed, it is a miss that its writer stores again).
+   (``hkv:r:``) are removed (upgrade a store while no client writes to it).  Every page a
+   manifest names is read and verified against its key (its length, and the SHA-256 of its
+   geometry and bytes, which is the key's digest): a page value that is truncated, has a
+   byte changed or is not a string is deleted, never kept under quarantine (a snapshot
+   cannot be read whole from other bytes), and reported by key (``damaged_pages``).  A
+   manifest naming a page the store no longer holds (evicted, lost in a failover, deleted
+   as damaged) is damaged: it is reported, and removed with its references unless
+   ``drop_damaged=False`` (its snapshot cannot be read whole again: removed, it is a miss
+   that its writer stores again).
 3. Each page's owners become exactly the generations of the manifests naming it: a
    generation no manifest holds (a put killed before its manifest went in) is dropped -
    unless it was drawn less than ``grace`` seconds ago, being then possibly a put still
@@ -16,12 +21,14 @@ with its manifests after a client or server crash, or after Redis evicted keys u
    checking the manifest still holds it).  A page whose last reference goes is freed; an
    owner set whose page Redis evicted goes with its last reference.
 4. Pages nobody owns (bytes a killed put stored before referencing them) are freed.
-5. ``hkv:stats`` is recomputed from what is left.
+5. ``hkv:stats`` is recomputed from what is left; one that is damaged (a key of another
+   type, a field that is not a number: reported as ``stats_damaged``) is replaced whole.
 
 Nothing a whole manifest names is ever freed, so fsck is safe while clients run; what they
 change meanwhile may leave the recomputed statistics off by their work (run it again
 when they are idle).  Pages a manifest names that are not in the store cannot be made
-again: they are reported per snapshot (``missing_pages``), and those snapshots removed.
+again: they are reported per snapshot (``missing_pages``: how many of its pages were lost
+or damaged), and those snapshots removed.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..wire.layouts import BlockPaged
 from .capacity import best_effort
 from .manifest import manifest_generation, parse_manifest, with_generation
-from .members import ZERO
+from .members import ZERO, page_digest, page_geometry
+from .reads import page_width, rounds
 from .refs import Refs
 from .scripts import (
     STATS,
@@ -68,21 +77,25 @@ def _chunks(items: list[Any]) -> Iterator[list[Any]]:
 def fsck(refs: Refs, *, grace: float = 3600.0, drop_damaged: bool = True
          ) -> dict[str, Any]:
     """Repair the store ``refs`` reaches; returns what was found and changed."""
+    stats_before, stats_damage = refs.read_stats()
     report: dict[str, Any] = {
         "releases_completed": 0, "manifests": 0, "manifests_upgraded": 0,
         "references_dropped": 0, "references_added": 0, "pages_freed": 0,
         "orphan_pages_freed": 0, "legacy_counters_removed": 0, "missing_pages": {},
-        "damaged_removed": 0, "dangling_owners_removed": 0, "stats_before": refs.stats()}
+        "damaged_pages": {}, "damaged_pages_removed": 0, "damaged_removed": 0,
+        "dangling_owners_removed": 0, "stats_damaged": stats_damage,
+        "stats_before": stats_before}
     _complete_releases(refs, report)
-    named, snapshot_of, logical_of = _read_manifests(refs, report)
+    named, snapshot_of, logical_of, geometry_of = _read_manifests(refs, report)
+    _remove_damaged_pages(refs, geometry_of, report)
     lost = _damaged(refs, named, snapshot_of, report, drop_damaged)
     logical = sum(logical_of[g] for g in snapshot_of)
     _remove_legacy_counters(refs, report)
     _reconcile_owners(refs, named, snapshot_of, lost, grace, report)
     kept, stored_bytes = _free_orphans(refs, report)
     _write_stats(refs, {"logical_bytes": logical, "stored_bytes": stored_bytes,
-                        "pages": kept, "snapshots": len(snapshot_of)})
-    report["stats_after"] = refs.stats()
+                        "pages": kept, "snapshots": len(snapshot_of)}, bool(stats_damage))
+    report["stats_after"] = refs.read_stats()[0]
     return report
 
 
@@ -93,12 +106,15 @@ def _complete_releases(refs: Refs, report: dict[str, Any]) -> None:
 
 
 def _read_manifests(refs: Refs, report: dict[str, Any]
-                    ) -> tuple[dict[bytes, set[bytes]], dict[bytes, str], dict[bytes, int]]:
+                    ) -> tuple[dict[bytes, set[bytes]], dict[bytes, str], dict[bytes, int],
+                               dict[bytes, tuple[bytes, int]]]:
     """2. Who should own what: the generations naming each page, the snapshot of each
-    generation and its logical bytes; a version 1 manifest is given a generation first."""
+    generation and its logical bytes, and each page's geometry and size (what its digest
+    and length are verified by); a version 1 manifest is given a generation first."""
     named: dict[bytes, set[bytes]] = {}
     snapshot_of: dict[bytes, str] = {}
     logical_of: dict[bytes, int] = {}
+    geometry_of: dict[bytes, tuple[bytes, int]] = {}
     for ids in _chunks(list(_scan(refs.client, "m"))):
         pipe = refs.pipe()
         for sid in ids:
@@ -116,8 +132,57 @@ def _read_manifests(refs: Refs, report: dict[str, Any]
             snapshot_of[generation] = sid
             for d in set(table) - {ZERO}:
                 named.setdefault(d, set()).add(generation)
+            geometry_of.update(_geometries(items, table))
             report["manifests"] += 1
-    return named, snapshot_of, logical_of
+    return named, snapshot_of, logical_of, geometry_of
+
+
+def _geometries(items: list, table: list[bytes]) -> Iterator[tuple[bytes, tuple[bytes, int]]]:
+    """(digest, (geometry, bytes)) of every page a manifest names."""
+    pos = 0
+    for desc, _ in items:
+        if isinstance(desc.layout, BlockPaged):
+            n = desc.layout.num_pages
+            shape = (page_geometry(desc), page_width(desc))
+            for d in table[pos:pos + n]:
+                if d != ZERO:
+                    yield d, shape
+            pos += n
+
+
+def _remove_damaged_pages(refs: Refs, geometry_of: dict[bytes, tuple[bytes, int]],
+                          report: dict[str, Any]) -> None:
+    """2, then: every page a manifest names is read and checked against its key: a value of
+    another type, of another length or whose digest is not its key's (truncated, a bit
+    flipped) is deleted, so the snapshots naming it are damaged (step 3 removes them)
+    instead of read wrong.  Pages are read BATCH_BYTES per round trip."""
+    digests = list(geometry_of)
+    for a, b in rounds([geometry_of[d][1] for d in digests]):
+        batch = digests[a:b]
+        pipe = refs.pipe()
+        for d in batch:
+            pipe.get(page_key(d))
+        bad: dict[bytes, tuple[str, bytes | None]] = {}
+        for d, value in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            geometry, width = geometry_of[d]
+            if isinstance(value, Exception):
+                bad[d] = (f"not a string ({str(value).split(' ', 1)[0]})", None)
+            elif value is not None and len(value) != width:
+                bad[d] = (f"holds {len(value)} bytes, expected {width}", value)
+            elif value is not None and page_digest(geometry, value) != d:
+                bad[d] = ("its bytes do not match its digest", value)
+        if not bad:
+            continue
+        pipe = refs.pipe()
+        del_if = refs.scripts["del_if"]
+        for d, (_, value) in bad.items():
+            if value is None:  # nothing of the store's writes another type there
+                pipe.delete(page_key(d))
+            else:  # only those bytes: not a copy a writer stored again meanwhile
+                del_if(keys=[page_key(d)], args=[value], client=pipe)
+        for d, gone in zip(bad, pipe.execute(), strict=True):
+            report["damaged_pages"][page_key(d)] = bad[d][0]
+            report["damaged_pages_removed"] += int(gone)
 
 
 def _remove_legacy_counters(refs: Refs, report: dict[str, Any]) -> None:
@@ -169,15 +234,19 @@ def _free_orphans(refs: Refs, report: dict[str, Any]) -> tuple[int, int]:
         pipe = refs.pipe()
         for d in left:
             pipe.strlen(page_key(d))
-        sizes = [int(n) for n in pipe.execute()]
+        # a value of another type no manifest names, still owned (within grace): no bytes
+        sizes = [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
         kept += sum(1 for n in sizes if n)
         stored_bytes += sum(sizes)
     return kept, stored_bytes
 
 
-def _write_stats(refs: Refs, after: dict[str, int]) -> None:
-    """5. The statistics, recomputed."""
+def _write_stats(refs: Refs, after: dict[str, int], damaged: bool) -> None:
+    """5. The statistics, recomputed; a ``damaged`` hash (not a hash, a field not a
+    number) is deleted first, so it is rewritten whole."""
     pipe = refs.pipe()
+    if damaged:  # refused at the memory limit after this: no statistics, fsck again
+        pipe.delete(STATS)
     pipe.hset(STATS, mapping=after)
     best_effort(pipe)  # refused at Redis's memory limit: the old figures stay
 

@@ -14,9 +14,26 @@ from typing import Any
 import numpy as np
 
 from ..paged import BlockPagedTensor, byte_view
+from ..wire.descriptor import TensorDescriptor
 
 DIGEST = 16
 ZERO = bytes(DIGEST)
+
+
+def page_geometry(desc: TensorDescriptor) -> bytes:
+    """What a page's digest covers besides its bytes: the member's element type, page_size,
+    heads, head_dim and quantization section (``fsck`` verifies stored pages by it)."""
+    q = desc.quantization
+    return desc.encode()[14:15] + struct.pack(
+        "<III", desc.layout.page_size, desc.shape[1], desc.shape[2]) + (
+            q.encode() if q is not None else b"")
+
+
+def page_digest(geometry: bytes, page: Any) -> bytes:
+    """The digest of one page's bytes (``page``: a buffer) under ``geometry``."""
+    h = hashlib.sha256(geometry)
+    h.update(page)
+    return h.digest()[:DIGEST]
 
 
 class Member:
@@ -47,10 +64,7 @@ class Member:
             self.global_params = extra
         self.referenced = np.zeros(t.num_pages, bool)
         self.referenced[t.block_table.astype(np.int64)] = True
-        geometry = self.desc.encode()[14:15] + struct.pack(
-            "<III", t.page_size, t.num_heads, t.head_dim) + (q.encode() if q is not None
-                                                              else b"")
-        self.geometry = geometry
+        self.geometry = page_geometry(self.desc)
 
     def digests(self) -> list[bytes]:
         """One digest per page (ZERO for unreferenced pages): SHA-256 (hardware-assisted

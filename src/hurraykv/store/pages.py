@@ -433,14 +433,22 @@ class PageStore:
 
     @_reaching
     def fsck(self, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
-        """Repair the store after a client or server crash, or after Redis evicted keys:
-        see ``fsck.py``."""
+        """Repair the store after a client or server crash, after Redis evicted keys, or
+        after keys were damaged: every page a manifest names is verified against its key
+        (length and digest), and a damaged one is deleted, never quarantined, so the
+        snapshots naming it are removed as those that lost a page are; statistics that
+        are not a hash of integers are rewritten.  Returns what was found and changed
+        (``damaged_pages``: page key -> what was wrong; ``missing_pages``: snapshot ->
+        pages lost or damaged; ``stats_damaged``): see ``fsck.py``."""
         with refusing_full(self.client, "fsck", "it stopped there: run it again when "
                            "Redis has room"):
             return repair(self._refs, grace=grace, drop_damaged=drop_damaged)
 
     @_reaching
     def stats(self) -> dict[str, int]:
+        """``logical_bytes``, ``stored_bytes``, ``pages`` and ``snapshots``; statistics
+        that are damaged (not a hash, a field not a number) are ``StoreError`` naming
+        ``hkv:stats`` (``fsck`` rewrites them; puts and deletes skip them meanwhile)."""
         return self._refs.stats()
 
     @_reaching

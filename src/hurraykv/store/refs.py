@@ -108,9 +108,38 @@ class Refs:
     # -- statistics --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """The statistics hash (``hkv:stats``), each of its four counts there (0 if
-        absent)."""
-        raw = self.client.hgetall(STATS)
-        out = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
-        for k in ("logical_bytes", "stored_bytes", "pages", "snapshots"):
+        absent); a damaged hash (not a hash, a field not an integer) is ``StoreError``
+        naming it (``fsck`` rewrites it)."""
+        counts, problem = self.read_stats()
+        if problem:
+            raise StoreError(f"the statistics are damaged: {problem}; `hurraykv store fsck "
+                             "URL` recomputes them", field=STATS, value=problem,
+                             rule="a hash of integers")
+        return counts
+
+    def read_stats(self) -> tuple[dict[str, int], str]:
+        """(the statistics that read as integers, what is wrong with the rest: "" when
+        nothing is), never an error for a damaged hash."""
+        redis = require("redis", "redis", "the Redis page store")
+        try:
+            raw = self.client.hgetall(STATS)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            kind = self.client.type(STATS)
+            kind = kind.decode() if isinstance(kind, bytes) else kind
+            return dict.fromkeys(STAT_FIELDS, 0), f"{STATS} is a {kind}, not a hash"
+        out: dict[str, int] = {}
+        problems = []
+        for k, v in raw.items():
+            name = k.decode(errors="replace") if isinstance(k, bytes) else k
+            try:
+                out[name] = int(v)
+            except ValueError:
+                problems.append(f"field {name!r} holds {bytes(v)[:40]!r}, not an integer")
+        for k in STAT_FIELDS:
             out.setdefault(k, 0)
-        return out
+        return out, "; ".join(problems)
+
+
+STAT_FIELDS = ("logical_bytes", "stored_bytes", "pages", "snapshots")
