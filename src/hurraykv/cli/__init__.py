@@ -375,10 +375,11 @@ def _add_store_commands(sub: _Commands) -> None:
     store = sub.add_parser("store", help="maintain a Redis/Valkey page store")
     ssub = store.add_subparsers(dest="store_command", required=True, metavar="COMMAND")
     fs = ssub.add_parser("fsck", help="after a client or server crash: recompute page "
-                         "references from the manifests, free orphaned pages, fix the "
-                         "statistics, and say what changed (exit 1 if a snapshot that "
-                         "lost pages could not be removed, 2 if the store cannot be "
-                         "reached)")
+                         "references from the manifests, verify every page against its "
+                         "key (a damaged one is deleted with the snapshots naming it), "
+                         "free orphaned pages, fix the statistics, and say what changed "
+                         "(exit 1 if a snapshot that lost pages could not be removed, 2 "
+                         "if the store cannot be reached)")
     fs.add_argument("url", help="redis://HOST:PORT or redis+cluster://HOST:PORT")
     fs.add_argument("--grace", type=_seconds, default=3600.0, metavar="SECONDS",
                     help="references drawn this recently may belong to a put still "
