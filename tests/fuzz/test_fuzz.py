@@ -52,3 +52,19 @@ def test_protocol_seeds_hold_every_message_type():
 def test_protocol_seeds_pass_the_target():
     for seed in targets.seeds("protocol"):
         targets.check("protocol", seed)
+
+
+def test_the_tenant_target_takes_cryptographys_warnings_about_a_certificate_as_expected():
+    """A mutated certificate (a serial <= 0, a country of 3 letters) makes cryptography
+    warn as it parses it: expected of such inputs, so not a warning of the suite's."""
+    import warnings
+
+    from tests.support.tenant_certs import certificate, cn, replace_once
+
+    serial_1000 = b"\x02\x02\x03\xe8"
+    negative = replace_once(certificate(cn("alice"), serial=1000), serial_1000,
+                            b"\x02\x02\x83\xe8")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        targets.check("tenant", negative)
+    assert seen == [], [str(w.message) for w in seen]
