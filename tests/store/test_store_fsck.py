@@ -120,3 +120,44 @@ def test_store_fsck_command_reports_and_repairs_each_damage(url, stats):
                                 "type),", "removed"] for line in lines), out.stdout
     assert store_checks.check_consistent(store, snap) == 2
     store.client.close()
+
+
+def test_fsck_removes_manifests_releases_and_owner_sets_that_are_not_theirs(url):
+    """Keys of the store's names holding something else: before, fsck ended in WRONGTYPE
+    or in the StoreError of the first manifest or release that did not parse."""
+    from hurraykv.store.scripts import owners_key, pending_key
+
+    store = PageStore.from_url(url)
+    c = store.client
+    store.put("good", snap(1))
+    store.put("other", snap(2))
+    garbled = b"HKVM" + bytes([7, 0, 0, 0]) + bytes(40)
+    with pytest.raises(StoreError) as unreadable:
+        parse_manifest("garbled", garbled)
+    c.rpush(manifest_key("listed"), "x")
+    c.set(manifest_key("garbled"), garbled)
+    c.set(pending_key("typed"), "x")
+    c.hset(pending_key("gone"), bytes(16), b"xjunk")
+    c.hset(pending_key("cut"), bytes(range(16)), b"r" + garbled)
+    shared = sorted(table(store, "good") & table(store, "other"))[0]
+    c.delete(owners_key(shared))
+    c.set(owners_key(shared), "x")
+    with pytest.raises(StoreError, match="WRONGTYPE"):  # a read meeting one: StoreError
+        store.get("listed")
+    report = store.fsck()
+    assert report["damaged_keys"] == {
+        manifest_key("listed"): "not a string (WRONGTYPE)",
+        manifest_key("garbled"): str(unreadable.value),
+        pending_key("typed"): "not a hash (WRONGTYPE)",
+        f"{pending_key('gone')} {bytes(16).hex()}": "a release starts with 'r' or 'd', "
+                                                    "not b'x'",
+        f"{pending_key('cut')} {bytes(range(16)).hex()}": str(unreadable.value).replace(
+            "'garbled'", "'cut'"),
+        owners_key(shared): "not a set (WRONGTYPE)"}
+    assert report["damaged_keys_removed"] == 6 and report["manifests"] == 2
+    assert report["references_added"] == 2  # the shared page's two owners, made again
+    assert store_checks.check_consistent(store, snap) == 2
+    out = subprocess.run([sys.executable, "-m", "hurraykv", "store", "fsck", url],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stderr == "" and "damaged:" not in out.stdout
+    store.client.close()

@@ -17,6 +17,8 @@ ROWS = [("releases_completed", "pending releases completed (puts or deletes cut 
         ("legacy_counters_removed", "reference counters of before generations, removed"),
         ("damaged_pages_removed", "pages whose bytes did not match their key (truncated, "
                                   "changed, another type), removed"),
+        ("damaged_keys_removed", "manifests, releases and owner sets that were not "
+                                 "one (another type, unreadable), removed"),
         ("damaged_removed", "snapshots that lost pages (Redis eviction, damage), removed "
                             "with their other pages (see the stats lines)"),
         ("dangling_owners_removed", "owner sets of pages that are gone, removed")]
@@ -46,6 +48,8 @@ def cmd_store_fsck(args: argparse.Namespace) -> int:
             print(f"damaged: statistics ({report['stats_damaged']}): rewritten")
         for key, problem in sorted(report["damaged_pages"].items()):
             print(f"damaged: page {key}: {problem} (removed)")
+        for key, problem in sorted(report["damaged_keys"].items()):
+            print(f"damaged: key {key}: {problem} (removed)")
         for sid, n in sorted(report["missing_pages"].items()):
             print(f"damaged: snapshot {sid!r} named {n} page(s) the store had lost or "
                   "that were damaged (removed; store it again)")

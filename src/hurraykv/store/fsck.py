@@ -3,6 +3,9 @@ with its manifests after a client or server crash, or after Redis evicted keys u
 ``maxmemory`` (floor 4).
 
 1. Releases left pending (a put or delete killed after its manifest moved) are completed.
+   Keys that are not what their name says (a manifest, a release, an owner set of another
+   type, or one that does not parse) are deleted as steps 1-3 meet them and reported by
+   key (``damaged_keys``); the references they held are dropped in step 3.
 2. Every manifest is read; version 1 manifests (references counted before generations)
    get a generation and are rewritten as version 2, and the counters of those references
    (``hkv:r:``) are removed (upgrade a store while no client writes to it).  Every page a
@@ -37,6 +40,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import HurrayError, StoreError, require
 from ..wire.layouts import BlockPaged
 from .capacity import best_effort
 from .manifest import manifest_generation, parse_manifest, with_generation
@@ -82,7 +86,8 @@ def fsck(refs: Refs, *, grace: float = 3600.0, drop_damaged: bool = True
         "releases_completed": 0, "manifests": 0, "manifests_upgraded": 0,
         "references_dropped": 0, "references_added": 0, "pages_freed": 0,
         "orphan_pages_freed": 0, "legacy_counters_removed": 0, "missing_pages": {},
-        "damaged_pages": {}, "damaged_pages_removed": 0, "damaged_removed": 0,
+        "damaged_pages": {}, "damaged_pages_removed": 0, "damaged_keys": {},
+        "damaged_keys_removed": 0, "damaged_removed": 0,
         "dangling_owners_removed": 0, "stats_damaged": stats_damage,
         "stats_before": stats_before}
     _complete_releases(refs, report)
@@ -100,9 +105,45 @@ def fsck(refs: Refs, *, grace: float = 3600.0, drop_damaged: bool = True
 
 
 def _complete_releases(refs: Refs, report: dict[str, Any]) -> None:
-    """1. Releases left pending."""
+    """1. Releases left pending; an entry that is not a release (or a key that is not a
+    hash) is removed first: the references it held go in step 3, as those of a put
+    killed before its manifest went in."""
+    redis = require("redis", "redis", "the Redis page store")
     for sid in list(_scan(refs.client, "d")):
+        key = pending_key(sid)
+        try:
+            entries = refs.client.hgetall(key)
+        except redis.ResponseError as e:
+            _remove_key(refs, key, _not_its_type(e, "a hash"), report)
+            continue
+        for generation, value in entries.items():
+            try:
+                if value[:1] not in (b"r", b"d"):
+                    raise StoreError(f"a release starts with 'r' or 'd', not {value[:1]!r}")
+                parse_manifest(sid, value[1:])
+            except HurrayError as e:
+                if refs.client.hdel(key, generation):
+                    report["damaged_keys_removed"] += 1
+                report["damaged_keys"][f"{key} {bytes(generation).hex()}"] = str(e)
         report["releases_completed"] += len(drain(refs, sid))
+
+
+def _not_its_type(error: Exception, kind: str) -> str:
+    """A WRONGTYPE reply said as what fsck found; any other error raised."""
+    if "WRONGTYPE" not in str(error):
+        raise error
+    return f"not {kind} (WRONGTYPE)"
+
+
+def _remove_key(refs: Refs, key: str, problem: str, report: dict[str, Any],
+                value: bytes | None = None) -> None:
+    """A damaged key deleted (with ``value``, only if it still holds it) and reported."""
+    if value is None:
+        gone = refs.client.delete(key)
+    else:
+        gone = refs.scripts["del_if"](keys=[key], args=[value])
+    report["damaged_keys"][key] = problem
+    report["damaged_keys_removed"] += int(gone)
 
 
 def _read_manifests(refs: Refs, report: dict[str, Any]
@@ -119,15 +160,24 @@ def _read_manifests(refs: Refs, report: dict[str, Any]
         pipe = refs.pipe()
         for sid in ids:
             pipe.get(manifest_key(sid))
-        for sid, raw in zip(ids, pipe.execute(), strict=True):
+        for sid, raw in zip(ids, pipe.execute(raise_on_error=False), strict=True):
             if raw is None:
                 continue  # deleted meanwhile
+            # a manifest that is not one names no page fsck can trust: it goes, and the
+            # references it held with it (step 3)
+            if isinstance(raw, Exception):
+                _remove_key(refs, manifest_key(sid), _not_its_type(raw, "a string"), report)
+                continue
+            try:
+                items, table, _ = parse_manifest(sid, raw)
+            except HurrayError as e:
+                _remove_key(refs, manifest_key(sid), str(e), report, raw)
+                continue
             generation = manifest_generation(raw)
             if generation is None:
                 generation = new_generation()
                 refs.client.set(manifest_key(sid), with_generation(raw, generation))
                 report["manifests_upgraded"] += 1
-            items, table, _ = parse_manifest(sid, raw)
             logical_of[generation] = logical_bytes(items, table)
             snapshot_of[generation] = sid
             for d in set(table) - {ZERO}:
@@ -207,7 +257,10 @@ def _reconcile_owners(refs: Refs, named: dict[bytes, set[bytes]],
         pipe = refs.pipe()
         for d in digests:
             pipe.smembers(owners_key(d))
-        for d, owners in zip(digests, pipe.execute(), strict=True):
+        for d, owners in zip(digests, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(owners, Exception):  # made again from the manifests below
+                _remove_key(refs, owners_key(d), _not_its_type(owners, "a set"), report)
+                owners = set()
             want = named.get(d, set())
             drops += [(d, g) for g in owners - want if generation_age(g, now) > grace]
             add += [(d, g) for g in want - owners]

@@ -437,9 +437,11 @@ class PageStore:
         after keys were damaged: every page a manifest names is verified against its key
         (length and digest), and a damaged one is deleted, never quarantined, so the
         snapshots naming it are removed as those that lost a page are; statistics that
-        are not a hash of integers are rewritten.  Returns what was found and changed
-        (``damaged_pages``: page key -> what was wrong; ``missing_pages``: snapshot ->
-        pages lost or damaged; ``stats_damaged``): see ``fsck.py``."""
+        are not a hash of integers are rewritten; a manifest, release or owner set of
+        another type or that does not parse is deleted.  Returns what was found and
+        changed (``damaged_pages`` and ``damaged_keys``: key -> what was wrong;
+        ``missing_pages``: snapshot -> pages lost or damaged; ``stats_damaged``): see
+        ``fsck.py``."""
         with refusing_full(self.client, "fsck", "it stopped there: run it again when "
                            "Redis has room"):
             return repair(self._refs, grace=grace, drop_damaged=drop_damaged)
