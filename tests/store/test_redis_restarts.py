@@ -232,6 +232,49 @@ def test_page_store_and_chunk_store_survive_a_cluster_master_restart(cluster_nod
     chunks.close()
 
 
+def test_a_cluster_that_is_down_is_a_transport_error(cluster_nodes):
+    """CLUSTERDOWN (a slot no master serves: here one taken back with CLUSTER DELSLOTS)
+    is redis-py's ClusterDownError, a ResponseError: said as TransportError, and the
+    store works again once the slot is served."""
+    from redis.cluster import RedisCluster
+
+    from hurraykv.store.scripts import STATS
+
+    url = f"redis+cluster://127.0.0.1:{cluster_nodes[0].port}"
+    store = PageStore.from_url(url)
+    store.put("kept", make_snapshot(seed=1))
+    slot = RedisCluster.keyslot(store.client, STATS)
+    owner = store.client.nodes_manager.get_node_from_slot(slot)
+    node = redis.Redis(host=owner.host, port=owner.port)
+    node.execute_command("CLUSTER", "DELSLOTS", slot)
+    try:
+        for what in ("stats", "put"):
+            with pytest.raises(TransportError, match="not serving") as exc:
+                store.stats() if what == "stats" else store.put("down", make_snapshot())
+            assert f"cluster 127.0.0.1:{cluster_nodes[0].port}" in str(exc.value), what
+    finally:
+        node.execute_command("CLUSTER", "ADDSLOTS", slot)
+        wait_cluster_ok(cluster_nodes)
+    works_again(store, 60)
+    store.client.close()
+
+
+def test_a_connection_redis_closes_mid_read_is_a_transport_error(server):
+    """Redis closes a connection whose replies pile up past its output-buffer limit, as a
+    restart closes every connection: the raw GET path said StoreError before."""
+    from tests.support.snapshots import fused
+
+    store = PageStore.from_url(f"redis://127.0.0.1:{server.port}")
+    snap = fused(2, 4)  # 8 MiB of pages in 64 KiB values
+    store.put("big", snap)
+    store.client.config_set("client-output-buffer-limit", "normal 1048576 1048576 0")
+    with pytest.raises(TransportError, match=f"127.0.0.1:{server.port}: the server closed"):
+        store.get("big")
+    store.client.config_set("client-output-buffer-limit", "normal 0 0 0")
+    assert store.get("big").equal(snap)
+    store.client.close()
+
+
 # ------------------------------------------------------------------- loading
 def test_a_redis_loading_its_data_is_a_transport_error(tmp_path):
     """A real server answering LOADING while it reads its RDB file (slowed per key by its

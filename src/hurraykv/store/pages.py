@@ -129,6 +129,10 @@ def server_name(client: Any) -> str:
         kw = client.connection_pool.connection_kwargs
         return kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
     except AttributeError:  # a cluster, or a stand-in
+        pass
+    try:
+        return f"cluster {client.get_default_node().name}"
+    except Exception:  # a stand-in, or a cluster that lost its nodes
         return type(client).__name__
 
 

@@ -30,8 +30,9 @@ HEADER_READ = 64
 class Wire:
     """One redis-py connection's socket, used for raw RESP while it is borrowed."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, where: str = "") -> None:
         self.sock = sock
+        self.where = where
         self._buf = bytearray(_READ)
         self._start = self._end = 0
 
@@ -52,7 +53,7 @@ class Wire:
         with memoryview(self._buf) as mv:
             n = self.sock.recv_into(mv[self._end:self._end + limit])
         if not n:
-            raise closed()
+            raise closed(self.where)
         self._end += n
 
     def line(self, limit: int = _READ) -> bytes:
@@ -76,7 +77,7 @@ class Wire:
         while got < view.nbytes:
             n = self.sock.recv_into(view[got:])
             if not n:
-                raise closed()
+                raise closed(self.where)
             got += n
 
     def simple(self) -> bytes:
@@ -109,8 +110,9 @@ class Wire:
         return True
 
 
-def closed() -> TransportError:
-    return TransportError("the Redis server closed the connection", field="connection",
+def closed(where: str) -> TransportError:
+    return TransportError(f"redis store {where}: the server closed the connection",
+                          field="connection", value=where,
                           rule="a connection open until its replies are read")
 
 
@@ -164,11 +166,11 @@ def open_wire(client: Any) -> Iterator[Wire | None]:
     except BaseException:
         pool.release(conn)
         raise
+    where = getattr(conn, "path", None) or f"{conn.host}:{conn.port}"
     try:
-        yield Wire(sock) if ok else None
+        yield Wire(sock, where) if ok else None
     except OSError as e:  # reset, broken pipe, timed out: the server went away midway
         conn.disconnect()
-        where = getattr(conn, "path", None) or f"{conn.host}:{conn.port}"
         raise TransportError(f"redis store {where}: the connection broke: {e}",
                              field="connection", value=where,
                              rule="a connection open until its replies are read") from None
