@@ -107,7 +107,9 @@ def block_affine_quantize(x, kind, used, qmin, qmax, symmetric, codes, scales, z
             lo = min(lo, np.float32(0.0))
             hi = max(hi, np.float32(0.0))
             scale = (hi - lo) / span
-        if not np.isfinite(scale * span):  # quant._check_scales refuses it
+        # the code farthest from the zero-point: -qmin for a symmetric signed type
+        reach = np.float32(max(qmax, -qmin) if symmetric else qmax - qmin)
+        if not np.isfinite(scale * reach):  # quant._check_scales refuses it
             return False
         tiny = np.float32(1.1754943508222875e-38)  # quant.TINY
         scale = max(scale, tiny) if scale > 0 else np.float32(1.0)

@@ -369,25 +369,51 @@ class BlockPagedTensor(PagedReads, PagedDerived):
         return full if int(full.sum()) == self.total_tokens else None
 
     def check_quant_params(self) -> None:
-        """Row 31 and the zero-point range, on the parameter arrays themselves (a tensor
-        from ``from_rows`` or ``derive`` with new parameters is not checked)."""
+        """Row 31, the zero-point range and scales that decode within float32 (H74: the
+        code farthest from its zero-point times the scale), on the parameter arrays
+        themselves; a refusal names the member (``layers.L.role``).  A tensor from
+        ``from_rows`` or ``derive`` with new parameters is checked here on its first
+        dequantizing read."""
         q = self.quantization
-        if q is None or not q.AFFINE or not q.buffers:
-            return  # per-tensor parameters are checked by the decoder
+        if q is None or not q.AFFINE:
+            return
+        try:
+            self._check_params(q)
+        except QuantizationError as e:
+            if self.layer_index is None:
+                raise
+            raise QuantizationError(f"layers.{self.layer_index}.{self.kv_role}: {e}",
+                                    field=e.field, offset=e.offset, value=e.value,
+                                    rule=e.rule) from None
+        self._params_checked = (q, self.quant_params)
+
+    def _check_params(self, q: Any) -> None:
         scales, zps = _quant.params_arrays(q, self.quant_params, self.param_count())
-        bad = ~np.isfinite(scales) | (scales == 0)
-        if bad.any():
-            i = first_true(bad)
-            raise QuantizationError.at(f"scales[{i}]", i, float(scales[i]),
-                                       "every scale MUST be finite and non-zero", where="index")
-        if zps is not None:
-            lo, hi = storage_range(self.element_type.name)
-            out = (zps < lo) | (zps > hi)
-            if out.any():
-                i = first_true(out)
-                raise QuantizationError.at(f"zero_points[{i}]", i, int(zps[i]),
-                                           f"zero-points MUST lie in [{lo}, {hi}]",
+        if q.buffers:  # per-tensor: row 31 and its zero-point are the decoder's
+            bad = ~np.isfinite(scales) | (scales == 0)
+            if bad.any():
+                i = first_true(bad)
+                raise QuantizationError.at(f"scales[{i}]", i, float(scales[i]),
+                                           "every scale MUST be finite and non-zero",
                                            where="index")
+            if zps is not None:
+                lo, hi = storage_range(self.element_type.name)
+                out = (zps < lo) | (zps > hi)
+                if out.any():
+                    i = first_true(out)
+                    raise QuantizationError.at(f"zero_points[{i}]", i, int(zps[i]),
+                                               f"zero-points MUST lie in [{lo}, {hi}]",
+                                               where="index")
+        _quant.check_decodable(scales, zps, self.element_type.name,
+                               "scales" if q.buffers else "q.scale")
+
+    def check_params_once(self) -> None:
+        """``check_quant_params`` unless these parameters passed it already: what a
+        dequantizing read runs first, so that no scale decodes to Inf unseen."""
+        checked = getattr(self, "_params_checked", None)
+        if checked is None or checked[0] is not self.quantization \
+                or checked[1] is not self.quant_params:
+            self.check_quant_params()
 
     def param_count(self) -> int:
         """Entries of each quantization parameter array: one per page slot

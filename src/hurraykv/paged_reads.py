@@ -146,6 +146,7 @@ class PagedReads:
             raise LayoutError.at("out", None, f"{out.shape} {out.dtype}",
                                  f"out must be a C-contiguous {shape} float32 array")
         if self.quantization is not None:
+            self.check_params_once()
             fused = None
             if self.quantization.per_slot and self.quantization.AFFINE:
                 fused = _quant.gather_dequantized(self.pool_rows, self.element_type,
@@ -175,6 +176,8 @@ class PagedReads:
             raise LayoutError.at("first", None, first,
                                  f"pages first .. first + count - 1 (count {count}) lie in "
                                  f"[0, {self.num_pages})")
+        if self.quantization is not None:
+            self.check_params_once()
         dtype = np.dtype(dtype)
         shape = (count, self.page_size, self.num_heads, self.head_dim)
         nbytes = math.prod(shape) * dtype.itemsize

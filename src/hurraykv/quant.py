@@ -34,6 +34,7 @@ from . import kernels as _k
 from .errors import QuantizationError
 from .threads import run_bands
 from .wire.dtypes import BY_NAME, ElementType, pack
+from .wire.quant_registry import as_written, decodes_finitely, farthest_code, overflow_rule
 from .wire.quantization import (
     SCALE_TYPES,
     Quantization,
@@ -80,14 +81,14 @@ def scale_limit(scale_type: int) -> float:
 
 
 def _check_scales(scale: np.ndarray, stored: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                  scale_type: int, span: int, first: int, where: str) -> None:
+                  scale_type: int, steps: int, first: int, where: str) -> None:
     """Refuse a computed ``scale`` that overflowed float32 or passes what ``scale_type``
-    stores, or a ``stored`` (rounded) scale whose extreme code ``span * stored`` decodes
-    to Inf (decision H74): saturating it would put the codes out of range, and their
+    stores, or a ``stored`` (rounded) scale whose farthest code ``steps * stored``
+    decodes to Inf (decision H74; the rule loading and decoding apply,
+    ``check_decodable``): saturating it would put the codes out of range, and their
     float -> int conversion is what differs between instruction sets."""
     limit = scale_limit(scale_type)
-    with np.errstate(over="ignore"):
-        bad = ~(scale <= limit) | ~np.isfinite(stored * np.float32(span))
+    bad = ~(scale <= limit) | ~decodes_finitely(stored, steps)
     if bad.any():
         i = int(np.flatnonzero(bad.reshape(-1))[0])
         # + 0.0: -0.0 and 0.0 read the same on both paths (the kernel has no signed zeros)
@@ -95,9 +96,28 @@ def _check_scales(scale: np.ndarray, stored: np.ndarray, lo: np.ndarray, hi: np.
         raise QuantizationError.at(
             where, first + i, f"values in [{lo_i:g}, {hi_i:g}]",
             f"the scale this range needs ({float(scale.reshape(-1)[i]):g}) must be at most "
-            f"{SCALE_TYPES[scale_type]}'s largest value {limit:g} and decode its {span} "
+            f"{SCALE_TYPES[scale_type]}'s largest value {limit:g} and decode its {steps} "
             f"steps within float32; use a wider scale_dtype (float32) or bring the values "
             f"into range", where="index")
+
+
+def check_decodable(scales: np.ndarray, zps: np.ndarray | None, storage: str,
+                    field: str = "scales") -> None:
+    """Refuse the first scale (float32) whose code farthest from its zero-point (int32,
+    None: 0) decodes to Inf, as quantizing refuses it (H74): a file's scales are held
+    to the rule hurraykv writes by.  ``field``: "q.scale" for a tensor's one scale."""
+    qmin, qmax = storage_range(storage)
+    steps = farthest_code(qmin, qmax, 0 if zps is None else zps)
+    ok = decodes_finitely(scales, steps)
+    if ok.all():
+        return
+    i = int(np.flatnonzero(~ok.reshape(-1))[0])
+    far = int(np.broadcast_to(steps, ok.shape).reshape(-1)[i])
+    rule = overflow_rule(far, storage)
+    value = as_written(scales.reshape(-1)[i])
+    if field == "q.scale":
+        raise QuantizationError.at(field, None, value, rule)
+    raise QuantizationError.at(f"{field}[{i}]", i, value, rule, where="index")
 
 
 def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: bool,
@@ -112,11 +132,14 @@ def _affine(lo: np.ndarray, hi: np.ndarray, qmin: int, qmax: int, symmetric: boo
         else:
             lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
             computed = (hi - lo) / np.float32(span)
+    # a stored file may hold any code (int8's -128 beside a symmetric scale): what a
+    # reader's check refuses is refused here, so nothing written is refused on load
+    steps = int(farthest_code(qmin, qmax, 0 if symmetric else qmin))
     # at least float32's smallest normal, so 1 / scale is finite and the codes in range
     scale = np.where(computed > 0, np.maximum(computed, TINY),
                      np.float32(1.0)).astype(np.float32)
     scale = _as_scale_dtype(scale, scale_type)
-    _check_scales(computed, scale, lo, hi, scale_type, span, first, where)
+    _check_scales(computed, scale, lo, hi, scale_type, steps, first, where)
     if symmetric:
         return scale, np.zeros(scale.shape, np.int32)
     return scale, np.clip(np.rint(qmin - lo / scale), qmin, qmax).astype(np.int32)

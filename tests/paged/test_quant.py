@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 
 import ml_dtypes
@@ -313,3 +315,106 @@ def test_zero_point_array_out_of_storage_range_is_rejected_with_the_data():
     bufs[4][8:12] = struct.pack("<i", 9)  # int4 holds [-8, 7]
     with pytest.raises(hk.QuantizationError, match=r"zero_points\[2\] at index 2: found 9"):
         BlockPagedTensor.from_descriptor(q.descriptor(), [bytes(b) for b in bufs], q.seq_lens)
+
+
+# ------------------------------------------- issue 46 item 10: scales that decode to Inf
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _with_scale(t: BlockPagedTensor, slot: int, scale: float) -> BlockPagedTensor:
+    """``t`` (per-block-affine, float32 scales) with slot ``slot``'s scale replaced: built
+    from rows, as a writer that checks nothing builds one."""
+    scales = t.quant_params[0].view("<f4").copy()
+    scales[slot] = scale
+    return t.derive(t.pool_rows, params=(scales.view(np.uint8), *t.quant_params[1:]))
+
+
+def _huge_file(tmp_path, scale: float, slot: int = 5, symmetric: bool = True):
+    """A real .hrry file of one layer whose value member's scale ``slot`` is ``scale``,
+    written by the encoder (checksums over what it holds, so only the scale is wrong)."""
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+    members = []
+    for role in ("key", "value"):
+        t = BlockPagedTensor(pool, [0, 1, 2], [0, 3], [12], kv_role=role, layer_index=0)
+        q = t.quantize("per_block_affine", "int8" if symmetric else "uint8",
+                       symmetric=symmetric)
+        members.append(_with_scale(q, slot, scale) if role == "value" else q)
+    path = tmp_path / "huge.hrry"
+    hk.save_snapshot(hk.KVCacheSnapshot.from_tensors(members, model="m"), path)
+    return path, members[1]
+
+
+def test_a_huge_finite_scale_is_refused_by_validate_load_and_decode(tmp_path):
+    # 3e38 * 128 (int8's code farthest from a zero-point of 0) overflows float32: the
+    # value would decode to -inf without a word
+    path, unchecked = _huge_file(tmp_path, 3e38)
+    out = subprocess.run([sys.executable, "-m", "hurraykv.cli", "validate", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    assert "layers.0.value" in out.stderr and "scales[5] at index 5: found 3e+38" in \
+        out.stderr and "within float32" in out.stderr, out.stderr
+    snap = hk.load_snapshot(path)
+    assert np.isfinite(snap.tensor(0, "key").decode_pages(0, 3)).all()
+    with pytest.raises(hk.QuantizationError, match=r"layers\.0\.value: scales\[5\]"):
+        snap.tensor(0, "value")
+    for decode in (lambda t: t.decode_pages(0, 3), lambda t: t.dequantize(),
+                   lambda t: t.gather(0, dequantize=True),
+                   lambda t: t.to_dense(dequantize=True)):
+        with pytest.raises(hk.QuantizationError, match=r"scales\[5\] at index 5: found "
+                                                       r"3e\+38.*128 steps"):
+            decode(unchecked)
+
+
+def test_a_scale_just_under_the_limit_decodes_finitely_and_one_step_more_is_refused(tmp_path):
+    limit = np.float32(F32_MAX / 128)  # exact: 128 is a power of two
+    path, unchecked = _huge_file(tmp_path, float(limit))
+    values = hk.load_snapshot(path).tensor(0, "value").decode_pages(0, 3)
+    assert np.isfinite(values).all() and np.isfinite(unchecked.decode_pages(0, 3)).all()
+    over = float(np.nextafter(limit, np.float32(np.inf)))
+    with pytest.raises(hk.QuantizationError, match=r"scales\[5\]"):
+        _with_scale(unchecked, 5, over).decode_pages(0, 3)
+    # asymmetric: the farthest code from slot 5's own zero-point is what counts
+    path, asym = _huge_file(tmp_path, 1.0, symmetric=False)
+    zp = int(asym.quant_params[1].view("<i4")[5])
+    far = max(255 - zp, zp)
+    fits = np.float32(F32_MAX) / np.float32(far)
+    assert np.isfinite(_with_scale(asym, 5, float(fits)).decode_pages(0, 3)).all()
+    with pytest.raises(hk.QuantizationError, match=rf"{far} steps"):
+        _with_scale(asym, 5, float(np.nextafter(fits, np.float32(np.inf)))).decode_pages(0, 3)
+
+
+def test_per_tensor_and_per_channel_scales_that_overflow_are_refused_on_load():
+    _, t = batch(dtype=np.float32)
+    q = t.quantize("per_tensor", "int8")
+    bufs = [bytes(b) for b in q.buffers()]
+    huge = q.descriptor()
+    huge = replace(huge, quantization=replace(huge.quantization, scale=3e38))
+    with pytest.raises(hk.QuantizationError, match=r"q\.scale.*found 3e\+38.*128 steps"):
+        BlockPagedTensor.from_descriptor(huge, bufs, q.seq_lens)
+    with pytest.raises(hk.QuantizationError, match=r"q\.scale.*found 3e\+38"):
+        decode_descriptor(huge.encode())
+    c = t.quantize("per_channel", "int8", axis=2)
+    bufs = [bytearray(b) for b in c.buffers()]
+    bufs[3][4:8] = struct.pack("<f", 3e38)
+    with pytest.raises(hk.QuantizationError, match=r"layers\.1\.value: scales\[1\] at "
+                                                   r"index 1: found 3e\+38"):
+        BlockPagedTensor.from_descriptor(c.descriptor(), [bytes(b) for b in bufs], c.seq_lens)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_quantize_refuses_a_symmetric_scale_whose_lowest_code_would_overflow(
+        compiled, monkeypatch):
+    # absmax / 127 is the scale; times int8's -128 (which a file may hold beside it) it
+    # overflows float32: written, the tensor would be refused on load, so it is not written
+    from hurraykv import kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", compiled)
+    pool = np.zeros((1, 4, 2, 8), np.float32)
+    pool[0, 2, 0, 0] = np.float32(F32_MAX * 0.999)  # its scale times 127 fits, 128 not
+    t = BlockPagedTensor(pool, [0], [0, 1], [4])
+    with pytest.raises(hk.QuantizationError, match=r"page_pool slot at index 2.*128 steps"):
+        t.quantize("per_block_affine", "int8")
+    pool[0, 2, 0, 0] = np.float32(F32_MAX / 128 * 126)  # its scale times 128: just under
+    back = BlockPagedTensor(pool, [0], [0, 1], [4]).quantize("per_block_affine", "int8")
+    assert np.isfinite(back.decode_pages(0, 1)).all()

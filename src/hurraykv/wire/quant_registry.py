@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint
 from typing import Any, ClassVar
 
+import numpy as np
+
 from .. import plugins
 from ..errors import QuantizationError
 from .cursor import Cursor
@@ -170,6 +172,34 @@ def storage_range(type_name: str) -> tuple[int, int]:
     return 0, (1 << et.bits) - 1
 
 
+def farthest_code(qmin: int, qmax: int, zero_points: Any = 0) -> Any:
+    """How many steps the code of ``[qmin, qmax]`` farthest from each zero-point (an int
+    or an int array) lies from it: what a scale multiplies at the edge of its range."""
+    zp = np.asarray(zero_points, np.int64)
+    return np.maximum(qmax - zp, zp - qmin)
+
+
+def decodes_finitely(scales: Any, steps: Any) -> Any:
+    """True where ``scale * steps`` is finite in float32, the arithmetic of dequantizing
+    (H74): False for a scale whose farthest code would decode to Inf, and for a scale
+    that is not finite itself."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.isfinite(np.asarray(scales, np.float32) * np.asarray(steps, np.float32))
+
+
+def as_written(scale: Any) -> float:
+    """A float32 scale as its shortest repr reads (3e+38, not its float64 widening
+    3.0000000054977558e+38): for messages."""
+    return float(str(np.float32(scale)))
+
+
+def overflow_rule(steps: int, storage: str) -> str:
+    """The rule a refused scale breaks, for messages (quantizing, loading, decoding)."""
+    return (f"the scale times the {steps} steps from the zero-point to the farthest "
+            f"{storage} code must stay within float32 (at most "
+            f"{float(np.finfo(np.float32).max):g}); a larger scale decodes to Inf")
+
+
 def is_pow2(v: int) -> bool:
     return v > 0 and not v & (v - 1)
 
@@ -309,9 +339,13 @@ __all__ = [
     "RawQuantization",
     "RegistryView",
     "SchemePluginWarning",
+    "as_written",
     "check_param_sizes",
+    "decodes_finitely",
+    "farthest_code",
     "is_pow2",
     "on_registry_change",
+    "overflow_rule",
     "product",
     "register",
     "scheme_by_name",

@@ -40,8 +40,12 @@ from .quant_registry import (
     SCALE_TYPE_NAMES,
     SYMMETRIC,
     QuantScheme,
+    as_written,
     check_param_sizes,
+    decodes_finitely,
+    farthest_code,
     is_pow2,
+    overflow_rule,
     product,
     register,
     storage_range,
@@ -94,6 +98,11 @@ class PerTensor(QuantScheme):
             raise QuantizationError.at("q.zero_point", (cur.at("q.scheme_tag") or 0) + 8,
                                        self.zero_point,
                                        f"zero_point MUST lie in the storage range [{lo}, {hi}]")
+        steps = int(farthest_code(lo, hi, self.zero_point))
+        if not decodes_finitely(self.scale, steps):
+            raise QuantizationError.at("q.scale", (cur.at("q.scheme_tag") or 0) + 4,
+                                       as_written(self.scale), overflow_rule(
+                                           steps, ELEMENT_TYPES[desc.type_tag].name))
 
 
 class _Axis(QuantScheme):
