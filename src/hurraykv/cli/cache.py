@@ -64,6 +64,9 @@ def add_parsers(sub: Any) -> None:
         for opt in TLS:
             p.add_argument("--" + opt.replace("_", "-"), dest=opt,
                            help="for a hurray:// server with mutual TLS")
+        p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="how long to wait for the store to open and answer (default "
+                       "30)")
         p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
                        help="a setting of the URL's store, as its kv_connector_extra_config "
                        "key (a store from outside the package takes its own; repeat for "
@@ -89,7 +92,10 @@ def _open(args: argparse.Namespace) -> Any:
     if is_local(args.url) and not os.path.isdir(
             unquote(parsed.path)):  # opening one makes it: not for a typo
         raise CannotRead(f"{args.url}: no such directory")
-    return open_store(args.url, timeout=30.0, **settings)
+    if not 0 < args.timeout < float("inf"):
+        raise ConfigError(f"--timeout {args.timeout:g}: it is a number of seconds above 0",
+                          field="--timeout", value=args.timeout, rule="seconds above 0")
+    return open_store(args.url, timeout=args.timeout, **settings)
 
 
 def _summary(segments: list[Any]) -> list[dict[str, Any]]:
