@@ -6,7 +6,8 @@ the loop they share: each entry point not seen before is handed to the registry'
 ``register_one``, which returns why it registered nothing ("" when it did) or raises;
 a skipped entry point is said once, as a warning of the registry's class naming the
 group, the entry point, its distribution and version, and why.  A plugin's failure never
-reaches the caller: the package's own entries stand.
+reaches the caller, not even a ``SystemExit`` raised on import: the package's own entries
+stand.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def load(group: str, register_one: Callable[[metadata.EntryPoint], str],
         seen.add((dist, ep.name, ep.value))
         try:
             why = register_one(ep)
-        except Exception as e:  # a plugin's bug, a missing dependency, a clash
+        # a plugin's bug, a missing dependency, a clash; SystemExit too, the "requires X"
+        # idiom of a module that cannot work here, which would end every command
+        except (Exception, SystemExit) as e:
             why = f"{type(e).__name__}: {e}"
         if why:
             problems.append(f"the {group} entry point {ep.name!r} = {ep.value!r} "

@@ -5,7 +5,10 @@ through the ``hurraykv.chunk_stores`` entry point (``tests/support/plugins/toy_s
 (``hurraykv.testing.ChunkStoreTests``), and is configured by the connector and listed by
 ``hurraykv cache ls`` with no edit of the package; plugins that fail to import or take a
 built-in's scheme (``tests/support/plugins/broken_stores``) are skipped with a warning naming
-them, and the built-ins work."""
+them, and the built-ins work; one that raises SystemExit on import
+(``tests/support/plugins/exiting``) is skipped alike by every command that loads plugins;
+a store whose ``open`` raises or never returns (``tests/support/plugins/faulty_open``) is
+one HurrayError naming it, the second after the timeout given."""
 
 from __future__ import annotations
 
@@ -14,17 +17,19 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hurraykv.errors import HurrayError
+from hurraykv.errors import ConfigError, HurrayError, TransportError
 from hurraykv.integrations import chunks
 from hurraykv.testing import ChunkStoreTests, keys, segment
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "support" / "plugins"
 TOY, BROKEN = PLUGINS / "toy_store", PLUGINS / "broken_stores"
+EXITING, FAULTY = PLUGINS / "exiting", PLUGINS / "faulty_open"
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +220,101 @@ def test_nothing_in_the_package_imports_its_testing_module():
                  "chunks.schemes()\nprint(sorted(m for m in sys.modules if m == 'pytest' or "
                  "m.startswith('hurraykv.testing')))")
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def cli(*args: str, paths: tuple[Path, ...]) -> subprocess.CompletedProcess:
+    """``hurraykv ARGS`` in a new interpreter that finds the distributions in ``paths``."""
+    return python("import sys; from hurraykv.cli import main; sys.exit(main(sys.argv[1:]))",
+                  *paths, args=args)
+
+
+def test_a_plugin_raising_systemexit_on_import_is_skipped_by_every_command(tmp_path):
+    # issue 46 item 7: `raise SystemExit("requires X")` in a plugin module ended every
+    # command that loads plugins, whichever of the three groups named it
+    import hurraykv as hk
+    from tests.support.snapshots import make_snapshot
+
+    skipped = ("entry point {} = 'exiting_plugin' (distribution exiting-plugins 0.1) is "
+               "skipped: SystemExit: exiting_plugin requires hurraykv-acme-sdk")
+    listed = cli("cache", "ls", "--json", tmp_path.as_uri(), paths=(EXITING,))
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["segments"] == []
+    assert "StorePluginWarning: the hurraykv.chunk_stores " + skipped.format("'exiting'") \
+        in listed.stderr, listed.stderr
+    path = tmp_path / "int8.hrry"
+    hk.save_snapshot(make_snapshot("int8", layers=1), path)
+    checked = cli("validate", str(path), paths=(EXITING,))
+    assert checked.returncode == 0 and "valid hrry" in checked.stdout, checked.stderr
+    assert "SchemePluginWarning: the hurraykv.quant_schemes " + \
+        skipped.format("'exiting'") in checked.stderr, checked.stderr
+    quantized = python("import numpy as np, hurraykv as hk\n"
+                       "t = hk.BlockPagedTensor(np.ones((2, 4, 2, 8), np.float32), [0, 1], "
+                       "[0, 2], [8])\n"
+                       "print(t.quantize('per_block_affine', 'int8').decode_pages(0, 2).sum())",
+                       EXITING)
+    assert quantized.returncode == 0 and quantized.stdout.strip() == "128.0", \
+        quantized.stderr
+    assert "hurraykv.quant_schemes " + skipped.format("'exiting'") in quantized.stderr
+    env = {**os.environ, "PYTHONPATH": str(EXITING)}
+    served = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        line = served.stdout.readline()
+    finally:
+        served.terminate()
+        _, err = served.communicate(timeout=20)
+    assert "listening on" in line, err
+    assert "OperationPluginWarning: the hurraykv.server_operations " + \
+        skipped.format("'acme.exiting'") in err, err
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    """The faulty_open distribution loaded: ``failing://`` and ``stuck://`` registered."""
+    sys.path.insert(0, str(FAULTY))
+    try:
+        assert chunks.load_plugins() == []
+        classes = [chunks.store_class("failing"), chunks.store_class("stuck")]
+        assert None not in classes
+        yield classes
+        for cls in classes:
+            chunks.unregister(cls)
+    finally:
+        sys.path.remove(str(FAULTY))
+
+
+def test_a_store_whose_open_raises_is_one_error_naming_the_store_and_the_cause(
+        faulty, tmp_path):
+    url = f"failing://{tmp_path}"
+    with pytest.raises(ConfigError) as e:
+        chunks.open_store(url, timeout=5.0)
+    assert str(e.value) == (
+        f"url {url!r}: the store cannot be opened: faulty_open_store.FailingChunks (the "
+        "hurraykv.chunk_stores entry point 'faulty' of faulty-open-stores 0.1) raised "
+        "RuntimeError: the acme SDK is not configured: set ACME_HOME")
+    assert e.value.field == "url"
+    refused = cli("cache", "ls", url, paths=(FAULTY,))
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines() == [f"hurraykv: {e.value}"]
+
+
+def test_a_store_whose_open_never_returns_is_given_up_after_the_timeout(faulty, tmp_path):
+    url = f"stuck://{tmp_path}"
+    started = time.monotonic()
+    with pytest.raises(TransportError) as e:
+        chunks.open_store(url, timeout=0.5)
+    assert 0.5 <= time.monotonic() - started < 5
+    assert str(e.value) == (
+        f"url {url!r}: the store did not open within the timeout of 0.5 s: "
+        "faulty_open_store.StuckChunks (the hurraykv.chunk_stores entry point 'faulty' of "
+        "faulty-open-stores 0.1) never returned from open")
+    started = time.monotonic()
+    refused = cli("cache", "ls", "--timeout", "1", url, paths=(FAULTY,))
+    assert refused.returncode == 2, refused.stderr
+    assert time.monotonic() - started < 60
+    assert refused.stderr.splitlines() == [f"hurraykv: {str(e.value).replace('0.5 s', '1 s')}"]
+    for bad in ("0", "-1", "inf", "nan"):
+        refused = cli("cache", "ls", "--timeout", bad, url, paths=(FAULTY,))
+        assert refused.returncode == 2 and "is a number of seconds above 0" in \
+            refused.stderr, (bad, refused.stderr)

@@ -60,7 +60,7 @@ from urllib.parse import ParseResult, parse_qsl, unquote, urlparse
 import numpy as np
 
 from .. import plugins, units
-from ..errors import ConfigError, HurrayError
+from ..errors import ConfigError, HurrayError, TransportError
 from ..io import checksums
 from ..snapshot import KVCacheSnapshot
 
@@ -361,6 +361,7 @@ GROUP = "hurraykv.chunk_stores"  # the entry point group of stores from outside 
 RESERVED = ("url", "suffix", "timeout")  # open_store's own keywords: no option's name
 _LOCK = threading.RLock()
 _SEEN: set[tuple[str, str, str]] = set()  # entry points loaded or skipped
+_ORIGIN: dict[type, str] = {}  # a plugin's class -> its entry point, for open's messages
 _SCANNED = False
 
 
@@ -428,6 +429,9 @@ def _load(ep: metadata.EntryPoint) -> str:
         for scheme in set(_REGISTRY) - set(before):
             del _REGISTRY[scheme]
         raise
+    dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+    for cls in set(_REGISTRY.values()) - set(before.values()):
+        _ORIGIN[cls] = f"the {GROUP} entry point {ep.name!r} of {dist}"
     if isinstance(loaded, type):
         ok = issubclass(loaded, ChunkStore) and bool(loaded.SCHEMES) and all(
             _REGISTRY.get(s) is loaded for s in loaded.SCHEMES)
@@ -678,8 +682,12 @@ def check_url(url: str, options: Sequence[str] = ()) -> None:
 def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
                **options: Any) -> ChunkStore:
     """The store a URL names (see ``url_forms()``); ``suffix`` marks every key and name
-    (tensor-parallel ranks); ``timeout``: seconds a network store waits on a socket;
-    ``options``: those its class takes (``OPTIONS``: TLS files, ``max_bytes``)."""
+    (tensor-parallel ranks); ``timeout``: seconds a network store waits on a socket, and
+    the most a store from outside the package may take to open (one that has not
+    returned by then is given up on: ``TransportError`` naming the URL and the timeout);
+    ``options``: those its class takes (``OPTIONS``: TLS files, ``max_bytes``).  A store
+    whose ``open`` raises is a ``ConfigError`` naming its class, its entry point and the
+    cause."""
     options = {k: v for k, v in options.items() if v is not None}
     check_url(url, list(options))
     parsed = urlparse(url)
@@ -690,14 +698,64 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
                for k, v in options.items()}  # "64G" as the connector and the CLI read it
     cls.check_options(options, lambda name: f"option {name}")
     try:
-        store = cls.open(url, parsed, timeout=timeout, **options)
+        if timeout is None or _builtin(cls):  # the built-ins bound their sockets by it
+            store = cls.open(url, parsed, timeout=timeout, **options)
+        else:
+            store = _open_within(cls, url, parsed, timeout, options)
+    except HurrayError:
+        raise
     except (OSError, UnicodeError) as e:  # a directory that cannot be made, ...
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         if isinstance(e, OSError) and e.filename:
             why += f": {e.filename}"
         raise ConfigError(f"url {url!r}: the store cannot be opened: {why}", field="url",
                           value=url, rule="a store this process can open") from None
+    except (Exception, SystemExit) as e:  # a plugin's own error: named, not a traceback
+        raise ConfigError(f"url {url!r}: the store cannot be opened: {_who(cls)} raised "
+                          f"{type(e).__name__}: {e}", field="url", value=url,
+                          rule="a store this process can open") from e
     return Suffixed(store, suffix) if suffix else store
+
+
+def _who(cls: type[ChunkStore]) -> str:
+    origin = _ORIGIN.get(cls)
+    return f"{_named(cls)} ({origin})" if origin else _named(cls)
+
+
+def _open_within(cls: type[ChunkStore], url: str, parsed: ParseResult, timeout: float,
+                 options: dict[str, Any]) -> ChunkStore:
+    """``cls.open`` on a daemon thread, waited for ``timeout`` seconds: a plugin's open
+    that hangs (a connection it never bounds) cannot hang its caller.  A store that
+    opens after it was given up on is closed."""
+    lock, done = threading.Lock(), threading.Event()
+    outcome: list[Any] = []  # [store] or [None, the exception]
+
+    def run() -> None:
+        try:
+            got: list[Any] = [cls.open(url, parsed, timeout=timeout, **options)]
+        except BaseException as e:  # handed to the caller's thread
+            got = [None, e]
+        with lock:
+            if done.is_set():  # abandoned: nobody will close it
+                if got[0] is not None:
+                    with contextlib.suppress(Exception):
+                        got[0].close()
+                return
+            outcome.extend(got)
+            done.set()
+
+    threading.Thread(target=run, name=f"hurraykv open {url}", daemon=True).start()
+    done.wait(timeout)
+    with lock:
+        if not outcome:
+            done.set()
+            raise TransportError(
+                f"url {url!r}: the store did not open within the timeout of {timeout:g} s: "
+                f"{_who(cls)} never returned from open", field="url", value=url,
+                rule="a store opens within the timeout it is given")
+    if len(outcome) == 2:
+        raise outcome[1]
+    return outcome[0]
 
 
 __all__ = ["GROUP", "ChunkKeys", "ChunkStore", "Option", "StorePluginWarning", "Stored",
