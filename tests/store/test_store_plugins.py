@@ -50,8 +50,10 @@ def toy():
 def python(code: str, *paths: Path, args: tuple[str, ...] = ()
            ) -> subprocess.CompletedProcess:
     """``code`` (given ``args``) in a new interpreter whose ``PYTHONPATH`` holds ``paths``
-    (the distributions it finds, as if installed)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
+    (the distributions it finds, as if installed), then the one it was given (a mutated
+    copy of src, tests/mutants.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                           text=True, env=env, timeout=120, cwd=ROOT)
 
@@ -255,7 +257,8 @@ def test_a_plugin_raising_systemexit_on_import_is_skipped_by_every_command(tmp_p
     assert quantized.returncode == 0 and quantized.stdout.strip() == "128.0", \
         quantized.stderr
     assert "hurraykv.quant_schemes " + skipped.format("'exiting'") in quantized.stderr
-    env = {**os.environ, "PYTHONPATH": str(EXITING)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(EXITING), *filter(None, [os.environ.get("PYTHONPATH")])])}
     served = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                                "127.0.0.1:0"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -271,11 +274,12 @@ def test_a_plugin_raising_systemexit_on_import_is_skipped_by_every_command(tmp_p
 
 @pytest.fixture(scope="module")
 def faulty():
-    """The faulty_open distribution loaded: ``failing://`` and ``stuck://`` registered."""
+    """The faulty_open distribution loaded: ``failing://``, ``stuck://`` and ``slow://``
+    registered."""
     sys.path.insert(0, str(FAULTY))
     try:
         assert chunks.load_plugins() == []
-        classes = [chunks.store_class("failing"), chunks.store_class("stuck")]
+        classes = [chunks.store_class(s) for s in ("failing", "stuck", "slow")]
         assert None not in classes
         yield classes
         for cls in classes:
@@ -318,3 +322,12 @@ def test_a_store_whose_open_never_returns_is_given_up_after_the_timeout(faulty, 
         refused = cli("cache", "ls", "--timeout", bad, url, paths=(FAULTY,))
         assert refused.returncode == 2 and "is a number of seconds above 0" in \
             refused.stderr, (bad, refused.stderr)
+
+
+def test_a_store_that_opens_after_it_was_given_up_on_is_closed(faulty, tmp_path):
+    import faulty_open_store  # the module the entry point loaded
+
+    with pytest.raises(TransportError, match=r"within the timeout of 0\.2 s"):
+        chunks.open_store(f"slow://{tmp_path}", timeout=0.2)
+    assert not faulty_open_store.LATE_CLOSED.is_set()
+    assert faulty_open_store.LATE_CLOSED.wait(10)  # its open returned a second later
