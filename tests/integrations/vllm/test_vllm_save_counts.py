@@ -120,36 +120,38 @@ def test_every_save_attempted_lands_in_one_counted_outcome_at_every_scrape(side,
                 wrong.append(counts)
             time.sleep(0.0005)
 
-    reader = threading.Thread(target=scraper)
+    reader = threading.Thread(target=scraper, daemon=True)
     reader.start()
-    kv.mkdir(parents=True, exist_ok=True)
-    lock = os.open(kv / ".lock", os.O_RDONLY | os.O_CREAT)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's scan-and-evict
-        burst = [r for r in prompts if r != "late"]
-        engine_step(sched, w, step(new=[(r, blocks[r], 0) for r in burst],
-                                   scheduled={r: 100 for r in burst}))
-        during = scrape(sched.ctx, w.ctx)
-        assert {k: during[k] for k in ("saves_attempted", *OUTCOMES)} == {
-            "saves_attempted": 9, "segments_saved": 0, "saves_present": 0,
-            "saves_dropped": 3, "saves_deduplicated": 2, "saves_pending": 4}, during
+    try:  # the scraper stops whatever fails
+        kv.mkdir(parents=True, exist_ok=True)
+        lock = os.open(kv / ".lock", os.O_RDONLY | os.O_CREAT)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's scan-and-evict
+            burst = [r for r in prompts if r != "late"]
+            engine_step(sched, w, step(new=[(r, blocks[r], 0) for r in burst],
+                                       scheduled={r: 100 for r in burst}))
+            during = scrape(sched.ctx, w.ctx)
+            assert {k: during[k] for k in ("saves_attempted", *OUTCOMES)} == {
+                "saves_attempted": 9, "segments_saved": 0, "saves_present": 0,
+                "saves_dropped": 3, "saves_deduplicated": 2, "saves_pending": 4}, during
+        finally:
+            os.close(lock)  # released: the writer stores what waits
+        w.drain(10.0)
+        reported(sched, w)
+        after = scrape(sched.ctx, w.ctx)
+        assert (after["segments_saved"], after["saves_pending"]) == (4, 0), after
+        engine_step(sched, w, step(new=[("late", blocks["late"], 0)], scheduled={"late": 100}))
+        w.drain(10.0)
+        reported(sched, w)
+        final = scrape(sched.ctx, w.ctx)
+        # a2 was stored (the writer takes the burst's segments in order, a0 to a3): its
+        # chunks are in the store when "late" computes them again, so they are not rewritten
+        assert {k: final[k] for k in ("saves_attempted", *OUTCOMES)} == {
+            "saves_attempted": 10, "segments_saved": 4, "saves_present": 1,
+            "saves_dropped": 3, "saves_deduplicated": 2, "saves_pending": 0}, final
     finally:
-        os.close(lock)  # released: the writer stores what waits
-    w.drain(10.0)
-    reported(sched, w)
-    after = scrape(sched.ctx, w.ctx)
-    assert (after["segments_saved"], after["saves_pending"]) == (4, 0), after
-    engine_step(sched, w, step(new=[("late", blocks["late"], 0)], scheduled={"late": 100}))
-    w.drain(10.0)
-    reported(sched, w)
-    stop.set()
-    reader.join()
-    final = scrape(sched.ctx, w.ctx)
-    # a2 was stored (the writer takes the burst's segments in order, a0 to a3): its
-    # chunks are in the store when "late" computes them again, so they are not rewritten
-    assert {k: final[k] for k in ("saves_attempted", *OUTCOMES)} == {
-        "saves_attempted": 10, "segments_saved": 4, "saves_present": 1,
-        "saves_dropped": 3, "saves_deduplicated": 2, "saves_pending": 0}, final
+        stop.set()
+        reader.join()
     assert scrapes[0] > 10 and not wrong, (scrapes[0], wrong[:3])
 
 
