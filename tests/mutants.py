@@ -196,10 +196,8 @@ MUTANTS = [
            ("tests/net/test_memory_budget.py",),
            "net/keystore.py: LRU under the memory budget (a pull is a use)"),
     Mutant("memory-evicts-the-key-being-replaced", KS,
-           "                break\n            if key != keep and (lossy or self._objects[key]"
-           ".durable) and not self.pinned(key):\n                self._evict_key",
-           "                break\n            if (lossy or self._objects[key]"
-           ".durable) and not self.pinned(key):\n                self._evict_key",
+           "        spare = {keep, *targets}\n        aliases = self.aliases.nbytes",
+           "        spare = set(targets)\n        aliases = self.aliases.nbytes",
            ("tests/net/test_memory_budget.py::"
             "test_a_put_that_fails_evicts_others_never_the_value_it_replaces",),
            "net/keystore.py: never the current value of the key being replaced"),
@@ -403,6 +401,377 @@ MUTANTS = [
             "quantized_decoded_and_stored",),
            "docs/architecture.md, a quantization scheme: one from outside the package "
            "through the entry point group hurraykv.quant_schemes"),
+    # --- issue 46: outside campaign 5 ---------------------------------------------------
+    Mutant("ttl-unbounded", "hurraykv/io/retention.py",
+           "            and 0 < ttl_s <= MAX_TTL_S):", "            and 0 < ttl_s):",
+           ("tests/store/test_chunk_stores.py::TestFileStore::test_a_lifetime_that_is_not_one_"
+            "is_refused_naming_ttl_s",),
+           "docs/vllm.md, ttl_s: a number of seconds over 0 and at most 100 years"),
+    Mutant("server-tenant-quota-whole-push", KS,
+           "            if used + nbytes <= quota:", "            if used <= quota:",
+           ("tests/net/test_server_tenant_quota.py::test_one_push_past_the_quota_evicts_room_"
+            "for_all_of_itself",),
+           "docs/operations.md, quotas: a push past the quota evicts room for all of itself"),
+    Mutant("server-aliases-outside-quota", KS,
+           "                self._within_quota(added, None, True, owner, targets)",
+           "                pass",
+           ("tests/net/test_server_tenant_quota.py::test_a_tenants_aliases_count_against_its_"
+            "own_quota",),
+           "docs/operations.md: --max-bytes-per-tenant bounds a tenant's aliases"),
+    Mutant("server-link-evicts-its-targets", KS,
+           "                self._within_quota(added, None, True, owner, targets)",
+           "                self._within_quota(added, None, True, owner)",
+           ("tests/net/test_server_tenant_quota.py::test_a_tenants_aliases_count_against_its_"
+            "own_quota",),
+           "docs/operations.md: a LINK never evicts an object being linked to"),
+    Mutant("server-tenant-evicts-others", KS,
+           "not self._isolated(owner) or key.startswith(owner + SEPARATOR))", "True)",
+           ("tests/net/test_server_tenant_quota.py::test_a_push_within_its_quota_never_"
+            "evicts_another_tenants_object",),
+           "docs/operations.md: no tenant's request evicts another tenant's object"),
+    Mutant("server-backing-copy-outside-quota", KS,
+           "        if self._room_for_copy(key, obj.nbytes):", "        if True:",
+           ("tests/net/test_server_tenant_quota.py::test_objects_pulled_back_from_the_store_"
+            "stay_within_the_quota",),
+           "docs/operations.md: a copy read back from --store stays within the quota"),
+    Mutant("server-pinned-overwrite-unchecked", "hurraykv/net/puts.py",
+           "            s.server.store.check_pin(put.key, put.nbytes)  # a pinned key: its "
+           "new size",
+           "            pass",
+           ("tests/net/test_server_retention.py::test_an_overwrite_of_a_pinned_key_is_held_to_"
+            "max_pinned_bytes",),
+           "docs/spec-decisions.md H93: a push of a pinned key past the cap is refused"),
+    Mutant("server-pin-keeps-old-size", KS,
+           "        self._repin(key, obj.nbytes)", "        pass",
+           ("tests/net/test_server_retention.py::test_an_overwrite_of_a_pinned_key_is_held_to_"
+            "max_pinned_bytes",),
+           "docs/spec-decisions.md H93: a pinned key pushed again stays pinned at its new size"),
+    Mutant("serve-tenant-share-ignored", "hurraykv/net/connection.py",
+           "                                       > self.cfg.tenant_share())",
+           "                                       > self.cfg.max_connections)",
+           ("tests/net/test_server_connections.py::test_one_tenant_cannot_hold_every_connection",),
+           "docs/operations.md, Connections: a tenant past its share gets SERVER_BUSY"),
+    Mutant("serve-tenant-share-default-all", "hurraykv/net/config.py",
+           "return max(1, self.max_connections // 4)", "return self.max_connections",
+           ("tests/net/test_server_connections.py::test_one_tenant_cannot_hold_every_connection",),
+           "docs/operations.md, Connections: the default share is a quarter"),
+    Mutant("serve-tenant-share-over-max", "hurraykv/net/config.py",
+           "if share > self.max_connections:", "if share > 2 * self.max_connections:",
+           ("tests/net/test_server_connections.py::test_the_config_refuses_nonsense_shares_"
+            "naming_the_option",),
+           "docs/operations.md, Connections: the share is at most --max-connections"),
+    Mutant("serve-tenant-share-without-tls", "hurraykv/net/server.py",
+           "if c.max_connections_per_tenant is not None and not c.tls_ca:", "if False:",
+           ("tests/net/test_server_connections.py::test_a_share_without_tenants_is_refused",),
+           "docs/operations.md, Connections: a share without --tls-ca is refused"),
+    Mutant("serve-socket-file-left", "hurraykv/net/server.py",
+           "        self._remove_socket_file()\n        closed = self._close_connections()",
+           "        closed = self._close_connections()",
+           ("tests/net/test_server_connections.py::test_a_stopped_server_removes_its_socket_"
+            "file",),
+           "docs/operations.md, start-up: the socket file is removed at stop"),
+    Mutant("serve-socket-not-a-socket-removed", "hurraykv/net/server.py",
+           "    if not stat.S_ISSOCK(mode):", "    if False:",
+           ("tests/net/test_server_connections.py::test_a_file_that_is_not_a_socket_is_never_"
+            "removed",),
+           "docs/operations.md, start-up: a file that is not a socket is left as it is"),
+    Mutant("serve-socket-live-taken-over", "hurraykv/net/server.py",
+           '    raise _cannot_listen(listen, f"{path}: a server answers on it")',
+           "    os.unlink(path)",
+           ("tests/net/test_server_connections.py::test_a_live_servers_socket_is_not_taken_"
+            "over",),
+           "docs/operations.md, start-up: a live server's socket stops the start"),
+    Mutant("extension-base-exception-escapes", "hurraykv/net/extensions.py",
+           "    except BaseException as e:  # SystemExit, CancelledError...: the operation's, "
+           "not ours",
+           "    except Exception as e:",
+           ("tests/net/test_private_operations.py::test_whatever_an_operation_raises_is_"
+            "internal_and_the_server_serves_on",),
+           "docs/spec-decisions.md H95: any exception is INTERNAL and the server carries on"),
+    Mutant("extension-async-base-exception-escapes", "hurraykv/net/extensions.py",
+           "        except BaseException as e:\n"
+           "            if isinstance(e, asyncio.CancelledError)",
+           "        except Exception as e:\n            if isinstance(e, asyncio.CancelledError)",
+           ("tests/net/test_private_operations.py::test_whatever_an_operation_raises_is_"
+            "internal_and_the_server_serves_on",),
+           "docs/spec-decisions.md H95: the same for async operations"),
+    Mutant("extension-own-cancel-unanswered", "hurraykv/net/extensions.py",
+           "    return task is not None and task.cancelling() > 0",
+           "    return task is not None",
+           ("tests/net/test_private_operations.py::test_whatever_an_operation_raises_is_"
+            "internal_and_the_server_serves_on",),
+           "docs/spec-decisions.md H95: only an operation cancelled with its connection goes "
+           "unanswered"),
+    Mutant("extension-in-flight-unbounded", "hurraykv/net/extensions.py",
+           "    if s.operations_in_flight >= MAX_IN_FLIGHT:",
+           "    if s.operations_in_flight >= 1000 * MAX_IN_FLIGHT:",
+           ("tests/net/test_private_operations.py::test_operations_in_flight_on_a_connection_"
+            "are_bounded",),
+           "docs/spec-decisions.md H95: at most 64 operations in flight a connection"),
+    Mutant("plugin-systemexit-skipped", "hurraykv/plugins.py",
+           "        except (Exception, SystemExit) as e:\n", "        except Exception as e:\n",
+           ("tests/store/test_store_plugins.py::test_a_plugin_raising_systemexit_on_import_is_"
+            "skipped_by_every_command",),
+           "docs/architecture.md: a plugin raising SystemExit on import is skipped, warned of"),
+    Mutant("store-open-error-named", "hurraykv/integrations/chunks.py",
+           "    except (Exception, SystemExit) as e:  # a plugin's own error: named, not a "
+           "traceback",
+           "    except SystemExit as e:  # a plugin's own error: named, not a traceback",
+           ("tests/store/test_store_plugins.py::test_a_store_whose_open_raises_is_one_error_"
+            "naming_the_store_and_the_cause",),
+           "open_store: an open that raises is a ConfigError naming the store and the cause"),
+    Mutant("store-open-timeout", "hurraykv/integrations/chunks.py",
+           "        if timeout is None or _builtin(cls):  # the built-ins bound their sockets "
+           "by it",
+           "        if True:  # the built-ins bound their sockets by it",
+           ("tests/store/test_store_plugins.py::test_a_store_whose_open_never_returns_is_given_"
+            "up_after_the_timeout",),
+           "open_store: a store's open is given up after the timeout"),
+    Mutant("store-opened-late-closed", "hurraykv/integrations/chunks.py",
+           "                    with contextlib.suppress(Exception):\n"
+           "                        got[0].close()",
+           "                    pass",
+           ("tests/store/test_store_plugins.py::test_a_store_that_opens_after_it_was_given_up_"
+            "on_is_closed",),
+           "open_store: a store that opens after it was given up on is closed"),
+    Mutant("cache-timeout-option", "hurraykv/cli/cache.py",
+           "    return open_store(args.url, timeout=args.timeout, **settings)",
+           "    return open_store(args.url, timeout=30.0, **settings)",
+           ("tests/store/test_store_plugins.py::test_a_store_whose_open_never_returns_is_given_"
+            "up_after_the_timeout",),
+           "docs/vllm.md: hurraykv cache --timeout"),
+    Mutant("scale-overflow-refused-on-load", "hurraykv/paged.py",
+           "        _quant.check_decodable(scales, zps, self.element_type.name,",
+           "        (lambda *a: None)(scales, zps, self.element_type.name,",
+           ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
+            "and_decode",),
+           "docs/spec-decisions.md H74: loading and validate refuse a scale that overflows"),
+    Mutant("decode-pages-checks-scales", "hurraykv/paged_reads.py",
+           "        if self.quantization is not None:\n            self.check_params_once()\n"
+           "        dtype = np.dtype(dtype)",
+           "        dtype = np.dtype(dtype)",
+           ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
+            "and_decode",),
+           "docs/spec-decisions.md H74: decode_pages checks scales on a first read"),
+    Mutant("dequantizing-read-checks-scales", "hurraykv/paged_reads.py",
+           "            self.check_params_once()\n            fused = None",
+           "            fused = None",
+           ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
+            "and_decode",),
+           "docs/spec-decisions.md H74: gather/to_dense(dequantize=True) check scales"),
+    Mutant("scale-refusal-names-member", "hurraykv/paged.py",
+           "            if self.layer_index is None:\n                raise\n",
+           "            raise\n",
+           ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
+            "and_decode",),
+           "docs/spec-decisions.md H74: the refusal names layers.L.role"),
+    Mutant("quantize-counts-lowest-code", "hurraykv/quant.py",
+           "    steps = int(farthest_code(qmin, qmax, 0 if symmetric else qmin))",
+           "    steps = span",
+           ("tests/paged/test_quant.py::test_quantize_refuses_a_symmetric_scale_whose_lowest_"
+            "code_would_overflow",),
+           "docs/spec-decisions.md H74: max(qmax, -qmin) * scale when symmetric"),
+    Mutant("kernel-counts-lowest-code", "hurraykv/_numba_kernels.py",
+           "        reach = np.float32(max(qmax, -qmin) if symmetric else qmax - qmin)",
+           "        reach = span",
+           ("tests/paged/test_quant.py::test_quantize_refuses_a_symmetric_scale_whose_lowest_"
+            "code_would_overflow",),
+           "docs/spec-decisions.md H74: the same, compiled"),
+    Mutant("per-tensor-scale-overflow", "hurraykv/wire/quant_schemes.py",
+           "        if not decodes_finitely(self.scale, steps):", "        if False:",
+           ("tests/paged/test_quant.py::test_per_tensor_and_per_channel_scales_that_overflow_"
+            "are_refused_on_load",),
+           "docs/spec-decisions.md H74: a per-tensor scale checked by the decoder"),
+    Mutant("scale-rule-own-zero-point", "hurraykv/quant.py",
+           "    steps = farthest_code(qmin, qmax, 0 if zps is None else zps)",
+           "    steps = farthest_code(qmin, qmax, 0)",
+           ("tests/paged/test_quant.py::test_a_scale_just_under_the_limit_decodes_finitely_and_"
+            "one_step_more_is_refused",),
+           "docs/spec-decisions.md H74: max(qmax - zp, zp - qmin) * scale"),
+    Mutant("config-unicode-digits", "hurraykv/integrations/vllm/config.py",
+           "out = (units.parse_int if number is int else units.parse_float)(value)",
+           "out = number(value)",
+           ("tests/integrations/vllm/test_vllm_config.py::test_numbers_as_text_are_ascii_"
+            "digits_only",),
+           "docs/vllm.md: numbers given as text are ASCII digits"),
+    Mutant("size-unicode-digits", "hurraykv/units.py",
+           '_SIZE = re.compile(r"\\s*([+-]?[0-9]+(?:\\.[0-9]+)?)\\s*(?:([KMGT])I?)?B?\\s*", '
+           're.ASCII)',
+           '_SIZE = re.compile(r"\\s*([+-]?\\d+(?:\\.\\d+)?)\\s*(?:([KMGT])I?)?B?\\s*")',
+           ("tests/integrations/vllm/test_vllm_config.py::test_numbers_as_text_are_ascii_"
+            "digits_only",
+            "tests/store/test_chunk_stores.py::test_a_numeric_option_is_ascii_digits_only"),
+           "docs/vllm.md: sizes are ASCII digits"),
+    Mutant("option-int-unicode-digits", "hurraykv/integrations/chunks.py",
+           '"int": units.parse_int,', '"int": int,',
+           ("tests/store/test_chunk_stores.py::test_a_numeric_option_is_ascii_digits_only",),
+           "docs/vllm.md: a store option's number is ASCII digits"),
+    Mutant("file-root-refused", FS,
+           'if os.path.normpath(path).strip("/") == "":', "if False:",
+           ("tests/integrations/vllm/test_vllm_config.py::test_a_file_store_at_the_filesystem_"
+            "root_is_refused",),
+           "docs/vllm.md, the url row: file:/// is refused"),
+    Mutant("saves-pending-uncounted", "hurraykv/integrations/vllm/saves.py",
+           "stats.add(saves_attempted=1, saves_pending=1)", "stats.add(saves_attempted=1)",
+           ("tests/integrations/vllm/test_vllm_save_counts.py::test_every_save_attempted_lands_"
+            "in_one_counted_outcome_at_every_scrape",),
+           "docs/vllm.md, Metrics: attempted = stored + present + dropped + deduplicated + "
+           "pending at every scrape"),
+    Mutant("saves-dedup-uncounted", "hurraykv/integrations/vllm/scheduler.py",
+           "ctx.stats.add(saves_attempted=deduplicated, saves_deduplicated=deduplicated)",
+           "ctx.stats.add()",
+           ("tests/integrations/vllm/test_vllm_save_counts.py::test_every_save_attempted_lands_"
+            "in_one_counted_outcome_at_every_scrape",),
+           "docs/vllm.md, Metrics: the same identity"),
+    Mutant("saves-cancelled-left-pending", "hurraykv/integrations/vllm/saves.py",
+           "for f, _, save in pending:  # never written: dropped, not pending for ever",
+           "for f, _, save in []:  # never written: dropped, not pending for ever",
+           ("tests/integrations/vllm/test_vllm_save_counts.py::test_saves_still_waiting_at_"
+            "shutdown_are_counted_dropped",),
+           "docs/vllm.md: a save still queued at shutdown is dropped"),
+    Mutant("get-finished-swapped", "hurraykv/integrations/vllm/worker.py",
+           "return None, self.finished(finished_req_ids) or None",
+           "return self.finished(finished_req_ids) or None, None",
+           ("tests/integrations/vllm/test_vllm_async.py::test_get_finished_reports_a_load_as_"
+            "received_never_as_sent",),
+           "docs/vllm.md, Design: an asynchronous load is reported received by get_finished"),
+    Mutant("reset-announces-nothing", "hurraykv/integrations/vllm/events.py",
+           "return self.removed_hashes(list(self._announced)) if self.enabled else 0",
+           "return 0",
+           ("tests/integrations/vllm/test_vllm_retention.py::test_a_reset_announces_every_"
+            "block_it_announced_stored_removed",),
+           "docs/vllm.md: a reset announces removals to routers"),
+    Mutant("store-noscript-pipe", "hurraykv/store/scripts.py",
+           "lost = [i for i, r in enumerate(replies) if is_noscript(r)]", "lost = []",
+           ("tests/store/test_redis_restarts.py::test_puts_after_script_flush_reload_the_"
+            "scripts",
+            "tests/store/test_redis_restarts.py::test_page_store_and_chunk_store_survive_a_"
+            "cluster_master_restart"),
+           "store/pages.py docstring, README: scripts loaded again on NOSCRIPT, in pipelines "
+           "too"),
+    Mutant("store-noscript-direct", "hurraykv/store/scripts.py",
+           "if not is_noscript(e):", "if True:",
+           ("tests/store/test_redis_restarts.py::test_puts_after_script_flush_reload_the_"
+            "scripts",),
+           "store/pages.py docstring: a script call reloads its script on NOSCRIPT"),
+    Mutant("redis-chunks-transport", "hurraykv/integrations/redis_store.py",
+           "        with unreachable_as_transport(lambda: server_name(self.store.client)):",
+           "        with contextlib.nullcontext():",
+           ("tests/store/test_redis_restarts.py::test_chunk_store_survives_a_redis_restart",),
+           "README: redis:// calls raise TransportError while Redis is away"),
+    Mutant("store-not-serving", "hurraykv/store/pages.py",
+           '_NOT_SERVING = ("ClusterDownError", "TryAgainError", "ReadOnlyError", '
+           '"NoScriptError")',
+           "_NOT_SERVING = ()",
+           ("tests/store/test_redis_restarts.py::test_a_cluster_that_is_down_is_a_transport_"
+            "error",),
+           "store/pages.py docstring: a cluster down is a TransportError"),
+    Mutant("store-contains-transport", "hurraykv/store/pages.py",
+           "    @_reaching\n    def __contains__", "    def __contains__",
+           ("tests/store/test_redis_restarts.py::test_page_store_survives_a_redis_restart",),
+           "store/pages.py docstring: every call raises TransportError while Redis is away"),
+    Mutant("resp-closed-transport", "hurraykv/store/resp.py",
+           '    return TransportError(f"redis store {where}: the server closed',
+           '    return StoreError(f"redis store {where}: the server closed',
+           ("tests/store/test_redis_restarts.py::test_a_connection_redis_closes_mid_read_is_a_"
+            "transport_error",),
+           "store/pages.py docstring: the same on the raw page path"),
+    Mutant("fsck-digest", "hurraykv/store/fsck.py",
+           "elif value is not None and page_digest(geometry, value) != d:", "elif False:",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_damaged_pages_and_rewrites_"
+            "damaged_statistics",),
+           "store/fsck.py, README: page bytes are verified against their key"),
+    Mutant("fsck-length", "hurraykv/store/fsck.py",
+           "elif value is not None and len(value) != width:", "elif False:",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_damaged_pages_and_rewrites_"
+            "damaged_statistics",),
+           "store/fsck.py: a truncated page is damaged"),
+    Mutant("fsck-delete-page", "hurraykv/store/fsck.py",
+           "del_if(keys=[page_key(d)], args=[value], client=pipe)",
+           "pipe.exists(page_key(d))",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_damaged_pages_and_rewrites_"
+            "damaged_statistics",),
+           "store/fsck.py: a damaged page is deleted"),
+    Mutant("fsck-stats-rewrite", "hurraykv/store/fsck.py",
+           "    if damaged:  # refused", "    if False:  # refused",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_damaged_pages_and_rewrites_"
+            "damaged_statistics",),
+           "store/fsck.py: damaged statistics are rewritten whole"),
+    Mutant("stats-damage-skipped", "hurraykv/store/capacity.py",
+           '_DAMAGED_ACCOUNT = ("WRONGTYPE", "hash value is not an integer")',
+           "_DAMAGED_ACCOUNT = ()",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_damaged_pages_and_rewrites_"
+            "damaged_statistics",),
+           "store/capacity.py: puts skip statistics Redis refuses as damaged"),
+    Mutant("fsck-owner-set-remade", "hurraykv/store/fsck.py",
+           "                owners = set()\n", "                continue\n",
+           ("tests/store/test_store_fsck.py::test_fsck_removes_manifests_releases_and_owner_"
+            "sets_that_are_not_theirs",),
+           "store/fsck.py: owner sets are rebuilt from the manifests"),
+    Mutant("fsck-cli-lines", "hurraykv/cli/store.py",
+           '            print(f"damaged: page {key}: {problem} (removed)")', "            pass",
+           ("tests/store/test_store_fsck.py::test_store_fsck_command_reports_and_repairs_each_"
+            "damage",),
+           "README: store fsck names each damaged key"),
+    Mutant("token-chains-short", "hurraykv/store/manifest.py",
+           "        full, page_size)", "        full, -1)",
+           ("tests/store/test_store.py::test_a_sequence_shorter_than_a_page_is_indexed_by_its_"
+            "full_pages_only",),
+           "PageStore.put: token_ids index any sequence length by its full pages"),
+    Mutant("rm-stops-at-missing", "hurraykv/cli/remote.py",
+           "                missing += 1\n", "                return 1\n",
+           ("tests/cli/test_cli_newcomer.py::test_rm_removes_every_key_that_exists_and_names_"
+            "each_missing_one",),
+           "README: rm removes every KEY that exists, names each missing one"),
+    Mutant("rm-exit-0", "hurraykv/cli/remote.py",
+           "    return 1 if missing else 0", "    return 0",
+           ("tests/cli/test_cli_newcomer.py::test_rm_removes_every_key_that_exists_and_names_"
+            "each_missing_one",),
+           "README: rm exits 1 when a key is missing"),
+    Mutant("missing-key-jargon", "hurraykv/cli/remote.py",
+           "            raise NoSuchKey(key) from None", "            raise",
+           ("tests/cli/test_cli_newcomer.py::test_a_missing_key_is_said_without_protocol_"
+            "jargon",),
+           "README: a missing key is said as no such key 'KEY'"),
+    Mutant("empty-key-to-server", "hurraykv/cli/__init__.py",
+           'sp.add_argument("key", type=_key,', 'sp.add_argument("key", type=str,',
+           ("tests/cli/test_cli_newcomer.py::test_an_empty_key_is_a_usage_error_before_the_"
+            "server_is_asked",),
+           "hurraykv --help: an empty KEY is a usage error"),
+    Mutant("ls-no-glob", "hurraykv/cli/remote.py",
+           "    return found if whole is None else [n for n in found if whole.fullmatch(n[0])]",
+           "    return found",
+           ("tests/cli/test_cli_newcomer.py::test_ls_takes_redis_style_globs",),
+           "README: ls PREFIX with * ? [ is a glob the whole key must match"),
+    Mutant("ls-escape", "hurraykv/cli/remote.py",
+           '(m[0][1] if escaped else "")', '(m[0] if escaped else "")',
+           ("tests/cli/test_cli_newcomer.py::test_ls_takes_redis_style_globs",),
+           "README: a backslash makes the next character literal in an ls glob"),
+    Mutant("inspect-json-rejected", "hurraykv/cli/local.py",
+           "        if args.json:  # an object on stdout for scripts, as validate --json prints",
+           "        if False:",
+           ("tests/cli/test_cli_newcomer.py::test_inspect_json_prints_an_object_for_a_rejected_"
+            "file",),
+           "hurraykv inspect --help: --json prints {path, valid: false, error}"),
+    Mutant("error-subject-first", "hurraykv/cli/__init__.py",
+           '    if subject and text.startswith(f"{subject}: "):', "    if False:",
+           ("tests/cli/test_cli_newcomer.py::test_every_error_line_names_its_subject_first_"
+            "then_the_error",),
+           "cli docstring: errors read hurraykv: SUBJECT: ERRORTYPE: message"),
+    Mutant("version-wraps", "hurraykv/cli/__init__.py",
+           'p.add_argument("--version", action=_Version,',
+           'p.add_argument("--version", action="version",',
+           ("tests/cli/test_cli_newcomer.py::test_version_is_one_line_through_a_pipe_and_"
+            "python_m_hurraykv_runs",),
+           "hurraykv --version prints one line"),
+    Mutant("python-m", "hurraykv/__main__.py", "sys.exit(main())", "main()",
+           ("tests/cli/test_cli_newcomer.py::test_python_m_hurraykv_is_the_command",),
+           "README: python -m hurraykv is the same command"),
+    Mutant("cache-ls-dash", "hurraykv/cli/cache.py",
+           "        print(UNRECORDED)", "        pass",
+           ("tests/cli/test_cli_newcomer.py::test_cache_ls_says_what_a_dash_means_for_a_store_"
+            "that_keeps_no_storing_time",),
+           "docs/vllm.md: cache ls says what a - means"),
 ]
 
 
