@@ -206,6 +206,27 @@ def test_chunk_store_survives_a_redis_restart(server):
     chunks.close()
 
 
+def test_a_server_over_a_stopped_redis_answers_busy_then_serves_once_it_is_back(server):
+    """``hurraykv serve --store redis://``: while Redis is away a push is SERVER_BUSY (try
+    again), not INVALID_MESSAGE (the client's message was fine); once back, pushes land."""
+    from hurraykv.net.client import KVClient
+    from hurraykv.net.messages import ErrorCode, RemoteError
+    from hurraykv.net.server import KVServer
+
+    url = f"redis://127.0.0.1:{server.port}"
+    with KVServer(listen="127.0.0.1:0", store=url).run_in_thread() as st, \
+            KVClient(st.address) as c:
+        c.push("before", make_snapshot(seed=1))
+        server.kill()
+        with pytest.raises(RemoteError, match="not stored, try again") as e:
+            c.push("during", make_snapshot(seed=2))
+        assert e.value.code == ErrorCode.SERVER_BUSY
+        server.start()
+        c.push("after", make_snapshot(seed=3))  # the same server, the same connection
+        assert c.pull("after").equal(zeroed(make_snapshot(seed=3)))
+    assert "after" in PageStore.from_url(url)
+
+
 # ------------------------------------------------------------------- a cluster
 def test_page_store_and_chunk_store_survive_a_cluster_master_restart(cluster_nodes):
     url = f"redis+cluster://127.0.0.1:{cluster_nodes[0].port}"

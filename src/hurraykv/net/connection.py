@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ..errors import HurrayError
+from ..errors import HurrayError, TransportError
 from .codecs import decode, frame
 from .handlers import HANDLERS, refusal, timed_as
 from .keystore import StoreFull
@@ -253,6 +253,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._dispatch(mtype, stream, payload)
             except ProtocolError as e:
                 self._stream_error(stream, e, 0)
+            except TransportError as e:  # the backing --store away: try again, not "invalid"
+                self._stream_error(stream, ProtocolError(str(e), ErrorCode.SERVER_BUSY), 0)
             except HurrayError as e:
                 self._stream_error(stream, ProtocolError(str(e)), 0)
             finally:

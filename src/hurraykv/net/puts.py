@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import units
-from ..errors import HurrayError
+from ..errors import HurrayError, TransportError
 from ..wire.layouts import Composite
 from .dataplane import DataAssembler
 from .keystore import PersistFull, StoreFull, object_from_items
@@ -110,6 +110,11 @@ async def _commit(s: Session, stream: int, put: Put) -> None:
         s.fail(stream, ErrorCode.STORE_FULL, f"{what} {put.shown!r} {e}")
         log.info("refused put key=%r: %s over the persist budget", put.shown,
                  units.size(e.nbytes))
+        return
+    except TransportError as e:  # the backing --store away: the client's message was fine
+        store.release(put.reserved, s.tenant)
+        s.fail(stream, ErrorCode.SERVER_BUSY, f"{put.shown!r} not stored, try again: {e}")
+        log.warning("put key=%r not stored: %s", put.shown, e)
         return
     except HurrayError as e:
         store.release(put.reserved, s.tenant)
