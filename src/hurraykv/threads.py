@@ -20,7 +20,7 @@ _pool: ThreadPoolExecutor | None = None
 def workers() -> int:
     """Threads used for large copies: the cores this process may run on, capped."""
     env = os.environ.get("HURRAYKV_THREADS")
-    if env is not None and env.strip().isdigit() and int(env) > 0:
+    if env is not None and env.strip().isascii() and env.strip().isdigit() and int(env) > 0:
         return int(env)
     try:
         cores = len(os.sched_getaffinity(0))

@@ -218,3 +218,26 @@ def test_cache_ls_says_what_a_dash_means_for_a_store_that_keeps_no_storing_time(
     assert out.splitlines()[-1] == ("-: not recorded by this store (file:// keeps each "
                                     "segment's last use, its modification time, not when "
                                     "it was stored; a hurray:// server keeps neither)"), out
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--read-timeout", "３０"], ["serve", "--idle-timeout", "٣"],
+    ["serve", "--max-connections", "１２"], ["serve", "--listen", "127.0.0.1:８０"],
+    ["cache", "ls", "file:///tmp/x", "--timeout", "１"],
+    ["cache", "pin", "file:///tmp/x", "k", "--ttl", "６０"]])
+def test_numbers_on_the_command_line_are_ascii_digits(argv, capsys):
+    """int() and float() read any script's digits ('１２' is 12): a number an operator did
+    not type on purpose is a usage error, as the connector's config refuses it."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)  # parsed only: nothing starts, whatever it reads
+    assert e.value.code == 2
+    assert argv[-1] in capsys.readouterr().err  # the value named
+
+
+def test_a_thread_count_that_is_no_ascii_number_is_ignored(monkeypatch):
+    from hurraykv import threads
+
+    monkeypatch.setenv("HURRAYKV_THREADS", "²")  # isdigit() says yes, int() raises
+    assert 1 <= threads.workers() <= 8
+    monkeypatch.setenv("HURRAYKV_THREADS", "3")
+    assert threads.workers() == 3

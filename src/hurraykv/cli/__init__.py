@@ -117,8 +117,9 @@ def _greater_than_zero(parse: Callable[[str], Any], what: str, rule: str
 
 _size = _greater_than_zero(units.parse_size, "a size like 8G, 512M or 1048576",
                            "a size must be > 0")
-_seconds = _greater_than_zero(float, "a number of seconds", "seconds must be > 0")
-_positive = _greater_than_zero(int, "a whole number", "must be > 0")
+# ASCII digits only: Python's float() and int() also read '１２' and '٢' as numbers
+_seconds = _greater_than_zero(units.parse_float, "a number of seconds", "seconds must be > 0")
+_positive = _greater_than_zero(units.parse_int, "a whole number", "must be > 0")
 
 
 def _address(text: str) -> str:

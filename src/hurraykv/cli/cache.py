@@ -51,7 +51,7 @@ def add_parsers(sub: Any) -> None:
     pn.add_argument("--identity", metavar="STRING", help="with --tokens: the cache identity "
                     "string the connector logs at start (it names the chunk size)")
     pn.add_argument("--salt", help="with --tokens: the requests' cache_salt")
-    pn.add_argument("--ttl", type=float, metavar="SECONDS", help="a lifetime: a miss that "
+    pn.add_argument("--ttl", type=number, metavar="SECONDS", help="a lifetime: a miss that "
                     "many seconds from now")
     pn.add_argument("--unpin", action="store_true", help="release the pin (with --ttl: "
                     "keep only the lifetime)")
@@ -64,7 +64,7 @@ def add_parsers(sub: Any) -> None:
         for opt in TLS:
             p.add_argument("--" + opt.replace("_", "-"), dest=opt,
                            help="for a hurray:// server with mutual TLS")
-        p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+        p.add_argument("--timeout", type=number, default=30.0, metavar="SECONDS",
                        help="how long to wait for the store to open and answer (default "
                        "30)")
         p.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
@@ -266,3 +266,9 @@ def cmd_cache_pin(args: argparse.Namespace) -> int:
 
 
 __all__ = ["add_parsers", "cmd_cache_clear", "cmd_cache_ls", "cmd_cache_pin"]
+
+
+def number(text: str) -> float:
+    """An argparse ``type`` (its name is said in argparse's message): ASCII digits only,
+    where float() also reads '１２'."""
+    return units.parse_float(text)

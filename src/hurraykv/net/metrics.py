@@ -64,7 +64,7 @@ def parse_metrics_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[v6]:PORT`` (a port of 0 picks a free one); the port is required:
     the protocol's default port belongs to the server itself."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or (
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536 or (
             host.count(":") and not (host.startswith("[") and host.endswith("]"))):
         raise HurrayError(f"metrics_listen {text!r}: expected HOST:PORT (or [v6]:PORT) "
                           "with a port in 0..65535", field="metrics_listen", value=text,

@@ -69,8 +69,9 @@ def parse_address(address: str) -> tuple[str, int] | str:
     host, sep, port = text.rpartition(":")
     if not sep or (host.count(":") and not host.startswith("[")):
         host, port = text, str(DEFAULT_PORT)  # no port (a bare IPv6 address included)
-    if not port.isdigit() or not 0 <= int(port) < 65536:
-        what = "is out of range" if port.isdigit() else "is not a number"
+    digits = port.isascii() and port.isdigit()  # int() also reads '٨٠'
+    if not digits or not 0 <= int(port) < 65536:
+        what = "is out of range" if digits else "is not a number"
         raise ConfigError(f"address {address!r}: port {port!r} {what}: a port is 0..65535",
                           field="address", value=address, rule="HOST:PORT or a path")
     return host.strip("[]") or "127.0.0.1", int(port)
