@@ -461,7 +461,7 @@ MUTANTS = [
             "naming_the_option",),
            "docs/operations.md, Connections: the share is at most --max-connections"),
     Mutant("serve-tenant-share-without-tls", "hurraykv/net/server.py",
-           "if c.max_connections_per_tenant is not None and not c.tls_ca:", "if False:",
+           "            if value is not None and not c.tls_ca:", "            if False:",
            ("tests/net/test_server_connections.py::test_a_share_without_tenants_is_refused",),
            "docs/operations.md, Connections: a share without --tls-ca is refused"),
     Mutant("serve-socket-file-left", "hurraykv/net/server.py",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import units
-from ..errors import ConfigError, HurrayError, TransportError
+from ..errors import ConfigError, TransportError
 from . import extensions, tls
 from .config import ServerConfig
 from .connection import SCRATCH, Connection
@@ -123,18 +123,12 @@ class KVServer:
         # what the server says of its life (listening, metrics, stopped): logged, or
         # printed once by `hurraykv serve` (which sets its own)
         self.announce: Callable[[str], None] = lambda text: log.info("%s", text)
-        if c.max_bytes_per_tenant is not None and not c.tls_ca:
-            raise HurrayError(
-                f"max_bytes_per_tenant {c.max_bytes_per_tenant}: tenants are the "
-                "client identities of mutual TLS, and no --tls-ca is given",
-                field="max_bytes_per_tenant", value=c.max_bytes_per_tenant,
-                rule="--max-bytes-per-tenant needs --tls-ca")
-        if c.max_connections_per_tenant is not None and not c.tls_ca:
-            raise ConfigError(
-                f"--max-connections-per-tenant {c.max_connections_per_tenant}: tenants are "
-                "the client identities of mutual TLS, and no --tls-ca is given",
-                field="max_connections_per_tenant", value=c.max_connections_per_tenant,
-                rule="--max-connections-per-tenant needs --tls-ca")
+        for name in ("max_bytes_per_tenant", "max_connections_per_tenant"):
+            value, option = getattr(c, name), "--" + name.replace("_", "-")
+            if value is not None and not c.tls_ca:
+                raise ConfigError(f"{option} {value}: tenants are the client identities of "
+                                  "mutual TLS, and no --tls-ca is given", field=name,
+                                  value=value, rule=f"{option} needs --tls-ca")
         self.ssl_context = tls.server_context(c.tls_cert, c.tls_key, c.tls_ca)
         backing = None
         if c.store:
