@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +163,11 @@ def test_a_fresh_engine_reuses_a_hybrid_models_prefix_with_the_hybrid_manager_on
         reused = run_engine(spec(models[model], model, conn(url)), tmp_path, "reuse")
     for out in (stored, reused):
         assert TURNED_OFF not in out["log"]
-        assert "(32, 32)" in groups_in(out["log"]) or "(160, 160)" in groups_in(out["log"])
+        # two groups, one block size: the hybrid manager on.  The size is the machine's
+        # (vLLM aligns a Mamba state's page with the attention ISA's block: 32 and 160
+        # on AVX-512, 96 for Qwen3-Next on AVX2)
+        sizes = re.search(r"kv cache group sizes \((\d+), (\d+)\)", groups_in(out["log"]))
+        assert sizes is not None and sizes[1] == sizes[2], groups_in(out["log"])
         assert "passes requests through" not in out["log"]
     assert [o["tokens"] for o in reused["outputs"]] == reference[model]
     assert [o["num_cached_tokens"] for o in reused["outputs"]] == HITS[model]
