@@ -250,3 +250,19 @@ def test_sigkill_during_save_keeps_the_old_file_and_a_restart_cleans_up(tmp_path
     assert survivor == before or hk.load_snapshot(target).num_layers == 4  # old or new, whole
     with KVServer(listen="127.0.0.1:0", persist=str(persist)).run_in_thread():
         assert _temps(persist) == []
+
+
+def test_a_targets_temporaries_are_told_apart_without_a_pattern_per_target():
+    """``is_temp_of`` (no regex compiled per put) says what ``temp_pattern`` says, on names
+    a directory may hold: other targets', look-alikes, regex characters, upper-case hex."""
+    from hurraykv.io.atomic import is_temp_of
+
+    names = ["a" * 32 + "-0.hrry", "x.y", "a+b", "(", ".", "k\n"]
+    entries = [f".{n}.{h}.tmp" for n in names + ["other.hrry", "a" * 32 + "-0"]
+               for h in ("0123abcd", "0123ABCD", "0123abc", "0123abcde", "0123abcg")]
+    entries += [f".{n}.0123abcd.tmpx" for n in names] + [n for n in names]
+    for name in names:
+        for entry in entries:
+            assert is_temp_of(entry, name) == bool(temp_pattern(name).match(entry)), (
+                name, entry)
+    assert sum(is_temp_of(e, names[0]) for e in entries) == 1

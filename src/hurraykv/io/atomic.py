@@ -44,6 +44,20 @@ def temp_pattern(name: str | None = None) -> re.Pattern[str]:
     return re.compile(rf"\.{stem}\.[0-9a-f]{{8}}{re.escape(TEMP_SUFFIX)}\Z", re.DOTALL)
 
 
+_ANY_TEMP = temp_pattern()
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_temp_of(entry: str, name: str) -> bool:
+    """``temp_pattern(name).match(entry)`` without compiling a pattern per target: every
+    put names a new segment, so re's cache never held it (issue 47: the largest item of a
+    save's own work)."""
+    head = f".{name}."
+    return (len(entry) == len(head) + 8 + len(TEMP_SUFFIX) and entry.startswith(head)
+            and entry.endswith(TEMP_SUFFIX)
+            and _HEX.issuperset(entry[len(head):-len(TEMP_SUFFIX)]))
+
+
 def _directory(path: Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -88,7 +102,7 @@ def _temporaries(directory: Path, fresh: bool) -> list[str]:
     if cached is not None and not fresh and now - cached[0] < STALE_SECONDS:
         return cached[1]
     try:
-        names = list(filter(temp_pattern().match, os.listdir(directory)))  # C-level filter
+        names = list(filter(_ANY_TEMP.match, os.listdir(directory)))  # C-level filter
     except OSError:
         names = []
     _LISTED[key] = (now, names)
@@ -104,7 +118,7 @@ def remove_stale(directory: str | os.PathLike, name: str | None = None,
     directory = Path(directory)
     candidates = _temporaries(directory, fresh=fresh or min_age < STALE_SECONDS)
     if name is not None:
-        candidates = list(filter(temp_pattern(name).match, candidates))
+        candidates = [c for c in candidates if is_temp_of(c, name)]
     removed = []
     before = time.time() - min_age
     for entry in candidates:
