@@ -69,6 +69,36 @@ def test_one_tenant_cannot_hold_every_connection(pki):
                 c.close()
 
 
+def test_connections_that_never_say_hello_hold_no_other_tenants_slot(pki):
+    """Tenant A completes TLS handshakes and sends nothing: past its share those take no
+    slot of --max-connections (B still connects), and every one is closed after
+    --read-timeout, not --idle-timeout."""
+    import ssl
+    import time
+
+    cert, key = pki.client("tenant-a", name(("CN", "tenant-a")))
+    ctx = ssl.create_default_context(cafile=pki.ca_pem)
+    ctx.load_cert_chain(cert, key)
+    ctx.check_hostname = False
+    b = _tenant(pki, "tenant-b")
+    with _tls_server(pki, max_connections=8, read_timeout=2.0).run_in_thread() as st:
+        host, port = st.address.rsplit(":", 1)
+        silent = []
+        try:
+            for _ in range(8):  # before: all 8 slots A's until --idle-timeout
+                raw = socket.create_connection((host, int(port)), timeout=10)
+                silent.append(ctx.wrap_socket(raw))
+            with b(st.address) as other:
+                assert other.ping() >= 0
+            started = time.monotonic()
+            for s in silent:  # closed by the server: end of stream, no hello answered
+                assert s.recv(1) == b""
+            assert time.monotonic() - started < 10
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_the_share_is_the_setting_given(pki):
     a = _tenant(pki, "tenant-a")
     with _tls_server(pki, max_connections=8, max_connections_per_tenant=3).run_in_thread() \

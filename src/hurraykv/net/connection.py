@@ -108,7 +108,6 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         self.server.connections += 1
         self.server.open_connections.add(self)
-        self.busy = self.server.connections > self.cfg.max_connections
         if self.cfg.tls_ca:
             ssl_object = transport.get_extra_info("ssl_object")
             try:
@@ -137,6 +136,11 @@ class Connection(asyncio.BufferedProtocol):
                 self._raw = socket.socket(sock.family, sock.type, sock.proto,
                                           fileno=os.dup(sock.fileno()))
                 self._raw.setblocking(False)
+        # A connection past its tenant's share is refused at its hello and takes no slot
+        # of --max-connections meanwhile: idle connections that never say hello cannot
+        # crowd out another tenant (and are closed after --read-timeout, _check_timeouts).
+        admitted = sum(not c.over_share for c in self.server.open_connections)
+        self.busy = not self.over_share and admitted > self.cfg.max_connections
         self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -202,7 +206,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         idle = self.loop.time() - self._last
-        mid = self._state != "header" or self._got > 0 or self.puts
+        # a connection that has not said hello yet is mid-way through its first message
+        mid = self.hello is None or self._state != "header" or self._got > 0 or self.puts
         if idle > (self.cfg.read_timeout if mid else self.cfg.idle_timeout):
             log.info("closing connection: %s for %.1f s", "stalled" if mid else "idle", idle)
             if mid and self._msg[1]:
