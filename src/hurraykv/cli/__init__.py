@@ -23,9 +23,10 @@ output for the .hrry file ``compact`` and ``pull`` write; their summary line the
 stderr, so standard output holds only the file.
 
 Exit codes: 0 success; 1 the data was rejected (by hurraykv or by the server; the reason
-on stderr as ``hurraykv: SUBJECT: ERRORTYPE: message``, the file, address or URL first;
-with ``--json``, ``inspect`` and ``validate`` also print ``{path, valid: false, error:
-{type, message, field}}`` on stdout); 2 usage (an option, address or URL that cannot be
+on stderr as ``hurraykv: SUBJECT: ERRORTYPE: message``, the file, address or URL first,
+or for a key the server does not hold ``hurraykv: ADDRESS: no such key 'KEY'``; with
+``--json``, ``inspect`` and ``validate`` also print ``{path, valid: false, error: {type,
+message, field}}`` on stdout); 2 usage (an option, address or URL that cannot be
 used, named with its value and the rule), or a file, directory or server that cannot be
 read, written or reached; 141 (128 + SIGPIPE, as for a program the signal ends) when
 whoever reads standard output closed it early (``| head``): nothing more is printed.

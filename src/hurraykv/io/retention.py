@@ -98,10 +98,13 @@ def ttl_seconds(ttl_s: object, field: str = "ttl_s") -> float:
     integer too large for a float is refused, never an ``OverflowError``."""
     if not (isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
             and 0 < ttl_s <= MAX_TTL_S):
-        shown = ttl_s if not isinstance(ttl_s, int) or ttl_s.bit_length() < 64 else (
-            f"an integer of {len(str(ttl_s))} digits")
-        raise HurrayError(f"{field} is {shown!r}; it is a number of seconds, more than 0 and "
-                          f"at most {MAX_TTL_S:.0f} (100 years)", field=field, value=shown,
+        big = isinstance(ttl_s, int) and ttl_s.bit_length() >= 64
+        # its size, not its digits: str() of an int past 4300 digits raises ValueError
+        shown = (f"an integer of about {int(ttl_s.bit_length() * 0.30103) + 1} digits"
+                 if big else repr(ttl_s))
+        raise HurrayError(f"{field} is {shown}; it is a number of seconds, more than 0 and "
+                          f"at most {MAX_TTL_S:.0f} (100 years)", field=field,
+                          value=shown if big else ttl_s,
                           rule=f"0 < seconds <= {MAX_TTL_S:.0f}")
     return float(ttl_s)
 
