@@ -683,8 +683,10 @@ def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
                **options: Any) -> ChunkStore:
     """The store a URL names (see ``url_forms()``); ``suffix`` marks every key and name
     (tensor-parallel ranks); ``timeout``: seconds a network store waits on a socket, and
-    the most a store from outside the package may take to open (one that has not
-    returned by then is given up on: ``TransportError`` naming the URL and the timeout);
+    the most a store from outside the package may take to open (its ``open`` then runs
+    on a worker thread, so it must not need the main thread, e.g. for ``signal``; one
+    that has not returned by then is given up on: ``TransportError`` naming the URL and
+    the timeout);
     ``options``: those its class takes (``OPTIONS``: TLS files, ``max_bytes``).  A store
     whose ``open`` raises is a ``ConfigError`` naming its class, its entry point and the
     cause."""
