@@ -24,7 +24,19 @@ from hurraykv.integrations.vllm import hybrid
 from hurraykv.integrations.vllm.groups import METADATA_KEY
 
 TURNED_OFF = "Turning off hybrid kv cache manager"
-QWEN_STATES = ([(3, 512), (4, 64, 64)], ["bfloat16", "float32"])  # conv, recurrent
+QWEN_SHAPES = [[3, 512], [4, 64, 64]]  # conv, recurrent
+
+
+def qwen_states(snap: hk.KVCacheSnapshot) -> list:
+    """The Mamba layers' ``(shapes, dtypes)`` as the segment's group map records them: the
+    shapes are the model's, the dtypes the engine's choice on this machine (the recurrent
+    state is float32 on AVX-512, bfloat16 on AVX2)."""
+    groups = json.loads(snap.metadata[METADATA_KEY])["groups"]
+    (mamba,) = [g for g in groups if g["kind"] == "mamba"]
+    assert [st["shape"] for st in mamba["states"]] == QWEN_SHAPES
+    layer = ([tuple(st["shape"]) for st in mamba["states"]],
+             [st["dtype"] for st in mamba["states"]])
+    return [layer] * len(mamba["layers"])
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +208,7 @@ def test_a_damaged_state_or_page_is_recomputed(models, reference, tmp_path, dama
     (segment,) = sorted(store.glob("*.hrry"))
     snap = hk.load_snapshot(segment)
     if damage == "state":  # layer 1 of the Mamba layers, its recurrent (SSM) state
-        states = hybrid.states_of(snap, [QWEN_STATES] * 2)
+        states = hybrid.states_of(snap, qwen_states(snap))
         _flip(segment, states[1][1].tobytes()[:4096])
     else:  # a sliding-window layer's page inside the window of the hit
         pages = np.asarray(snap.tensor(2, "value").page_pool)
@@ -275,7 +287,7 @@ def test_quantized_pages_and_exact_states(models, tmp_path):
         (segment,) = sorted(store.glob("*.hrry"))
         snap = hk.load_snapshot(segment)
         assert (snap.tensor(0, "key").quantization is None) == (fmt == "auto")
-        states.append([s.tobytes() for row in hybrid.states_of(snap, [QWEN_STATES] * 2)
+        states.append([s.tobytes() for row in hybrid.states_of(snap, qwen_states(snap))
                        for s in row])
     assert states[0] == states[1]
     reused = run_engine(spec(models["qwen3_next"], "qwen3_next", connector, first), tmp_path,
