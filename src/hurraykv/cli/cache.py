@@ -269,6 +269,10 @@ __all__ = ["add_parsers", "cmd_cache_clear", "cmd_cache_ls", "cmd_cache_pin"]
 
 
 def number(text: str) -> float:
-    """An argparse ``type`` (its name is said in argparse's message): ASCII digits only,
-    where float() also reads '１２'."""
-    return units.parse_float(text)
+    """An argparse ``type`` for seconds: ASCII digits only, where float() also reads
+    '１２' (and 'inf')."""
+    try:
+        return units.parse_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: it is a number of seconds above 0, in ASCII digits") from None
