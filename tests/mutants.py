@@ -772,6 +772,25 @@ MUTANTS = [
            ("tests/cli/test_cli_newcomer.py::test_cache_ls_says_what_a_dash_means_for_a_store_"
             "that_keeps_no_storing_time",),
            "docs/vllm.md: cache ls says what a - means"),
+    Mutant("serve-backing-down-invalid", "hurraykv/net/puts.py",
+           "    except TransportError as e:  # the backing --store away: the client's message "
+           "was fine",
+           "    except ProcessLookupError as e:  # the backing --store away",
+           ("tests/store/test_redis_restarts.py::test_a_server_over_a_stopped_redis_answers_"
+            "busy_then_serves_once_it_is_back",),
+           "docs/spec-decisions.md H36: a push the backing --store cannot take is SERVER_BUSY"),
+    Mutant("serve-silent-handshakes-hold-slots", "hurraykv/net/connection.py",
+           "        self.busy = not self.over_share and admitted > self.cfg.max_connections",
+           "        self.busy = self.server.connections > self.cfg.max_connections",
+           ("tests/net/test_server_connections.py::test_connections_that_never_say_hello_hold_"
+            "no_other_tenants_slot",),
+           "docs/operations.md, Connections: a connection past its share takes no slot"),
+    Mutant("cli-unicode-digits", "hurraykv/cli/__init__.py",
+           "_positive = _greater_than_zero(units.parse_int,",
+           "_positive = _greater_than_zero(int,",
+           ("tests/cli/test_cli_newcomer.py::test_numbers_on_the_command_line_are_ascii_"
+            "digits",),
+           "CHANGELOG: numbers on the command line are ASCII digits"),
 ]
 
 
