@@ -5,16 +5,16 @@ Redis's own ``maxmemory`` (decision H91)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 from urllib.parse import ParseResult, parse_qsl
 
 from ..errors import HurrayError
 from ..snapshot import KVCacheSnapshot
+from ..store.pages import reaching
 from .chunks import (
     SEGMENT_NAME,
     ChunkStore,
@@ -28,23 +28,14 @@ from .chunks import (
 T = TypeVar("T")
 
 
-def _reaching(method: Callable[..., T]) -> Callable[..., T]:
-    """``method`` with a Redis that is away (refused, timed out, restarting, loading its
-    data, a cluster down) raised as ``TransportError`` and any other redis-py error as
-    ``StoreError``, as the PageStore's own calls are, never as redis-py's exceptions."""
-    @functools.wraps(method)
-    def call(self: RedisChunks, *args: Any, **kwargs: Any) -> T:
-        from ..store.pages import server_name, unreachable_as_transport
-
-        with unreachable_as_transport(lambda: server_name(self.store.client)):
-            return method(self, *args, **kwargs)
-    return call
-
-
 class RedisChunks(ChunkStore):
     SCHEMES = ("redis", "rediss", "redis+cluster")
     FORM = "redis://HOST:PORT or redis+cluster://HOST:PORT"
     URL_PARTS = ("userinfo", "path", "query")  # redis-py's user, password, db, options
+
+    @property
+    def client(self) -> Any:  # what store.pages.reaching names a Redis that is away by
+        return self.store.client
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -93,14 +84,14 @@ class RedisChunks(ChunkStore):
         # no later lookup, stored again once recomputed (decision H91)
         self.store = PageStore.from_url(_with_timeout(url, timeout), drop_damaged=True)
 
-    @_reaching
+    @reaching
     def connect(self) -> None:
         self.store.client.ping()
 
     def _alias(self, key: str) -> str:
         return f"hkv:a:{{{self.prefix}{key}}}"
 
-    @_reaching
+    @reaching
     def locate(self, keys: Sequence[str]) -> list[str | None]:
         if not keys:
             return []
@@ -113,7 +104,7 @@ class RedisChunks(ChunkStore):
         it = iter(alive)
         return [n if n is not None and next(it) else None for n in names]
 
-    @_reaching
+    @reaching
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         from ..store.capacity import full_error, is_full
@@ -133,11 +124,11 @@ class RedisChunks(ChunkStore):
             raise full_error(self.store.client, f"segment {name}",
                              "it was taken back") from None
 
-    @_reaching
+    @reaching
     def get(self, name: str) -> KVCacheSnapshot:
         return self.store.get(self.prefix + name)
 
-    @_reaching
+    @reaching
     def catalog(self) -> list[Stored]:
         """Every segment's manifest (SCAN), its identity read from the info member it
         holds, stored when its generation was drawn, last used as Redis's ``OBJECT
@@ -182,7 +173,7 @@ class RedisChunks(ChunkStore):
                 version=generation.hex() if generation else None))
         return sorted(out, key=lambda s: s.name)
 
-    @_reaching
+    @reaching
     def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
                extend: bool = False) -> list[str]:
         """A lifetime is Redis's own: an ``EXPIRE`` on the segment's manifest (``extend``:
@@ -260,7 +251,7 @@ class RedisChunks(ChunkStore):
         threading.Thread(target=listen, daemon=True, name="hurraykv-redis-removals").start()
         return True
 
-    @_reaching
+    @reaching
     def remove(self, name: str) -> bool:
         from ..errors import StoreError
 
@@ -272,11 +263,11 @@ class RedisChunks(ChunkStore):
             return False
         return True
 
-    @_reaching
+    @reaching
     def exists(self, names: Sequence[str]) -> list[bool]:
         return self.store.contains_many([self.prefix + check_name(n) for n in names])
 
-    @_reaching
+    @reaching
     def discard(self, name: str) -> None:
         self.store.delete(self.prefix + check_name(name))
 

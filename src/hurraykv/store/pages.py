@@ -177,11 +177,12 @@ def unreachable_as_transport(where: str | Callable[[], str]) -> Iterator[None]:
 T = TypeVar("T")
 
 
-def _reaching(method: Callable[..., T]) -> Callable[..., T]:
-    """``method`` with a store that goes away midway raised as ``TransportError`` (as one
+def reaching(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` of an object with a redis-py ``client`` (the PageStore, the ``redis://``
+    chunk store), with a store that goes away midway raised as ``TransportError`` (as one
     that cannot be reached at all), never as redis-py's own exceptions."""
     @functools.wraps(method)
-    def call(self: PageStore, *args: Any, **kwargs: Any) -> T:
+    def call(self: Any, *args: Any, **kwargs: Any) -> T:
         with unreachable_as_transport(lambda: server_name(self.client)):
             return method(self, *args, **kwargs)
     return call
@@ -243,7 +244,7 @@ class PageStore:
                 keys=[manifest_key(snapshot_id), pending_key(snapshot_id)], args=args))
 
     # -- put ---------------------------------------------------------------------------
-    @_reaching
+    @reaching
     def put(self, snapshot_id: str, snapshot: KVCacheSnapshot,
             token_ids: Sequence[Any] | np.ndarray | None = None) -> dict[str, int]:
         """Store a snapshot (replacing one under the same id); returns byte counts.
@@ -362,14 +363,14 @@ class PageStore:
             return False
         return bool(removed)
 
-    @_reaching
+    @reaching
     def get(self, snapshot_id: str) -> KVCacheSnapshot:
         """The snapshot, pages fetched with pipelined reads and put back into their pools.
         ``MissingPagesError`` if Redis lost one of its pages (evicted or deleted)."""
         scalars, members = self._assemble(snapshot_id, None)
         return KVCacheSnapshot.from_members(scalars + members)
 
-    @_reaching
+    @reaching
     def get_layer(self, snapshot_id: str, layer: int) -> tuple[BlockPagedTensor, ...]:
         """One layer's tensors (key, value), fetching only that layer's pages."""
         scalars, members = self._assemble(snapshot_id, layer)
@@ -384,7 +385,7 @@ class PageStore:
         return done[-1][1]
 
     # -- prefix lookup -------------------------------------------------------------------
-    @_reaching
+    @reaching
     def lookup_prefix(self, token_ids: Any, page_size: int | None = None
                       ) -> tuple[str, int, int] | None:
         """``(snapshot_id, sequence, matched_tokens)`` of the longest stored prefix of
@@ -423,7 +424,7 @@ class PageStore:
         return best
 
     # -- delete / repair / stats ---------------------------------------------------------
-    @_reaching
+    @reaching
     def delete(self, snapshot_id: str) -> None:
         """Delete a snapshot; idempotent: the manifest leaves in one atomic step with its
         release recorded, and a retry after a crash completes that release (without
@@ -435,7 +436,7 @@ class PageStore:
             raise StoreError(f"no snapshot {snapshot_id!r} in the store", field="snapshot_id",
                              value=snapshot_id)
 
-    @_reaching
+    @reaching
     def fsck(self, *, grace: float = 3600.0, drop_damaged: bool = True) -> dict[str, Any]:
         """Repair the store after a client or server crash, after Redis evicted keys, or
         after keys were damaged: every page a manifest names is verified against its key
@@ -450,18 +451,18 @@ class PageStore:
                            "Redis has room"):
             return repair(self._refs, grace=grace, drop_damaged=drop_damaged)
 
-    @_reaching
+    @reaching
     def stats(self) -> dict[str, int]:
         """``logical_bytes``, ``stored_bytes``, ``pages`` and ``snapshots``; statistics
         that are damaged (not a hash, a field not a number) are ``StoreError`` naming
         ``hkv:stats`` (``fsck`` rewrites them; puts and deletes skip them meanwhile)."""
         return self._refs.stats()
 
-    @_reaching
+    @reaching
     def __contains__(self, snapshot_id: str) -> bool:
         return bool(self.client.exists(manifest_key(snapshot_id)))
 
-    @_reaching
+    @reaching
     def contains_many(self, snapshot_ids: Sequence[str]) -> list[bool]:
         """Which snapshots are stored, in one pipelined round trip (per cluster node)."""
         if not snapshot_ids:
