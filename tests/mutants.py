@@ -772,10 +772,10 @@ MUTANTS = [
            ("tests/cli/test_cli_newcomer.py::test_cache_ls_says_what_a_dash_means_for_a_store_"
             "that_keeps_no_storing_time",),
            "docs/vllm.md: cache ls says what a - means"),
-    Mutant("serve-backing-down-invalid", "hurraykv/net/puts.py",
-           "    except TransportError as e:  # the backing --store away: the client's message "
-           "was fine",
-           "    except ProcessLookupError as e:  # the backing --store away",
+    Mutant("serve-backing-down-invalid", "hurraykv/net/messages.py",
+           "    return ErrorCode.SERVER_BUSY if isinstance(e, TransportError) else "
+           "ErrorCode.INVALID_MESSAGE",
+           "    return ErrorCode.INVALID_MESSAGE",
            ("tests/store/test_redis_restarts.py::test_a_server_over_a_stopped_redis_answers_"
             "busy_then_serves_once_it_is_back",),
            "docs/spec-decisions.md H36: a push the backing --store cannot take is SERVER_BUSY"),

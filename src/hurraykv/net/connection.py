@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ..errors import HurrayError, TransportError
+from ..errors import HurrayError
 from .codecs import decode, frame
 from .handlers import HANDLERS, refusal, timed_as
 from .keystore import StoreFull
@@ -53,6 +53,7 @@ from .messages import (
     Hello,
     MessageType,
     ProtocolError,
+    code_of,
     decode_header,
 )
 from .tenants import UnreadableIdentity, scoped_key, tenant_identity
@@ -139,7 +140,8 @@ class Connection(asyncio.BufferedProtocol):
         # A connection past its tenant's share is refused at its hello and takes no slot
         # of --max-connections meanwhile: idle connections that never say hello cannot
         # crowd out another tenant (and are closed after --read-timeout, _check_timeouts).
-        admitted = sum(not c.over_share for c in self.server.open_connections)
+        self.server.over_share += self.over_share
+        admitted = self.server.connections - self.server.over_share
         self.busy = not self.over_share and admitted > self.cfg.max_connections
         self._watchdog = self.loop.call_later(1.0, self._check_timeouts)
 
@@ -149,6 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         self.server.open_connections.discard(self)
         if self.tenant:
             self.server.tenant_connections[self.tenant] -= 1
+        self.server.over_share -= self.over_share
         for put in self.puts.values():  # unfinished PUTs leave nothing behind
             self.server.store.release(put.reserved, self.tenant)
         self.puts.clear()
@@ -258,10 +261,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._dispatch(mtype, stream, payload)
             except ProtocolError as e:
                 self._stream_error(stream, e, 0)
-            except TransportError as e:  # the backing --store away: try again, not "invalid"
-                self._stream_error(stream, ProtocolError(str(e), ErrorCode.SERVER_BUSY), 0)
             except HurrayError as e:
-                self._stream_error(stream, ProtocolError(str(e)), 0)
+                self._stream_error(stream, ProtocolError(str(e), code_of(e)), 0)
             finally:
                 del payload
                 self._unhold_all()

@@ -51,6 +51,7 @@ from .messages import (
     Extension,
     MessageType,
     ProtocolError,
+    code_of,
     valid_operation,
 )
 
@@ -184,9 +185,8 @@ async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Rep
             raise _internal(name, e) from None
         _answer(s, stream, name, data)
     except HurrayError as e:
-        code = e.code if isinstance(e, ProtocolError) else ErrorCode.INVALID_MESSAGE
         log.info("stream %d: %s", stream, e)
-        s.fail(stream, code, str(e))
+        s.fail(stream, code_of(e), str(e))
     finally:
         s.operations_in_flight -= 1
 

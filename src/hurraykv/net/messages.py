@@ -67,7 +67,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..errors import HurrayError, RemoteError
+from ..errors import HurrayError, RemoteError, TransportError
 from ..wire.cursor import Cursor
 from ..wire.descriptor import TensorDescriptor, decode_descriptor
 
@@ -138,6 +138,15 @@ class ProtocolError(HurrayError):
                  **kw: object) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.code = code
+
+
+def code_of(e: HurrayError) -> ErrorCode:
+    """The ERROR code that answers ``e``: a ProtocolError's own; SERVER_BUSY for a
+    TransportError (the backing --store away: the request was fine, try again, H36);
+    INVALID_MESSAGE for any other refusal."""
+    if isinstance(e, ProtocolError):
+        return e.code
+    return ErrorCode.SERVER_BUSY if isinstance(e, TransportError) else ErrorCode.INVALID_MESSAGE
 
 
 def remote_error(code: int, message: str) -> RemoteError:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import units
-from ..errors import HurrayError, TransportError
+from ..errors import HurrayError
 from ..wire.layouts import Composite
 from .dataplane import DataAssembler
 from .keystore import PersistFull, StoreFull, object_from_items
-from .messages import ErrorCode, MessageType, ProtocolError, message
+from .messages import ErrorCode, MessageType, ProtocolError, code_of, message
 from .messages import Put as PutMessage
 
 if TYPE_CHECKING:
@@ -111,14 +111,11 @@ async def _commit(s: Session, stream: int, put: Put) -> None:
         log.info("refused put key=%r: %s over the persist budget", put.shown,
                  units.size(e.nbytes))
         return
-    except TransportError as e:  # the backing --store away: the client's message was fine
-        store.release(put.reserved, s.tenant)
-        s.fail(stream, ErrorCode.SERVER_BUSY, f"{put.shown!r} not stored, try again: {e}")
-        log.warning("put key=%r not stored: %s", put.shown, e)
-        return
     except HurrayError as e:
         store.release(put.reserved, s.tenant)
-        s.fail(stream, getattr(e, "code", ErrorCode.INVALID_MESSAGE), f"rejected: {e}")
+        code = code_of(e)  # SERVER_BUSY: the backing --store away, the message was fine
+        s.fail(stream, code, f"{put.shown!r} not stored, try again: {e}"
+               if code == ErrorCode.SERVER_BUSY else f"rejected: {e}")
         return
     except Exception as e:  # a bug must still answer the client, and be seen
         store.release(put.reserved, s.tenant)

@@ -155,6 +155,7 @@ class KVServer:
         self.connections = 0
         self.open_connections: set[Connection] = set()
         self.tenant_connections: Counter[str] = Counter()
+        self.over_share = 0
         self.started = time.monotonic()
         self.scratch = memoryview(bytearray(SCRATCH))
         self.counts = Counts(latencies=Latencies(REQUESTS))

@@ -32,6 +32,7 @@ class ServerState(Protocol):
     counts: Counts
     scratch: memoryview  # where discarded bytes land
     connections: int  # open client connections
+    over_share: int  # of them, past their tenant's share (refused at CLIENT_HELLO)
     open_connections: set[Any]
     tenant_connections: Counter[str]
 
