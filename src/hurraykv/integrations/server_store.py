@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import ParseResult, unquote
 
 from ..errors import TransportError
+from ..io.checksums import Pending
 from ..snapshot import KVCacheSnapshot
 from .chunks import (
     SEGMENT_NAME,
@@ -138,6 +139,23 @@ class ServerChunks(ChunkStore):
 
     def get(self, name: str) -> KVCacheSnapshot:
         return self._call(lambda c: c.pull(self.prefix + name))
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        """``get``, every page hashed as it is received (``KVClient.pull(verify=True)``):
+        no pass over the segment after the transfer."""
+        def pull(c: Any) -> KVCacheSnapshot:
+            try:
+                return c.pull(self.prefix + check_name(name), verify=True)
+            finally:
+                self.verify_seconds += c.last_verify_seconds
+
+        return self._call(pull)
+
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, Pending | None]:
+        """Everything checked as it arrived, ``later`` members too (hashing a page in
+        cache costs less than leaving it for a second pass): nothing pending."""
+        return self.get_verified(name), None
 
     def discard(self, name: str) -> None:
         self._call(lambda c: c.delete(self.prefix + check_name(name)))

@@ -50,6 +50,7 @@ from .messages import (
     total_data_bytes,
     valid_operation,
 )
+from .page_digests import STEP, PoolHashes, PullDigests
 from .server import parse_address
 
 Progress = Callable[[int, int], None]
@@ -96,6 +97,8 @@ class KVClient:
         self._stream = 1
         self._hdr = bytearray(HEADER.size)
         self._off = bytearray(8)
+        self.last_pull_hashed = 0  # pages the last pull hashed as they landed (verify=)
+        self.last_verify_seconds = 0.0  # what checking it cost, hashing included
         self.server_hello = self._handshake()
 
     def _transport(self, e: OSError, doing: str = "talking to") -> TransportError:
@@ -136,6 +139,23 @@ class KVClient:
                                      f"{len(view)} bytes of a message received)",
                                      field="address", value=self.address)
             got += n
+
+    def _recv_hashing(self, view: memoryview, hashes: PoolHashes) -> None:
+        """``_recv_into`` in steps of at most ``STEP`` bytes, the pages each completes
+        hashed right after it lands (in cache)."""
+        got, size = 0, len(view)
+        while got < size:
+            want = min(size - got, STEP)
+            try:
+                n = self.sock.recv_into(view[got:got + want], want)
+            except OSError as e:
+                raise self._transport(e) from None
+            if not n:
+                raise TransportError(f"{self.address} closed the connection ({got} of "
+                                     f"{size} bytes of a message received)",
+                                     field="address", value=self.address)
+            got += n
+            hashes.advance(n)
 
     def _recv(self) -> tuple[int, int, int]:
         self._recv_into(memoryview(self._hdr))
@@ -252,19 +272,24 @@ class KVClient:
         return stream
 
     def _read_tensor(self, stream: int, progress: Progress | None = None,
-                     done: list[int] | None = None, into: Into = None
-                     ) -> tuple[TensorDescriptor, list]:
-        """One tensor of a pull.  ``into(desc)`` may name the caller's buffers for it."""
+                     done: list[int] | None = None, into: Into = None,
+                     digests: PullDigests | None = None) -> tuple[TensorDescriptor, list]:
+        """One tensor of a pull.  ``into(desc)`` may name the caller's buffers for it;
+        ``digests``: its pool's pages are hashed there as they land."""
         _, payload = self._expect(stream, MessageType.TENSOR_DESCRIPTOR)
         msg = decode_descriptor_message(payload)
         views = into(msg.descriptor) if into is not None else None
         asm = DataAssembler(msg.descriptor, pool=receive_pool(), into=views)
+        hashes = digests.start(msg.descriptor, asm.region) if digests is not None else None
         while True:
             mtype, sid, length = self._recv()
             if mtype == MessageType.TENSOR_DATA and sid == stream and length >= 8:
                 self._recv_into(memoryview(self._off))
                 for target in asm.targets(int.from_bytes(self._off, "little"), length - 8):
-                    self._recv_into(target)  # straight into the tensor's buffer
+                    if hashes is None:
+                        self._recv_into(target)  # straight into the tensor's buffer
+                    else:
+                        self._recv_hashing(target, hashes)
                 if done is not None:
                     done[0] += length - 8
                     if progress is not None:
@@ -280,7 +305,7 @@ class KVClient:
                                 "tensor transfer")
 
     def iter_pull(self, key: str, progress: Progress | None = None, *,
-                  into: KVCacheSnapshot | None = None
+                  into: KVCacheSnapshot | None = None, _digests: PullDigests | None = None
                   ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
         """Layers ``(i, (key, value))`` as they arrive; ``self.last_snapshot`` holds the
         whole snapshot once the group has closed.  ``into``: see ``pull``."""
@@ -296,7 +321,7 @@ class KVClient:
         done = [0, total]
         held = 0  # receive-pool bytes this snapshot holds
         for _ in range(head.layout.member_count):
-            desc, buffers = self._read_tensor(stream, progress, done, target)
+            desc, buffers = self._read_tensor(stream, progress, done, target, _digests)
             if target is None and total_data_bytes(desc) >= POOL_MIN:
                 held += -(-total_data_bytes(desc) // CLASS) * CLASS
             layer = assembler.add(desc, buffers, f"from {self.address}")
@@ -319,7 +344,7 @@ class KVClient:
             return 0
 
     def pull(self, key: str, progress: Progress | None = None, *,
-             into: KVCacheSnapshot | None = None) -> KVCacheSnapshot:
+             into: KVCacheSnapshot | None = None, verify: bool = False) -> KVCacheSnapshot:
         """The snapshot under ``key``.
 
         Received bytes land in recycled memory (mappings of snapshots this process has
@@ -330,9 +355,23 @@ class KVClient:
         shape, element type, layout, quantization and buffer sizes), else ``LayoutError``
         once the transfer has ended; its buffers must be writable.  The returned
         snapshot's arrays are ``into``'s memory; after a failure that memory holds an
-        unspecified mix."""
-        for _ in self.iter_pull(key, progress, into=into):
+        unspecified mix.
+
+        ``verify``: the stored values checked against the checksums written with them
+        (``io.checksums``), ``ChecksumError`` naming the first damaged page when they do
+        not match or there are none.  Each page of every pool is hashed as it lands,
+        while it is still in the cache, not in a pass after the transfer; the stream is
+        read to its end first, so the connection still serves after a refusal."""
+        digests = PullDigests() if verify else None
+        self.last_pull_hashed, self.last_verify_seconds = 0, 0.0
+        for _ in self.iter_pull(key, progress, into=into, _digests=digests):
             pass
+        if digests is not None:
+            try:
+                digests.check(self.last_snapshot, f"key {key!r} from {self.address}")
+            finally:
+                self.last_pull_hashed = digests.pages
+                self.last_verify_seconds = digests.seconds
         return self.last_snapshot
 
     def pull_tensor(self, key: str, seq_lens: Any = None, *,

@@ -110,6 +110,13 @@ class DataAssembler:
             start = stop
         return out
 
+    def region(self, n: int) -> memoryview:
+        """The first ``n`` bytes of where the data region lands (at most the first
+        buffer's): contiguous memory, received in order."""
+        if self._into is not None:
+            return self._into[0][:n]
+        return memoryview(self.data)[:n]
+
     def finish(self) -> list:
         if self.received != self.total:
             raise protocol_error(f"tensor_data_end after {self.received} of {self.total} bytes",
