@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HurrayError
 from .codecs import decode, frame
+from .gather import IOV_MAX
 from .handlers import HANDLERS, refusal, timed_as
 from .keystore import StoreFull
 from .messages import (
@@ -103,6 +104,9 @@ class Connection(asyncio.BufferedProtocol):
         self._writable.set()
         self._watchdog: asyncio.TimerHandle | None = None
         self._raw: socket.socket | None = None
+        self._frames = asyncio.Lock()  # one data frame written straight at a time
+        self._behind: list[bytes | memoryview] | None = None  # sent during such a frame
+        self._writer_fd: int | None = None
 
     # -- transport callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -137,6 +141,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._raw = socket.socket(sock.family, sock.type, sock.proto,
                                           fileno=os.dup(sock.fileno()))
                 self._raw.setblocking(False)
+                # paused while the transport holds any byte: drain() returns once it
+                # holds none, when a data frame may go to the socket directly
+                transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
         # A connection past its tenant's share is refused at its hello and takes no slot
         # of --max-connections meanwhile: idle connections that never say hello cannot
         # crowd out another tenant (and are closed after --read-timeout, _check_timeouts).
@@ -157,6 +164,9 @@ class Connection(asyncio.BufferedProtocol):
         self.puts.clear()
         self._payload = bytearray()
         self._unhold_all()
+        if self._writer_fd is not None:  # before its descriptor closes (epoll keeps it)
+            self.loop.remove_writer(self._writer_fd)
+            self._writer_fd = None
         if self._raw is not None:
             self._raw.close()
             self._raw = None
@@ -372,18 +382,84 @@ class Connection(asyncio.BufferedProtocol):
 
     def send(self, *parts: bytes | memoryview) -> None:
         """Write ``parts`` (whole messages, or a frame's header and its data) in order;
-        dropped once the connection is closing."""
+        dropped once the connection is closing.  During a data frame written straight
+        to the socket (``send_data``) they wait, in order, behind it."""
         if not self.closing():
             sent = 0
             for p in parts:
-                self.transport.write(p)
+                if self._behind is not None:
+                    self._behind.append(p)
+                else:
+                    self.transport.write(p)
                 sent += len(p)  # parts are bytes or 1-D byte views
             self.server.counts.bytes_sent += sent
 
     async def drain(self) -> None:
-        """Return once the transport's buffer is below its high-water mark."""
+        """Return once the transport's buffer is below its high-water mark (empty, on a
+        plain socket)."""
         if not self._writable.is_set():
             await self._writable.wait()
+
+    async def send_data(self, header: bytes, parts: list[Any]) -> None:
+        """One TENSOR_DATA frame (its header, its data as byte views), then ``drain``.
+        On a plain socket the data goes from its own memory to the socket: the
+        transport would copy every byte the socket does not take at once into its
+        buffer (most of a frame, when a pull outpaces its client), so once the transport
+        holds nothing the frame is written with ``sendmsg``, waiting for room as the
+        socket fills; messages sent meanwhile follow the frame."""
+        if self._raw is None:
+            self.send(header, *parts)
+            await self.drain()
+            return
+        async with self._frames:
+            await self.drain()
+            if self.closing():
+                return
+            self._behind = []
+            try:
+                sent = await self._write_direct([header, *parts])
+                self.server.counts.bytes_sent += sent
+            finally:
+                behind, self._behind = self._behind, None
+                if not self.closing():
+                    for p in behind:
+                        self.transport.write(p)
+
+    async def _write_direct(self, parts: list[Any]) -> int:
+        """Every byte of ``parts`` to the socket (none when it closes first): the bytes
+        written."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        sent = 0
+        while views and not self.closing():
+            try:
+                n = self._raw.sendmsg(views[:IOV_MAX])  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:  # the client went away: what the transport would do
+                log.info("connection lost while sending: %s", e)
+                self.close()
+                break
+            sent += n
+            while n:
+                if n >= views[0].nbytes:
+                    n -= views.pop(0).nbytes
+                else:
+                    views[0], n = views[0][n:], 0
+            if views:
+                await self._socket_writable()
+        return sent
+
+    async def _socket_writable(self) -> None:
+        fd = self._raw.fileno()  # type: ignore[union-attr]
+        woken = self.loop.create_future()
+        self.loop.add_writer(fd, lambda: woken.done() or woken.set_result(None))
+        self._writer_fd = fd
+        try:
+            await woken
+        finally:
+            if self._writer_fd == fd:
+                self.loop.remove_writer(fd)
+                self._writer_fd = None
 
     def fail(self, stream: int, code: int, text: str) -> None:
         """Answer ``stream`` with ERROR ``code``, counted by code."""

@@ -76,9 +76,8 @@ async def send_object(s: Session, stream: int, key: str, obj: StoredObject) -> N
                 # answered with ERROR on a stream whose framing is intact
                 data = [p.read() if isinstance(p, FileBytes) else p for p in parts]
                 size = sum(len(d) if isinstance(d, bytes) else d.nbytes for d in data)
-                s.send(encode_data_header(stream, offset, size), *data)
+                await s.send_data(encode_data_header(stream, offset, size), data)
                 sent += size
-                await s.drain()
             if s.closing():
                 break
             s.send(frame(MessageType.TENSOR_DATA_END, stream))

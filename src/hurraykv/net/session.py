@@ -81,6 +81,11 @@ class Session(Protocol):
         """Whether the connection is closed or closing (what is sent now is dropped)."""
         ...
 
+    async def send_data(self, header: bytes, parts: list[Any]) -> None:
+        """Write one TENSOR_DATA frame (``header``, then ``parts``: byte views, sent from
+        their own memory where the transport allows), then wait as :meth:`drain` does."""
+        ...
+
     async def drain(self) -> None:
         """Return once the transport takes more bytes (flow control of a long send)."""
         ...
