@@ -37,6 +37,7 @@ sparse MLA variants, and CPU_ATTN tilings that the installed kernel cannot show.
 
 from __future__ import annotations
 
+import ctypes
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError, UnsupportedError
+from ..io.scatter import Destination, destination
 from ..snapshot import KVCacheSnapshot
 from ._common import as_array, as_cache_dtype, build, checked_int32, float_pools, scales_of
 from ._torch import FP8, from_numpy, place, to_numpy
@@ -135,6 +137,7 @@ class LayerView:
         self.kind, self.tensor = kind, t
         self._kernel: Any = None
         self._tiles: TiledPages | None = None
+        self._destinations: list[Destination] | None = None
         self.num_blocks, self.block_size = blocks, size
         if kind == "mla":
             if heads != 1:
@@ -229,6 +232,37 @@ class LayerView:
             slots = (torch.as_tensor(ids)[:, None] * size + torch.arange(size)).reshape(-1)
             key, value = (x.reshape(-1, *x.shape[2:]) for x in staged)
             self._kernel(key, value, *self._halves, slots, self._isa, 1.0, 1.0, "auto")
+
+
+    def destinations(self) -> list[Destination] | None:
+        """Where each part's pages go when a load reads them straight into the blocks
+        (``io.scatter``): the cache's own memory and its strides, or None where the
+        cache is not plain host memory laid out by strides (a GPU cache, AMX tiles)."""
+        if self._destinations is None:
+            self._destinations = self._find_destinations() or []
+        return self._destinations or None
+
+    def _find_destinations(self) -> list[Destination] | None:
+        t = self.tensor
+        if t.device.type != "cpu" or self._tiles is not None or not t.numel():
+            return None
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        # a view of the engine's memory, no copy: every layer of a cache allocated as one
+        # buffer shares it (one compiled call covers them all)
+        memory = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        out = []
+        for part in self.parts:
+            elem = part.element_size()
+            s0, s1, s2, s3 = (int(x) * elem for x in part.stride())
+            geometry = (int(part.shape[1]), int(part.shape[2]), int(part.shape[3]) * elem,
+                        elem, s1, s2, s3)
+            try:
+                out.append(destination(memory, part.data_ptr() - ptr, s0, geometry,
+                                       self.num_blocks, keep=storage))
+            except LayoutError:
+                return None
+        return out
 
 
 class StateView:

@@ -21,13 +21,14 @@ import numpy as np
 from .. import alloc
 from ..errors import HurrayError
 from ..info import PREFIX, info_member, is_info, parse_info, text_offset
-from ..io import checksums, retention
+from ..io import checksums, retention, scatter
 from ..io.atomic import append_lines, create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
 from ..io.hrry_format import kv_text_spans
+from ..io.scatter import PageSource
 from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
 from ..snapshot import KV_SCALES, KVCacheSnapshot
-from ..snapshot_members import is_kv_scales
+from ..snapshot_members import is_kv_scales, member_name
 from ..wire.layouts import BlockPaged
 from .chunks import (
     ALIAS_LINE,
@@ -186,6 +187,31 @@ def _values(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
             return None
         regions.append((at, len(view), source))
     return regions
+
+
+def _page_places(snapshot: KVCacheSnapshot, data: memoryview,
+                 places: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+                 ) -> dict[str, tuple[int, int, np.ndarray]] | None:
+    """Per member of ``places``: the file offset of its page 0, a page's bytes and its
+    pages' stored digests (the pieces inside its page pool, the member's other buffers
+    left out); None unless each pool is its pages in order, one piece a page."""
+    base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
+    out = {}
+    for key, view in snapshot.values().items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            continue  # quantization parameters, kv_scales: read and verified already
+        member = member_name(*key)
+        if member not in places:
+            continue
+        offsets, lengths, digests = places[member]
+        at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
+        inside = (offsets >= at) & (offsets < at + len(view))
+        offs, lens = offsets[inside].astype(np.int64), lengths[inside].astype(np.int64)
+        if not len(offs) or offs[0] != at or np.any(lens != lens[0]) or np.any(
+                np.diff(offs) != lens[0]) or len(offs) * lens[0] != len(view):
+            return None
+        out[member] = (at, int(lens[0]), digests[inside])
+    return out
 
 
 def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
@@ -491,6 +517,79 @@ class FileChunks(ChunkStore):
             checksums.verify(snap, what)
             self.verify_seconds += time.perf_counter() - started
         return snap, None
+
+    def get_pages(self, name: str, members: frozenset[str]
+                  ) -> tuple[KVCacheSnapshot, PageSource] | None:
+        """Segment ``name`` with the pages of ``members`` left in its file (a
+        ``PageSource``: read, verified and placed by ``io.scatter``, one pass): everything
+        else read with small reads and verified now.  None where that cannot be (no
+        compiled reader, no checksums, a pool that is not one whole member's pages): the
+        caller reads the segment whole (``get_checked``).  The snapshot's pools for
+        ``members`` are untouched memory, never read."""
+        check_name(name)
+        if not scatter.available():
+            return None
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
+                              value=name, rule="a stored segment") from None
+        except OSError as e:
+            raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
+                              value=name) from None
+        source = None
+        try:
+            Capacity.touch(fd)
+            got = self._structure_only(fd, path, members)
+            if got is None:
+                return None
+            snap, plan, data = got
+            what = f"segment {name}"
+            started = time.perf_counter()
+            found, skipped = plan.hash_in_memory(data, members)
+            checksums.verify(snap, what, plan.complete(snap, found, skipped))
+            self.verify_seconds += time.perf_counter() - started
+            places = plan.places(snap, members)
+            if not places:
+                return None
+            pages = _page_places(snap, data, places)
+            if pages is None:
+                return None
+            source = PageSource(fd, name, pages)
+            return snap, source
+        finally:
+            if source is None:
+                os.close(fd)
+
+    def _structure_only(self, fd: int, path: Path, members: frozenset[str]
+                        ) -> tuple[KVCacheSnapshot, checksums.ReadPlan, memoryview] | None:
+        """The snapshot of file ``fd`` over memory holding every byte but its page pools
+        (read with small reads; the pools' memory untouched), its read plan."""
+        size = os.fstat(fd).st_size
+        data = memoryview(alloc.empty((size,), np.uint8)) if size else memoryview(b"")
+        known = next((layout for layout in self._by_size.get(size, ())
+                      if layout.plan is not None), None)
+        if known is not None:
+            pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2]
+            for off, piece in _complement(data, pools):
+                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
+            if known.matches(data):
+                return known.read(data), known.plan, data
+        try:
+            f = HrryFile.over(fd, data, str(path))
+            pools = _pools(f)
+            for off, piece in _complement(data, pools):
+                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
+            snap = snapshot_from_file(f)
+            snap.tensors()  # every member built: index buffers and token counts checked
+            plan = checksums.ReadPlan.of(snap, data)
+        except HurrayError:
+            return None
+        if plan is None:
+            return None
+        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f, plan))
+        return snap, plan, data
 
     def _verified(self, snap: KVCacheSnapshot, data: memoryview, what: str,
                   plan: checksums.ReadPlan, computed: Any, hashing: float, skipped: Any,

@@ -43,6 +43,7 @@ from .. import errors
 from ..errors import HurrayError
 from ..paged import byte_view
 from ..snapshot import KVCacheSnapshot
+from ..snapshot_members import member_name
 from ..threads import run_bands
 from ..wire.layouts import BlockPaged
 from . import page_hash
@@ -154,6 +155,79 @@ def pieces(snapshot: KVCacheSnapshot) -> int:
 def with_checksums(snapshot: KVCacheSnapshot) -> KVCacheSnapshot:
     """``snapshot`` (nothing copied) with its checksum entry."""
     return snapshot.with_info(metadata={KEY: digests(snapshot)})
+
+
+class PoolDigests:
+    """The checksum entry of the snapshots ``template.with_pools`` makes from page pools
+    alone (a connector's segments: one structure, new pages each time).  Everything but
+    the pools is the template's, so its digests are computed here, once; a snapshot's
+    entry then costs one compiled call over its pools' pages (``page_hash``), with no
+    walk over its members (that walk, not the hashing, was nine tenths of ``digests``
+    for a small segment).  The entry is ``digests``' of the same snapshot."""
+
+    def __init__(self, template: KVCacheSnapshot) -> None:
+        names = {member_name(*key): i for i, key in enumerate(template.member_keys())}
+        self.sizes = [0] * len(names)  # each pool's bytes, in member order
+        fixed: list[int] = []
+        pooled: list[int] = []
+        pages, offsets, lengths = [], [], []
+        k = 0
+        for name, desc, bufs in template.members():
+            if name == "info":
+                continue
+            for i, buf in enumerate(bufs):
+                count = desc.layout.num_pages if i == 0 and isinstance(
+                    desc.layout, BlockPaged) else 0
+                if count and name in names:  # a pool: hashed anew for every snapshot
+                    size = byte_view(buf).nbytes
+                    self.sizes[names[name]] = size
+                    step = size // count
+                    pages.append(np.full(count, names[name], np.int64))
+                    offsets.append(step * np.arange(count, dtype=np.uint64))
+                    lengths.append(np.full(count, step, np.uint64))
+                    pooled += range(k, k + count)
+                    k += count
+                else:  # the template's own bytes in every snapshot made from it
+                    n = count or 1
+                    fixed += range(k, k + n)
+                    k += n
+        self.count = k
+        self._pooled, self._fixed = np.array(pooled, np.int64), np.array(fixed, np.int64)
+        self._pool_of = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        self._offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.uint64)
+        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.uint64)
+        whole = _hash_all([v for *_, v in _pieces(template)], parallel=False)
+        self._fixed_digests = whole[self._fixed]
+
+    def entry(self, pools: list[np.ndarray]) -> str:
+        """The checksum entry of ``template.with_pools`` over ``pools`` (C-contiguous
+        arrays, one per block-paged member in ``member_keys`` order)."""
+        for i, (pool, size) in enumerate(zip(pools, self.sizes, strict=True)):
+            if pool.nbytes != size or not pool.flags.c_contiguous:
+                raise HurrayError(f"pool {i} is {pool.nbytes} bytes"
+                                  f"{'' if pool.flags.c_contiguous else ', not contiguous'}"
+                                  f"; the template's is {size} contiguous bytes",
+                                  field="pools", offset=i, value=pool.nbytes,
+                                  rule="a pool of the template's structure")
+        found = np.zeros(self.count, np.uint64)
+        found[self._fixed] = self._fixed_digests
+        compiled = _hasher(sum(self.sizes))
+        if compiled is None:
+            found[self._pooled] = [xxhash.xxh3_64_intdigest(
+                memoryview(pools[p]).cast("B")[o:o + n]) for p, o, n in zip(
+                self._pool_of.tolist(), self._offsets.tolist(), self._lengths.tolist(),
+                strict=True)]
+        else:
+            bases = np.array([p.ctypes.data for p in pools], np.uint64)
+            out = np.zeros(len(self._pooled), np.uint64)
+            compiled(0, bases[self._pool_of] + self._offsets, self._lengths, out)
+            found[self._pooled] = out
+        return found.astype(">u8").tobytes().hex()
+
+    def with_checksums(self, snapshot: KVCacheSnapshot, pools: list[np.ndarray]
+                       ) -> KVCacheSnapshot:
+        """``snapshot`` (``template.with_pools`` over ``pools``) with its entry."""
+        return snapshot.with_info(metadata={KEY: self.entry(pools)})
 
 
 def _stored(snapshot: KVCacheSnapshot, count: int) -> np.ndarray | None:
@@ -413,6 +487,36 @@ class ReadPlan:
         found[self.order] = sorted_digests
         return int(got.sum()), found, max(hashing, default=0.0), skipped
 
+    def hash_in_memory(self, data: memoryview, skip: frozenset[str]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """``read``'s answer for a file whose bytes other than those of the ``skip``
+        members are in ``data`` already (read with small reads: ``skip``'s pages are
+        read and verified where they go, ``io.scatter``)."""
+        lengths, skipped, _ = self._skipping(skip)
+        base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
+        compiled = page_hash.hasher()
+        sorted_digests = np.zeros(len(self.order), np.uint64)
+        if compiled is not None:
+            compiled(base, self.offsets, lengths, sorted_digests)
+        else:
+            for j, (at, n) in enumerate(zip(self.offsets.tolist(), lengths.tolist(),
+                                            strict=True)):
+                sorted_digests[j] = xxhash.xxh3_64_intdigest(data[at:at + n])
+        found = np.zeros(self.count, np.uint64)
+        found[self.order] = sorted_digests
+        return found, skipped
+
+    def places(self, snapshot: KVCacheSnapshot, members: frozenset[str]
+               ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Per member of ``members``: its pieces' file offsets, lengths and stored
+        digests (file order: a page pool's pages in order); None without stored
+        digests."""
+        stored = _stored(snapshot, self.count)
+        if stored is None:
+            return None
+        return {m: (self.offsets[js], self.lengths[js], stored[self.order[js]])
+                for m, js in self._skipping(members)[2].items()}
+
     def pending(self, snapshot: KVCacheSnapshot, data: memoryview, what: str,
                 skip: frozenset[str]) -> Pending:
         """The checks ``read(..., skip)`` left, over ``data`` (the file's bytes)."""
@@ -441,5 +545,6 @@ class ReadPlan:
         return found
 
 
-__all__ = ["DAMAGED", "KEY", "ChecksumError", "Pending", "ReadPlan", "check_entry", "digests",
-           "has_checksums", "mismatches", "verify", "with_checksums"]
+__all__ = ["DAMAGED", "KEY", "ChecksumError", "Pending", "PoolDigests", "ReadPlan",
+           "check_entry", "digests", "has_checksums", "mismatches", "verify",
+           "with_checksums"]

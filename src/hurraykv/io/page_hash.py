@@ -48,13 +48,29 @@ def reader() -> Callable[..., float] | None:
     return _compiled()[1]
 
 
+def scatter_reader() -> Callable[..., int] | None:
+    """``fn(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok, first,
+    stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
+    page, page count, geometry), read its pages from file ``fd`` a stage at a time into
+    ``stage`` (a buffer that fits the core's L2), hash each page there and compare the
+    digest with ``digests[page]``; a page that matches is placed into ``dst`` at byte
+    ``page_dst[page]`` by its geometry (``geoms[g]``: rows N, heads H, row bytes,
+    element size, the byte strides in ``dst`` of N, H and of a row's elements; the page
+    is ``[N, H, row]`` in the file): one ``memcpy`` a row where its elements are
+    adjacent, else element by element through ``stage_t``/``dst_t`` (the same memory
+    viewed as unsigned integers of the element's size: CPU_ATTN's transposed keys), and
+    ``ok[page]`` set to 1.  A page that does not match, or is not in the file, is never
+    written (``ok`` stays 0).  Returns the bytes read."""
+    return _compiled()[2]
+
+
 def built() -> bool:
     """Whether the compiled functions exist already in this process (``hasher()`` would
     not compile them)."""
     return _built is not _UNSET
 
 
-def _compiled() -> tuple[Any, Any]:
+def _compiled() -> tuple[Any, Any, Any]:
     global _built
     if _built is _UNSET:
         _built = _build()
@@ -63,22 +79,24 @@ def _compiled() -> tuple[Any, Any]:
 
 def _build() -> tuple[Any, Any]:
     if kernels.impl() is None:
-        return None, None
+        return None, None, None
     try:
         import numba
         import xxhash._xxhash as ext
 
         xxh3 = ctypes.CDLL(ext.__file__).XXH3_64bits_dispatch
         libc = ctypes.CDLL(None, use_errno=False)
-        pread, clock = libc.pread, libc.clock_gettime
+        pread, clock, memcpy = libc.pread, libc.clock_gettime, libc.memcpy
     except (ImportError, OSError, AttributeError):
-        return None, None
+        return None, None, None
     xxh3.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     xxh3.restype = ctypes.c_uint64
     pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
     pread.restype = ctypes.c_ssize_t
     clock.argtypes = [ctypes.c_int, ctypes.c_void_p]
     clock.restype = ctypes.c_int
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    memcpy.restype = ctypes.c_void_p
     monotonic = 1  # CLOCK_MONOTONIC
 
     # Not cached: the compiled code holds the addresses the libraries were loaded at.
@@ -109,7 +127,59 @@ def _build() -> tuple[Any, Any]:
             spent += (ts[2] - ts[0]) * 1_000_000_000 + ts[3] - ts[1]
         return spent / 1e9
 
-    return hash_pieces, read_and_hash
+    @numba.njit(nogil=True)
+    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests,
+                            ok, first, stop):  # pragma: no cover - compiled
+        total = 0
+        s_at, d_at = stage.ctypes.data, dst.ctypes.data
+        for t in range(first, stop):
+            off, page, count, g = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
+            rows, heads, row, elem = geoms[g, 0], geoms[g, 1], geoms[g, 2], geoms[g, 3]
+            s_n, s_h, s_d = geoms[g, 4], geoms[g, 5], geoms[g, 6]
+            size = rows * heads * row
+            per = max(1, len(stage) // size)
+            done = 0
+            while done < count:
+                k = min(per, count - done)
+                want, pos = k * size, 0
+                while pos < want:
+                    n = pread(fd, s_at + pos, want - pos, off + (done * size) + pos)
+                    if n <= 0:
+                        break
+                    pos += n
+                total += pos
+                for j in range(k):
+                    p = page + done + j
+                    src = j * size
+                    if (j + 1) * size > pos or xxh3(s_at + src, size) != digests[p]:
+                        continue
+                    base = page_dst[p]
+                    if s_d == elem and s_h == row and s_n == heads * row:  # the same page
+                        memcpy(d_at + base, s_at + src, size)
+                    elif s_d == elem and s_h == row:
+                        for n in range(rows):
+                            memcpy(d_at + base + n * s_n, s_at + src + n * heads * row,
+                                   heads * row)
+                    elif s_d == elem:
+                        for n in range(rows):
+                            for h in range(heads):
+                                memcpy(d_at + base + n * s_n + h * s_h,
+                                       s_at + src + (n * heads + h) * row, row)
+                    else:  # elements apart: transposed (CPU_ATTN keys)
+                        dims, step, span = row // elem, s_n // elem, heads * (row // elem)
+                        for h in range(heads):
+                            for d in range(dims):
+                                to = (base + h * s_h + d * s_d) // elem
+                                fr = src // elem + h * dims + d
+                                for n in range(rows):
+                                    dst_t[to + n * step] = stage_t[fr + n * span]
+                    ok[p] = 1
+                if pos < want:
+                    return total
+                done += k
+        return total
+
+    return hash_pieces, read_and_hash, read_verify_scatter
 
 
-__all__ = ["hasher", "reader"]
+__all__ = ["hasher", "reader", "scatter_reader"]

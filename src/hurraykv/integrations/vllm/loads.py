@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import HurrayError, TransportError
 from ...io.checksums import DAMAGED, ChecksumError, Pending
+from ...io.scatter import Destination, PageSource
 from ...snapshot import KVCacheSnapshot
 from ...snapshot_members import member_name
 from ..chunks import segment_first
-from . import hybrid
+from . import direct, hybrid
 from .common import Context, Transfer, log
 from .decode_buffers import DecodeBuffers
 from .groups import METADATA_KEY, NULL_BLOCK, SLIDING, KVGroup
@@ -79,10 +80,21 @@ class Target:
     groups: list[KVGroup] = field(default_factory=list)
     states: list[tuple[Any, KVGroup]] = field(default_factory=list)
     group_map: dict[str, Any] = field(default_factory=dict)
+    # each layer's parts' memory, where a load reads pages straight into the blocks
+    # (direct.py; None: a segment is read whole first)
+    destinations: list[list[Destination]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.destinations is None and not self.groups and not self.states:
+            self.destinations = direct.destinations(self.layers)
 
     @property
     def later(self) -> frozenset[str]:
         return later_members(len(self.layers))
+
+    @property
+    def pools(self) -> frozenset[str]:
+        return later_members(len(self.layers)) | layer_members(0)
 
     def format_of(self, snap: KVCacheSnapshot) -> StoreFormat | None:
         """The store format of an identity this engine loads (None: not one of them)."""
@@ -137,14 +149,26 @@ class Target:
                     out[layer] = table
         return out
 
-    def get_checked(self, store: Any, name: str) -> tuple[KVCacheSnapshot, Pending | None] \
-            | HurrayError:
-        """A segment that fits this engine (and the checks its read left), or the error
-        that says why the object is bad (the store answered: not a store failure)."""
+    def get_checked(self, store: Any, name: str) -> Fetched:
+        """A segment that fits this engine (and the checks its read left, or its pages
+        left in its file: ``PageSource``), or the error that says why the object is bad
+        (the store answered: not a store failure)."""
         before = store.verify_seconds
+        source = None
         try:
-            snap, pending = store.get_checked(name, self.later)
+            got = None
+            if self.destinations is not None and self.format.auto and hasattr(
+                    store, "get_pages"):
+                got = store.get_pages(name, self.pools)
+            if got is not None:
+                snap, source = got
+                fmt = self.format_of(snap)
+                if fmt is None or not fmt.auto:  # decoded on the way: read it whole
+                    source.close()
+                    got = source = None
+            snap, pending = got if got is not None else store.get_checked(name, self.later)
             self.check_segment(snap, name)
+            source = None  # the job's now
             return snap, pending
         except TransportError:
             raise
@@ -155,6 +179,8 @@ class Target:
         except HurrayError as e:
             return e
         finally:
+            if source is not None:
+                source.close()
             self.ctx.stats.add(verify_seconds=store.verify_seconds - before)
 
 
@@ -172,7 +198,7 @@ class Run:
 
 
 # a fetched segment, or what was wrong with it (shared by the jobs of one step)
-Fetched = tuple[KVCacheSnapshot, Pending | None] | HurrayError
+Fetched = tuple[KVCacheSnapshot, Pending | PageSource | None] | HurrayError
 
 
 @dataclass
@@ -188,6 +214,7 @@ class LoadJob:
     corrupt: int = 0
     runs: list[Run] = field(default_factory=list)
     pending: dict[str, Pending] = field(default_factory=dict)
+    sources: dict[str, PageSource] = field(default_factory=dict)  # read as written
     written: int = 0  # layers written
     # the segments of its step (sync) or the damage known to the loader (async): a
     # segment found damaged is told once, by the job that found it
@@ -235,7 +262,9 @@ class LoadJob:
                 self.fail(i, f"segment {name} could not be loaded ({why})")
                 return
             snap, pending = got
-            if pending is not None:
+            if isinstance(pending, PageSource):
+                self.sources[name] = pending
+            elif pending is not None:
                 self.pending[name] = pending
             first = t.pages[i]
             if first + len(t.blocks[i]) > snap.total_tokens // snap.page_size:
@@ -279,7 +308,7 @@ class LoadJob:
                 return 0
             self._state = "writing"
             bad = self.verify_layer(layer) if checked is None else checked
-            for name in list(self.pending):
+            for name in [*self.pending, *self.sources]:
                 known = self.segments.get(name)
                 if isinstance(known, HurrayError):  # another job of the step found it
                     self._damaged_at_layer(target, name, layer, known, told=True)
@@ -288,7 +317,15 @@ class LoadJob:
                     self._damaged_at_layer(target, name, layer, bad[name])
             view = target.layers[layer][1]
             nbytes = 0
+            if self.sources:  # read, verified and placed in one pass (direct.py)
+                nbytes, bad = direct.scatter_layer(self, target, layer)
+                target.ctx.stats.add(bytes_loaded_direct=nbytes)
+                for name, error in bad.items():
+                    self.segments[name] = error
+                    self._damaged_at_layer(target, name, layer, error)
             for run in self.runs:
+                if run.name in self.sources:
+                    continue
                 n, blocks, first = len(run.blocks), run.blocks, run.first
                 tensors = run.snap.layer(layer)
                 if target.groups:  # this layer's group's blocks and the pages it needs
@@ -372,7 +409,8 @@ class LoadJob:
         it; ``told``: another job did)."""
         chunk = next((i for i, n in enumerate(self.transfer.names[:self.ok]) if n == name),
                      None)
-        del self.pending[name]
+        self.pending.pop(name, None)
+        self.sources.pop(name, None)  # closed by release: another job may share it
         if chunk is None:
             return
         self.corrupt += self.transfer.names[chunk:self.ok].count(name)
@@ -432,6 +470,11 @@ class LoadJob:
         with self.lock:
             self.cancelled = True
 
+    def release(self) -> None:
+        """The segment files it still holds open, closed (written or not)."""
+        with self.lock:
+            direct.close(self.sources)
+
     def count(self, ctx: Context) -> None:
         """The job's chunks counted loaded or failed, per chunk."""
         t = self.transfer
@@ -468,6 +511,7 @@ def run_job(job: LoadJob, target: Target, buffers: DecodeBuffers,
             stats.add(bytes_loaded=job.write_states(target))
     except Exception as e:  # a bug of ours, a file changed underneath: a recompute
         job.fail(0, f"{type(e).__name__}: {e}")
+    job.release()
     job.finish()
     stats.add(load_seconds=time.perf_counter() - started)
 
@@ -546,6 +590,7 @@ class StepLoads:
             ahead.cancel()
         self._checks.clear()
         for job in jobs:
+            job.release()
             job.finish()
             job.count(ctx)
             failed.update(job.failed_blocks())

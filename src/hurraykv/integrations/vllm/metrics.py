@@ -87,6 +87,9 @@ METRICS: dict[str, tuple[str, str]] = {
                         "Segments some chunks of which were loaded into the engine's cache."),
     "bytes_loaded": ("vllm:hurraykv_loaded_bytes",
                      "Bytes of KV pages written into the engine's cache from the store."),
+    "bytes_loaded_direct": ("vllm:hurraykv_loaded_direct_bytes",
+                            "Of the bytes loaded, those read from a segment file straight "
+                            "into the engine's blocks and verified there (one pass)."),
     "load_seconds": ("vllm:hurraykv_load_seconds",
                      "Seconds spent fetching and writing loaded KV (all workers)."),
     "chunks_failed": ("vllm:hurraykv_failed_chunks",

@@ -1,0 +1,227 @@
+"""Stored pages read straight into the memory they are loaded into: one pass a byte.
+
+A load that reads a segment file into a buffer, hashes it there, and then copies (or
+transposes) each page into an engine's blocks moves every byte through memory three
+times.  Here the pages go from the file to their destination once: a ``PageSource`` (a
+segment whose page pools are still in its file: where each member's pages start, their
+size and their stored digests) meets a ``Destination`` (a byte array over the memory
+the pages go to, and where a page's rows go in it) in ``Scatter``.  Each thread reads a
+stage of pages small enough to stay in its core's L2 cache, hashes each page there and
+places only the pages that match their digest, all in one compiled call that holds no
+GIL (``page_hash.scatter_reader``); so **no byte reaches its destination before it is
+verified**, and a page that fails is never written: its run is reported failed.
+
+Compiled only (numba): without it ``available()`` is False and callers read the segment
+whole (``checksums.ReadPlan``) as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import LayoutError
+from ..threads import run_bands
+from . import page_hash
+
+STAGE = 256 << 10  # pages read at once by a thread: they are hashed while still in L2
+TASK_PAGES = 32  # a task split so that the threads' bands come out even
+
+
+def available() -> bool:
+    """Whether the compiled reader exists here (compiled on the first call)."""
+    return page_hash.scatter_reader() is not None
+
+
+def warm() -> None:
+    """Compile the reader for every element size (a second or two, once a process) so
+    that a process's first load runs as fast as the rest."""
+    fn = page_hash.scatter_reader()
+    if fn is None:
+        return
+    stage = np.zeros(64, np.uint8)
+    none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
+    for width in (np.uint8, np.uint16, np.uint32):
+        fn(-1, stage, stage.view(width), stage, stage.view(width), none, one,
+           np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
+
+
+@dataclass(eq=False)
+class PageSource:
+    """A stored segment's page pools still in its file ``fd`` (owned: closed by ``close``
+    or when this is dropped): ``members[name]`` = (the file offset of the member's page
+    0, the bytes of a page, the stored digest of every page)."""
+
+    fd: int
+    name: str
+    members: dict[str, tuple[int, int, np.ndarray]]
+    _closed: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class Destination:
+    """Where pages of one geometry go: ``memory``, the bytes of the buffer holding them
+    (``typed``: the same bytes as unsigned integers of the element's size); block ``b``'s
+    page starts at byte ``first + b * block``; ``geometry``: (rows N, heads H, bytes of a
+    row, element size, byte strides of N, of H and of a row's elements), for pages laid
+    ``[N, H, row]`` in the file; ``keep``: what owns the memory (kept alive)."""
+
+    memory: np.ndarray
+    typed: np.ndarray
+    first: int
+    block: int
+    geometry: tuple[int, int, int, int, int, int, int]
+    keep: Any = None
+
+    @property
+    def page_bytes(self) -> int:
+        rows, heads, row = self.geometry[:3]
+        return rows * heads * row
+
+
+WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def destination(memory: np.ndarray, first: int, block: int,
+                geometry: Sequence[int], blocks: int, keep: Any = None) -> Destination:
+    """A ``Destination`` over ``memory`` (uint8, contiguous) holding ``blocks`` blocks,
+    checked to stay inside it: the compiled reader writes where it is told."""
+    rows, heads, row, elem, s_n, s_h, s_d = (int(x) for x in geometry)
+    if elem not in WIDTHS or row % elem or min(rows, heads, row) <= 0:
+        raise LayoutError.at("geometry", None, list(geometry),
+                             "rows, heads and row bytes > 0 of 1, 2 or 4-byte elements")
+    last = first + (blocks - 1) * block + (rows - 1) * s_n + (heads - 1) * s_h + \
+        (row // elem - 1) * s_d + elem
+    strides = (first, block, s_n, s_h, s_d)
+    if first < 0 or min(block, s_n, s_h, s_d) <= 0 or last > len(memory) or (
+            s_d != elem and any(x % elem for x in strides)):
+        raise LayoutError.at("geometry", None, list(geometry),
+                             f"pages of {blocks} blocks from byte {first} inside "
+                             f"{len(memory)} bytes, aligned to their elements")
+    typed = memory[:len(memory) // elem * elem].view(WIDTHS[elem])
+    return Destination(memory, typed, first, block, (rows, heads, row, elem, s_n, s_h, s_d),
+                       keep)
+
+
+class _Group:
+    """The tasks of one source file into one destination memory (one compiled call a
+    band)."""
+
+    def __init__(self, fd: int, memory: np.ndarray, typed: np.ndarray) -> None:
+        self.fd, self.memory, self.typed = fd, memory, typed
+        self.tasks: list[tuple[int, int, int, int]] = []
+        self.geoms: list[tuple[int, ...]] = []
+        self.dst: list[np.ndarray] = []
+        self.digests: list[np.ndarray] = []
+        self.tags: list[Hashable] = []  # per task
+        self.where: list[tuple[str, int]] = []  # per task: its member and first page
+        self.pages = 0
+
+    def add(self, offset: int, size: int, page_dst: np.ndarray, digests: np.ndarray,
+            geometry: tuple[int, ...], tag: Hashable, member: str, first_page: int) -> None:
+        if geometry not in self.geoms:
+            self.geoms.append(geometry)
+        g = self.geoms.index(geometry)
+        for at in range(0, len(page_dst), TASK_PAGES):
+            n = min(TASK_PAGES, len(page_dst) - at)
+            self.tasks.append((offset + at * size, self.pages + at, n, g))
+            self.tags.append(tag)
+            self.where.append((member, first_page + at))
+        self.pages += len(page_dst)
+        self.dst.append(page_dst)
+        self.digests.append(digests)
+
+
+class Scatter:
+    """The pages of one load to read and place, added run by run; ``run`` places those
+    that match their digests and says which runs (their ``tag``) had a page that did
+    not, or was not in the file."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, int], _Group] = {}
+        self.nbytes = 0
+
+    def add(self, source: PageSource, member: str, first_page: int, blocks: Sequence[int],
+            dest: Destination, tag: Hashable) -> None:
+        """Pages ``first_page ..`` of ``member`` into ``blocks`` of ``dest``."""
+        offset, size, digests = source.members[member]
+        if size != dest.page_bytes:
+            raise LayoutError.at(f"{member}.page", None, size,
+                                 f"a destination page of {dest.page_bytes} bytes")
+        ids = np.asarray(blocks, np.int64)
+        n = len(ids)
+        if first_page < 0 or first_page + n > len(digests):
+            raise LayoutError.at(f"{member}.pages", first_page, n,
+                                 f"pages of the {len(digests)} stored", where="index")
+        key = (source.fd, dest.memory.ctypes.data)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(source.fd, dest.memory, dest.typed)
+        group.add(offset + first_page * size, size, dest.first + ids * dest.block,
+                  digests[first_page:first_page + n], dest.geometry, tag, member, first_page)
+        self.nbytes += n * size
+
+    def run(self) -> dict[Hashable, tuple[str, int]]:
+        """Read, verify and place every page added (over the cores); the runs (by tag)
+        with a page not placed, and the member and page of their first such page."""
+        failed: dict[Hashable, tuple[str, int]] = {}
+        for group in self._groups.values():
+            for tag, where in _place(group).items():
+                failed.setdefault(tag, where)
+        return failed
+
+
+def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
+    fn = page_hash.scatter_reader()
+    tasks = np.array(group.tasks, np.int64).reshape(-1, 4)
+    geoms = np.array(group.geoms, np.int64).reshape(-1, 7)
+    page_dst, digests = np.concatenate(group.dst), np.concatenate(group.digests)
+    ok = np.zeros(len(page_dst), np.uint8)
+    page = int(max(g[0] * g[1] * g[2] for g in group.geoms))
+
+    def band(a: int, b: int) -> None:
+        stage = _stage(page)
+        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed, tasks,
+           geoms, page_dst, digests, ok, a, b)
+
+    run_bands(band, len(tasks), len(page_dst) * page)
+    failed: dict[Hashable, tuple[str, int]] = {}
+    if ok.all():
+        return failed
+    bad = np.flatnonzero(ok == 0)
+    for page, t in zip(bad.tolist(), (np.searchsorted(tasks[:, 1], bad, side="right") - 1
+                                      ).tolist(), strict=True):
+        member, first = group.where[t]
+        failed.setdefault(group.tags[t], (member, first + page - int(tasks[t, 1])))
+    return failed
+
+
+_local = threading.local()
+
+
+def _stage(page: int) -> np.ndarray:
+    """This thread's stage: at least one page, else ``STAGE`` bytes (touched: reused by
+    every load on the thread)."""
+    need = max(STAGE, page)
+    stage = getattr(_local, "stage", None)
+    if stage is None or len(stage) < need:
+        stage = _local.stage = np.ones(-(-need // 8) * 8, np.uint8)
+    return stage
+
+
+__all__ = ["Destination", "PageSource", "Scatter", "available", "destination", "warm"]

