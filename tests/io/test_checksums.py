@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 
 import hurraykv as hk
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
@@ -441,3 +443,38 @@ def test_a_digest_that_is_not_hex_is_named_by_its_place():
         with pytest.raises(checksums.ChecksumError, match=r"checksum\.xxh3_64 at character "
                                                           r"(37 \(digest 2\)|16 \(digest 1\))"):
             checksums.verify(snap.with_info(metadata={checksums.KEY: bad}))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_pool_digests_are_the_entry_of_the_snapshot_over_those_pools(fused):
+    """Issue 47 item 5: a connector's segments differ from their template only in their
+    pools; ``PoolDigests`` hashes those in one compiled call and takes every other
+    piece's digest from the template, and its entry is ``digests``' of the same
+    snapshot, page for page (a page changed changes only its own digest)."""
+    checksums.warm()  # the compiled hasher, as in an engine
+    rng = np.random.default_rng(3)
+    shape, dtype = (5, 16, 2, 8), np.float16 if fused else ml_dtypes.float8_e4m3fn
+    pools = [rng.standard_normal(shape).astype(dtype) for _ in range(4)]
+    keys = pools[:2]
+    values = None if fused else pools[2:]
+    template = hk.KVCacheSnapshot.from_arrays(
+        keys, values, np.array([0, 1, 2, 3, 4, 2]), [0, 3, 6], [40, 48],
+        kv_scales=None if fused else np.ones((2, 2), np.float32), model="m").skeleton()
+    digester = checksums.PoolDigests(template)
+    for _ in range(2):
+        new = [rng.standard_normal(shape).astype(dtype) for _ in range(2 if fused else 4)]
+        snap = template.with_pools({k: p for k, p in zip(template.member_keys(), new,
+                                                         strict=True)})
+        assert digester.entry(new) == checksums.digests(snap)
+        checksums.verify(digester.with_checksums(snap, new))
+    before = digester.entry(new)
+    new[-1][4] += 1  # the last pool's last page
+    snap = template.with_pools(dict(zip(template.member_keys(), new, strict=True)))
+    entry = digester.entry(new)
+    assert entry == checksums.digests(snap)
+    changed = [i for i in range(0, len(entry), 16) if entry[i:i + 16] != before[i:i + 16]]
+    assert len(changed) == 1
+    at = changed[0]
+    assert int(entry[at:at + 16], 16) == xxhash.xxh3_64_intdigest(new[-1][4].tobytes())
+    with pytest.raises(hk.HurrayError, match=r"pool 1 is \d+ bytes; the template's is \d+ con"):
+        digester.entry([new[0], new[1][:2], *new[2:]])

@@ -39,6 +39,9 @@ class Transfer:
     names: list[str] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     rewrite: bool = False  # a save stored even if the store has it (its load failed)
+    # a save of which its request's lookup found a chunk missing: stored without asking
+    # the store first (``has``) whether it holds them all
+    absent: bool = False
     failed: str = ""  # a load that cannot be tried (why): all its blocks reported failed
     # a hybrid model's (groups.py): per KV cache group, the blocks of the transfer's
     # pages in that group (the engine block of its page ``j`` is ``groups[g][j]``)
@@ -73,6 +76,11 @@ class Plan:
     # starves the loader's: a 64 MiB hit took 5x longer)
     idle: bool = False
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to load, store or report failed: the workers have nothing to do."""
+        return not (self.loads or self.async_loads or self.saves or self.failed)
+
 
 @dataclass(slots=True)
 class Counters:
@@ -100,6 +108,7 @@ class Counters:
     segments_loaded: int = 0
     layers_written: int = 0
     bytes_loaded: int = 0
+    bytes_loaded_direct: int = 0  # of them, read from the file into the blocks (direct.py)
     load_seconds: float = 0.0
     fetch_seconds: float = 0.0
     verify_seconds: float = 0.0

@@ -13,6 +13,10 @@ the scheduler no longer asks on its own thread): such a segment is counted
 ``saves_present`` and announced as stored, not written again.  A segment whose load
 failed is stored again whatever the store says (``Transfer.rewrite``).
 
+A segment of whose chunks its request's lookup found one missing (``Transfer.absent``) is
+stored without that question: the answer is known, and the round trip was a fifth of a
+small save's work.  Chunks no lookup asked about (decoded tokens) are asked about.
+
 Every segment of a plan is counted ``saves_attempted`` and ``saves_pending`` when
 ``wait_for_save`` takes it, and leaves ``saves_pending`` for exactly one outcome, in the
 same update of the counters: ``segments_saved``, ``saves_present`` or ``saves_dropped``
@@ -134,6 +138,8 @@ class Saver:
         self.backlog = WriterBacklog(ctx.url)
         self._staged: dict[int, list[list[Any]]] = {}
         self._templates: dict[int, KVCacheSnapshot] = {}  # segment snapshots by page count
+        # their checksum entries from the staged pools alone (one compiled call a segment)
+        self._digests: dict[int, checksums.PoolDigests] = {}
         # a hybrid model's (groups.py): each attention layer's group, the Mamba layers'
         # states with their group, the group map segments carry
         self.groups: list[KVGroup] = []
@@ -168,7 +174,8 @@ class Saver:
 
     def wait_for_save(self, plan: Plan | None) -> None:
         self.backlog.tick()
-        if plan is None:
+        if plan is None or not plan.saves:  # most decode steps: no bookkeeping at all
+            self._copy_failed = False
             return
         config, stats = self.ctx.config, self.ctx.stats
         started = time.perf_counter()
@@ -189,8 +196,10 @@ class Saver:
                 log.warning("request %s: building a segment failed (%s: %s); not stored",
                             save.req_id, type(e).__name__, e)
                 continue
+            pools = None if self.groups or not self.format.auto else [
+                p for parts in staged for p in parts]
             if not self.ctx.config.async_save:
-                self._put(save, segment, nbytes)
+                self._put(save, segment, nbytes, pools)
                 continue
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="hurraykv-save")
@@ -201,8 +210,8 @@ class Saver:
                     and len(self._pending) >= config.max_pending_saves):
                 self._drop_save(save)  # a slow store never grows the queue without bound
                 continue
-            self._pending.append((self._writer.submit(self._put, save, segment, nbytes),
-                                  nbytes, save))
+            self._pending.append((self._writer.submit(self._put, save, segment, nbytes,
+                                                      pools), nbytes, save))
         self._staged.clear()
         stats.add(save_seconds=time.perf_counter() - started)
 
@@ -221,19 +230,22 @@ class Saver:
         # guard.py logs a store that is down: the backlog is its consequence
         self.backlog.dropped(len(self._pending), save.req_id, quiet=self.ctx.saves.down)
 
-    def _put(self, save: Transfer, segment: KVCacheSnapshot, nbytes: int) -> None:
+    def _put(self, save: Transfer, segment: KVCacheSnapshot, nbytes: int,
+             pools: list[np.ndarray] | None = None) -> None:
         """Store one segment unless the store holds its chunks already (``nbytes``: its
-        pages' bytes, counted once it is stored)."""
+        pages' bytes, counted once it is stored; ``pools``: its staged pools, when it is
+        its template's ``with_pools`` over them)."""
         ctx = self.ctx
         started = time.perf_counter()
         evicted = [0]
 
         def put(store: Any) -> str:
-            if not save.rewrite and all(store.has(save.keys)):
+            # the lookup found a chunk missing: no round trip to ask what it answered
+            if not (save.rewrite or save.absent) and all(store.has(save.keys)):
                 return "present"
             before = store.evictions
             try:  # checksummed here, on the writer's thread: off the forward pass
-                store.put(save.keys, save.first_chunk, checksums.with_checksums(segment),
+                store.put(save.keys, save.first_chunk, self._checksummed(segment, pools),
                           {"vllm.identity": ctx.identity, "vllm.tenant": save.tenant}
                           if save.tenant else {"vllm.identity": ctx.identity})
             finally:
@@ -256,6 +268,15 @@ class Saver:
                          write_seconds=time.perf_counter() - started)
         self.backlog.stored()
 
+    def _checksummed(self, segment: KVCacheSnapshot, pools: list[np.ndarray] | None
+                     ) -> KVCacheSnapshot:
+        """``segment`` with its checksum entry: from its staged pools when its template's
+        digests are known, else by a walk over its members."""
+        digests = None if pools is None else self._digests.get(len(pools[0]))
+        if digests is None:
+            return checksums.with_checksums(segment)
+        return digests.with_checksums(segment, pools)
+
     def _segment(self, pools: list[list[np.ndarray]]) -> KVCacheSnapshot:
         """A segment snapshot of these pages: built and validated once per length, then
         the same structure over each new segment's pools (``with_pools``)."""
@@ -273,7 +294,9 @@ class Saver:
                                                 kv_scales=scales, model=self.ctx.identity)
             if len(self._templates) >= 64:
                 self._templates.clear()
-            self._templates[pages] = first.skeleton()
+                self._digests.clear()
+            self._templates[pages] = skeleton = first.skeleton()
+            self._digests[pages] = checksums.PoolDigests(skeleton)
             return first
         roles = template.roles
         return template.with_pools({(layer, role): parts[r] for layer, parts in

@@ -53,6 +53,10 @@ class RequestState:
     matched: int = 0  # tokens the store holds for this prompt
     load: int = 0  # tokens to load (0: none)
     located: list[str] = field(default_factory=list)  # segment of each matched chunk
+    # per chunk its lookup asked about (this engine's keys): whether the store lacked it,
+    # believed by the plan of the step that asked (``absent_plan``) and no later one
+    absent: list[bool] = field(default_factory=list)
+    absent_plan: int = 0
     blocks: list[int] = field(default_factory=list)  # of the (first) full-attention group
     groups: list[list[int]] = field(default_factory=list)  # every group's (hybrid models)
     computed: int = 0
@@ -90,6 +94,9 @@ class SchedulerSide:
         # chunk key -> (step, time) it was planned for storing, oldest first
         self.planned: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.steps = 0  # plans made
+        # the plan of a step with nothing to load or store (idle or not), made once and
+        # never changed: most decode steps, which need no plan of their own
+        self._nothing: dict[bool, Plan] = {}
         # segment id -> (its first chunk, its chunk keys), until written or dropped
         self.saving: dict[str, tuple[int, list[str]]] = {}
         # segment id -> name of segments planned before a reset (retention.py)
@@ -139,6 +146,9 @@ class SchedulerSide:
         # and not written after a reset before it is removed (the old weights' KV); the
         # longest run from the start wins, this engine's own format on a tie
         stale = self._stale_names()
+        # what it lacks is stored without the writer asking again (Transfer.absent) if
+        # this step plans it; later, another engine may have stored it meanwhile
+        st.absent, st.absent_plan = [name is None for name in located[:chunks]], self.steps + 1
         found, best = 0, 0
         for at in range(0, len(located), max(chunks, 1)):
             run = located[at:at + chunks]
@@ -202,11 +212,10 @@ class SchedulerSide:
 
     def plan(self, scheduler_output: Any) -> Plan:
         self.steps += 1
-        plan = self.new_plan()
-        plan.async_loads, self.async_loads = self.async_loads, []
-        plan.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        if plan.idle:  # nothing runs this step: give the lookup thread a moment
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if idle:  # nothing runs this step: give the lookup thread a moment
             self.lookups.wait_any(IDLE_WAIT)
+        loads: list[Transfer] = []
         scheduled: list[RequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -214,7 +223,7 @@ class SchedulerSide:
                 continue
             self._set_blocks(st, new.block_ids)
             st.computed = new.num_computed_tokens
-            self._plan_load(plan, st)
+            self._plan_load(loads, st)
             scheduled.append(st)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -228,18 +237,34 @@ class SchedulerSide:
                 # new request's (vllm/v1/core/sched/scheduler.py, schedule(): the
                 # connector is asked when num_computed_tokens == 0, preempted included)
                 self._set_blocks(st, new_blocks)
-                self._plan_load(plan, st)
+                self._plan_load(loads, st)
             elif new_blocks:
                 for have, more in zip(st.groups, new_blocks, strict=False):
                     have.extend(more or ())
             st.computed = cached.num_computed_tokens[i]
             scheduled.append(st)
+        saves: list[Transfer] = []
         if self.ctx.can_save and not self.ctx.disabled:
+            size, tokens = self.ctx.chunk_size, scheduler_output.num_scheduled_tokens
             for st in scheduled:
-                plan.saves += self._saves(st, scheduler_output.num_scheduled_tokens.get(
-                    st.request.request_id, 0))
+                n = tokens.get(st.request.request_id, 0)
+                if (st.computed + n) // size > st.stored:  # a chunk may be complete
+                    saves += self._saves(st, n)
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        async_loads, self.async_loads = self.async_loads, []
+        if not (loads or saves or async_loads):
+            return self._empty(idle)
+        plan = self.new_plan()
+        plan.loads, plan.saves, plan.async_loads, plan.idle = loads, saves, async_loads, idle
+        return plan
+
+    def _empty(self, idle: bool) -> Plan:
+        """The plan of a step without loads or saves (shared: never changed)."""
+        plan = self._nothing.get(idle)
+        if plan is None:
+            plan = self._nothing[idle] = self.new_plan()
+            plan.idle = idle
         return plan
 
     def _set_blocks(self, st: RequestState, block_ids: Any) -> None:
@@ -248,11 +273,11 @@ class SchedulerSide:
         ref = self.ctx.layout.ref if self.ctx.hybrid else 0
         st.blocks = st.groups[ref] if ref < len(st.groups) else []
 
-    def _plan_load(self, plan: Plan, st: RequestState) -> None:
+    def _plan_load(self, loads: list[Transfer], st: RequestState) -> None:
         """The load of the external tokens vLLM took for ``st`` at its allocation."""
         if st.load <= 0:
             return
-        plan.loads.append(self._transfer(st, st.local, st.local + st.load))
+        loads.append(self._transfer(st, st.local, st.local + st.load))
         self._loading(st)
 
     def _loading(self, st: RequestState) -> None:
@@ -363,8 +388,10 @@ class SchedulerSide:
             self.planned.popitem(last=False)
         while len(self.saving) > self.MAX_PLANNED:
             self.saving.pop(next(iter(self.saving)))
+        absent = st.absent if st.absent_plan == self.steps and not rewrite else []
         for t in out:  # announced to routers once the workers say it is stored
             t.keep, t.tenant = st.keep, tenant_of(request)
+            t.absent = any(absent[t.first_chunk:t.first_chunk + len(t.keys)])
             self.saving[t.segment_id] = (t.first_chunk, list(t.keys))
             self.events.expect(t.segment_id, request, t.first_chunk, len(t.keys),
                                segment_name(t.keys, t.first_chunk))

@@ -108,7 +108,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: Plan | None) -> None:
         self._idle = plan is not None and plan.idle
-        if plan is None:
+        if plan is None or plan.empty:
             return
         disabled = self.ctx.disabled
         if self.step is None:  # nothing registered: every load fails
