@@ -305,10 +305,15 @@ class KVClient:
                                 "tensor transfer")
 
     def iter_pull(self, key: str, progress: Progress | None = None, *,
-                  into: KVCacheSnapshot | None = None, _digests: PullDigests | None = None
+                  into: KVCacheSnapshot | None = None
                   ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
         """Layers ``(i, (key, value))`` as they arrive; ``self.last_snapshot`` holds the
         whole snapshot once the group has closed.  ``into``: see ``pull``."""
+        return self._layers(key, progress, into, None)
+
+    def _layers(self, key: str, progress: Progress | None, into: KVCacheSnapshot | None,
+                digests: PullDigests | None
+                ) -> Iterator[tuple[int, tuple[BlockPagedTensor, ...]]]:
         total = self._size_of(key) if progress is not None else 0  # before the transfer
         target = _IntoSnapshot(into) if into is not None else None
         self.last_snapshot = None  # the previous pull's memory can be recycled for this one
@@ -321,7 +326,7 @@ class KVClient:
         done = [0, total]
         held = 0  # receive-pool bytes this snapshot holds
         for _ in range(head.layout.member_count):
-            desc, buffers = self._read_tensor(stream, progress, done, target, _digests)
+            desc, buffers = self._read_tensor(stream, progress, done, target, digests)
             if target is None and total_data_bytes(desc) >= POOL_MIN:
                 held += -(-total_data_bytes(desc) // CLASS) * CLASS
             layer = assembler.add(desc, buffers, f"from {self.address}")
@@ -364,7 +369,7 @@ class KVClient:
         read to its end first, so the connection still serves after a refusal."""
         digests = PullDigests() if verify else None
         self.last_pull_hashed, self.last_verify_seconds = 0, 0.0
-        for _ in self.iter_pull(key, progress, into=into, _digests=digests):
+        for _ in self._layers(key, progress, into, digests):
             pass
         if digests is not None:
             try:
