@@ -7,22 +7,35 @@ and the time to the first layer of ``iter_pull`` against the whole transfer.  Pu
 measured run by run against a raw receive of the same size run just before: into a
 fresh process (its first pull, into new memory), in the steady state (the client's
 recycled memory against a reused buffer) and into the caller's memory (``into=``).
-Run with ``make bench`` (or ``--small`` for 128 MiB).
+
+Then the ``hurray://`` chunk store as the vLLM connector uses it: ``ServerChunks.
+get_checked`` of a 64 MiB segment (16 layers x key/value, full pages, with checksums:
+every page verified, hashed as it lands) against a raw ``recv_into`` of the same byte
+count into a reused buffer, run by run (target >= 0.8x, judged on the median ratio), with
+the compiled hasher warmed as a connector's worker warms it; the unverified ``get`` and
+the hashing time show where the rest goes.  Run with ``make bench`` (or ``--small`` for
+128 MiB; ``--segment`` for the segment rows alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import socket
+import statistics
 import subprocess
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
+import hurraykv as hk
 from bench_paged import best, print_table
-from bench_snapshot import make
+from bench_snapshot import DIM, HEADS, PAGE, make
+from hurraykv.integrations.server_store import ServerChunks
+from hurraykv.io import checksums
 from hurraykv.net.client import KVClient
+from hurraykv.testing import keys
 
 RAW_PEER = r"""
 import socket, sys, numpy as np
@@ -118,11 +131,96 @@ def worst(base: list[float], times: list[float]) -> str:
     return f"{ratios[0]:.2f}x worst, {ratios[len(ratios) // 2]:.2f}x median"
 
 
+def segment(layers: int = 16, pages: int = 64) -> hk.KVCacheSnapshot:
+    """A connector's segment: full pages (nothing for the server to zero), checksums."""
+    raw = np.random.default_rng(1).integers(0, 1 << 16, (pages, PAGE, HEADS, DIM),
+                                            dtype=np.uint16)
+    pools = [(raw + i).view(ml_dtypes.bfloat16) for i in range(2 * layers)]
+    snap = hk.KVCacheSnapshot.from_arrays(pools[0::2], pools[1::2], np.arange(pages),
+                                          [0, pages], [pages * PAGE])
+    return checksums.with_checksums(snap)
+
+
+def ratios(base: list[float], times: list[float]) -> tuple[float, float]:
+    """The best and the median ratio of a run to its paired baseline run."""
+    r = sorted(b / t for b, t in zip(base, times, strict=True))
+    return r[-1], statistics.median(r)
+
+
+def ms(times: list[float]) -> str:
+    return f"{min(times) * 1e3:.1f} / {statistics.median(times) * 1e3:.1f} ms"
+
+
+def segment_rows(address: str, port: int, runs: int) -> list[tuple[str, str, str, str]]:
+    """``ServerChunks.get_checked`` of a 64 MiB segment against a raw receive of as
+    many bytes, paired run by run; the unverified get and the hashing beside them."""
+    checksums.warm()  # as the connector's worker does at start
+    snap = segment()
+    n = snap.nbytes
+    data = np.ones(n, np.uint8)
+    store = ServerChunks(address)
+    ks = keys(1)
+    store.put(ks, 0, snap, {})
+    name = store.locate(ks)[0]
+    for _ in range(3):  # the receive pool holds a segment's memory from now on
+        store.get_checked(name)
+    raw, checked, plain, hashing = [], [], [], []
+    for _ in range(runs):
+        raw.append(timed(lambda: raw_recv(port, n, data)))
+        before = store.verify_seconds
+        checked.append(timed(lambda: store.get_checked(name)))
+        hashing.append(store.verify_seconds - before)
+        plain.append(timed(lambda: store.get(name)))
+    store.close()
+    hi, mid = ratios(raw, checked)
+    plain_hi, plain_mid = ratios(raw, plain)
+    return [
+        (f"raw recv_into {n / (1 << 20):.0f} MiB, memory reused", ms(raw),
+         "1.00x", "best / median"),
+        ("hurray:// get_checked (verified on arrival)", ms(checked),
+         f"{hi:.2f}x best, {mid:.2f}x median",
+         ">= 0.8x: " + ("met" if mid >= 0.8 else "MISSED")),
+        ("hurray:// get (no checksums checked)", ms(plain),
+         f"{plain_hi:.2f}x best, {plain_mid:.2f}x median", ""),
+        ("get_checked: hashing and checking", ms(hashing),
+         f"{statistics.median(hashing) / statistics.median(checked):.2f} of it", ""),
+    ]
+
+
+def segment_only(runs: int) -> None:
+    """The segment rows alone: a server and a raw peer of a segment's size."""
+    n = segment().nbytes
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
+                               "127.0.0.1:0", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, "-c", RAW_PEER, str(n)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().split()[-1]
+        port = int(peer.stdout.readline())
+        rows = segment_rows(address, port, runs)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"q")
+    finally:
+        server.terminate()
+        peer.terminate()
+        server.wait(10)
+        peer.wait(10)
+    print_table(f"hurray:// segment {n / (1 << 20):.0f} MiB bfloat16 (16 layers x key/value), "
+                f"loopback, server in its own process; {runs} paired runs, ms best / median",
+                rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="128 MiB instead of 1 GiB")
+    ap.add_argument("--segment", action="store_true",
+                    help="only the hurray:// segment rows (get_checked of 64 MiB)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    if args.segment:
+        segment_only(max(args.repeat, 9))
+        return
     layers, pages = 32, 512 if not args.small else 32  # 64 members x 16 MiB = 1 GiB
     snap = make(layers, pages)
     total = snap.nbytes
@@ -191,6 +289,8 @@ def main() -> None:
     ]
     print_table(f"snapshot {total / gib:.2f} GiB {snap.dtype} ({layers} layers x key/value), "
                 f"loopback, server in its own process; best of {r}", rows)
+    print()
+    segment_only(max(r, 9))
 
 
 if __name__ == "__main__":
