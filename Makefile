@@ -11,7 +11,8 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-vllm envs test test-fast test-engine mutants lint bench bench-vllm fuzz clean
+.PHONY: demo demo-vllm envs test test-fast test-engine mutants lint bench bench-vllm \
+	bench-anchors fuzz clean
 
 # Both environments at once: their installs wait on the network and on unpacking, and
 # side by side they take about the time of the larger one.
@@ -80,6 +81,12 @@ bench: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/bench_vllm.py
+
+# LMCache's long-doc-qa and multi-round-qa and vLLM's prefix_repetition under vllm serve,
+# hurraykv against ExampleConnector and LMCache (builds .venv-lmcache on first use; about
+# 20 min on 2 cores).
+bench-anchors: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/bench_anchors.py
 
 FUZZ_SECONDS ?= 120
 fuzz: $(STAMP)
