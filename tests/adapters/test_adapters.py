@@ -93,6 +93,28 @@ def test_vllm_cpu_attn_keys_are_transposed_in_each_page():
     assert same(back[0][table2[0, 1].long()], caches[0][int(table[0, 1])])
 
 
+@pytest.mark.parametrize(("kind", "dtype"), [("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                             ("split", torch.float16), ("mla", torch.uint8)])
+@pytest.mark.parametrize("ids", [[5], [4, 5, 6, 7], [3, 5, 4, 6], [9, 8, 7], [2, 3, 7, 8, 1],
+                                 list(range(1, 140, 2))])
+def test_vllm_layer_view_reads_the_blocks_pages_bit_for_bit(kind, dtype, ids):
+    """``LayerView.read``'s copies per run of consecutive blocks (and its one run found
+    without a pass over the ids) give every block's pages in the order asked, whatever
+    the element type and whatever the order (a span as long as a run's, but not one:
+    [3, 5, 4, 6]), as a plain gather of the views does; more than ``MAX_RUNS`` runs too."""
+    raw = torch.randint(0, 250, (160, 1 if kind == "mla" else 2, 16, 16), dtype=torch.uint8)
+    cache = raw if dtype == torch.uint8 else raw.to(dtype) / 7
+    view = vllm.LayerView(cache, kind, kv_cache_dtype="fp8" if dtype == torch.uint8
+                          else "auto")
+    got = view.read(ids)
+    want = [p[torch.as_tensor(ids)] for p in view.parts]
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous()
+        assert torch.equal(g.view(torch.uint8), w.contiguous().view(torch.uint8))
+
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_vllm_fp8_cache_keeps_its_scales(kv_cache_dtype):
     caches = random_caches(torch.uint8)  # vLLM holds fp8 caches as uint8

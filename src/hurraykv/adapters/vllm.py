@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..arrays import torch_to_numpy
 from ..errors import LayoutError, UnsupportedError
 from ..io.scatter import Destination, destination
 from ..snapshot import KVCacheSnapshot
@@ -184,11 +185,14 @@ class LayerView:
     def read(self, block_ids: Any) -> list[torch.Tensor]:
         """The blocks' pages ``[n, block_size, heads, dim]``, contiguous copies on the
         cache's device: one strided copy per run of consecutive blocks (an allocator hands
-        out runs), else one gather per part."""
+        out runs; on the host by NumPy, as integers of the element's width), else one
+        gather per part."""
         ids = self._ids(block_ids)
         if self._tiles is not None:
             return self._tiles.read(torch.as_tensor(ids))
-        runs = _runs(ids)
+        runs = _read_runs(ids)
+        if len(runs) <= MAX_RUNS and self.tensor.device.type == "cpu":
+            return self._host_read(len(ids), runs)
         out = []
         for part in self.parts:
             if len(runs) > MAX_RUNS:
@@ -200,6 +204,22 @@ class LayerView:
             for at, first, count in runs:
                 dst[at:at + count].copy_(part[first:first + count])
             out.append(dst)
+        return out
+
+    def _host_read(self, n: int, runs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """``read`` of a host cache: NumPy copies each run (a few microseconds a call,
+        where torch's slices of permuted views cost tens: a small save's copy was
+        mostly that), bit for bit whatever the element type."""
+        host = self.__dict__.get("_host")
+        if host is None:  # the parts as integer arrays of their element's width, once
+            host = self._host = [(torch_to_numpy(p.view(_SAME_WIDTH[p.element_size()])),
+                                  p.dtype) for p in self.parts]
+        out = []
+        for raw, dtype in host:
+            dst = np.empty((n, *raw.shape[1:]), raw.dtype)
+            for at, first, count in runs:
+                dst[at:at + count] = raw[first:first + count]
+            out.append(torch.from_numpy(dst).view(dtype))
         return out
 
     def write(self, block_ids: Any, pages: Sequence[Any]) -> None:
@@ -330,6 +350,15 @@ class StateView:
 
 
 MAX_RUNS = 64  # more runs of consecutive blocks than this: one gather/scatter instead
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _read_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """``_runs``, answered without its NumPy passes for one run (the common case)."""
+    if len(ids) and int(ids[-1]) - int(ids[0]) == len(ids) - 1 and (
+            len(ids) == 1 or bool((ids[1:] > ids[:-1]).all())):
+        return [(0, int(ids[0]), len(ids))]
+    return _runs(ids)
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
