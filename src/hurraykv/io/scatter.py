@@ -20,18 +20,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import LayoutError
-from ..threads import run_bands
+from ..threads import PARALLEL_BYTES, run_bands, workers
 from . import page_hash
 
 STAGE = 256 << 10  # pages read at once by a thread: they are hashed while still in L2
 TASK_PAGES = 32  # a task split so that the threads' bands come out even
+WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # an element's bytes: its view
 
 
 def available() -> bool:
@@ -39,17 +40,20 @@ def available() -> bool:
     return page_hash.scatter_reader() is not None
 
 
-def warm() -> None:
-    """Compile the reader for every element size (a second or two, once a process) so
-    that a process's first load runs as fast as the rest."""
+def warm(widths: Iterable[int] = (1, 2, 4)) -> None:
+    """Compile the reader for elements of ``widths`` bytes (a second each, once a
+    process), start the worker threads and touch their stages, so that a process's
+    first load runs as fast as the rest."""
     fn = page_hash.scatter_reader()
     if fn is None:
         return
+    run_bands(lambda a, b: _stage(STAGE), workers(), PARALLEL_BYTES)
     stage = np.zeros(64, np.uint8)
     none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
-    for width in (np.uint8, np.uint16, np.uint32):
-        fn(-1, stage, stage.view(width), stage, stage.view(width), none, one,
-           np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
+    for width in sorted(set(widths)):
+        typed = stage.view(WIDTHS[width])
+        fn(-1, stage, typed, stage, typed, none, one, np.zeros(0, np.int64),
+           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
 
 
 @dataclass(eq=False)
@@ -92,9 +96,6 @@ class Destination:
     def page_bytes(self) -> int:
         rows, heads, row = self.geometry[:3]
         return rows * heads * row
-
-
-WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def destination(memory: np.ndarray, first: int, block: int,

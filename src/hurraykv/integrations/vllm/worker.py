@@ -21,7 +21,7 @@ from typing import Any
 from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
-from ...io import checksums
+from ...io import checksums, scatter
 from .common import IDLE_WAIT, Context, Plan, log
 from .decode_buffers import warm as warm_formats
 from .events import WorkerSegments
@@ -98,6 +98,8 @@ class WorkerSide:
         warm_formats(set(ctx.formats.values()), dtype)
         self.target = Target(ctx, views, self.segment_dtype, self.format,
                              list(self.saver.groups), states, self.saver.group_map)
+        if self.target.destinations is not None:  # compiled for this cache's elements
+            scatter.warm({d.geometry[3] for parts in self.target.destinations for d in parts})
         self.step = StepLoads(lambda: self.target, dtype)
         self.loader = Loader(lambda: self.target, dtype)
         log.info("HurrayConnector: %d layers of %s (%s)%s, chunks of %d tokens in %s; "
