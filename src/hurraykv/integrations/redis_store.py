@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from urllib.parse import ParseResult, parse_qsl
 
 from ..errors import HurrayError
+from ..io import checksums
 from ..snapshot import KVCacheSnapshot
 from ..store.pages import reaching
 from .chunks import (
@@ -78,11 +79,14 @@ class RedisChunks(ChunkStore):
     def __init__(self, url: str, prefix: str = "hurraykv-chunks/",
                  timeout: float | None = None) -> None:
         from ..store import PageStore
+        from ..store.buffers import ReadBuffers
 
         self.url, self.prefix = url, prefix
         # a segment Redis evicted a page of is removed on its first failed get: found by
         # no later lookup, stored again once recomputed (decision H91)
         self.store = PageStore.from_url(_with_timeout(url, timeout), drop_damaged=True)
+        # a segment's pages land in memory a get before used, once its snapshot is gone
+        self._buffers = ReadBuffers()
 
     @reaching
     def connect(self) -> None:
@@ -126,7 +130,26 @@ class RedisChunks(ChunkStore):
 
     @reaching
     def get(self, name: str) -> KVCacheSnapshot:
-        return self.store.get(self.prefix + name)
+        return self.store.get(self.prefix + name, buffers=self._buffers)
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        """``get`` in one pipelined pass into a recycled buffer, each page hashed as it
+        lands (``PageStore.get_hashed``), then checked against the segment's checksums."""
+        hashing = self.store.hash_seconds
+        snap, digests = self._get_hashed(name)
+        started = time.perf_counter()
+        checksums.verify(snap, f"segment {name}", digests)
+        self.verify_seconds += self.store.hash_seconds - hashing + \
+            time.perf_counter() - started
+        return snap
+
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
+        return self.get_verified(name), None
+
+    @reaching
+    def _get_hashed(self, name: str) -> tuple[KVCacheSnapshot, Any]:
+        return self.store.get_hashed(self.prefix + name, buffers=self._buffers)
 
     @reaching
     def catalog(self) -> list[Stored]:

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -88,6 +89,7 @@ from ..errors import ConfigError, StoreError, TransportError, require
 from ..paged import BlockPagedTensor
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..threads import executor
+from .buffers import ReadBuffers
 from .capacity import MissingPagesError, StoreFullError, best_effort, is_full, refusing_full
 from .fsck import fsck as repair
 from .manifest import (
@@ -98,7 +100,7 @@ from .manifest import (
     token_chains,
 )
 from .members import ZERO, Member
-from .reads import assemble
+from .reads import Hashed, assemble, piece_digests
 from .refs import Refs, refusing_legacy
 from .scripts import (
     PAGE_SIZES,
@@ -204,6 +206,7 @@ class PageStore:
         self.client = client
         self.zero_unused = zero_unused
         self.drop_damaged = drop_damaged
+        self.hash_seconds = 0.0  # spent hashing pages in get_hashed, all calls together
         with unreachable_as_transport(server_name(client)):  # its scripts load at once
             self._refs = Refs(client)
 
@@ -338,10 +341,12 @@ class PageStore:
         items, table, _ = parse_manifest(snapshot_id, raw)
         return items, table, manifest_generation(raw)
 
-    def _assemble(self, snapshot_id: str, layer: int | None) -> tuple[list, list]:
+    def _assemble(self, snapshot_id: str, layer: int | None,
+                  buffers: ReadBuffers | None = None, hashed: Hashed | None = None
+                  ) -> tuple[list, list]:
         items, table, generation = self._load_manifest(snapshot_id)
         try:
-            return assemble(self._refs, snapshot_id, items, table, layer)
+            return assemble(self._refs, snapshot_id, items, table, layer, buffers, hashed)
         except MissingPagesError as e:
             if not self.drop_damaged or generation is None:
                 raise
@@ -364,11 +369,32 @@ class PageStore:
         return bool(removed)
 
     @reaching
-    def get(self, snapshot_id: str) -> KVCacheSnapshot:
-        """The snapshot, pages fetched with pipelined reads and put back into their pools.
-        ``MissingPagesError`` if Redis lost one of its pages (evicted or deleted)."""
-        scalars, members = self._assemble(snapshot_id, None)
+    def get(self, snapshot_id: str, *, buffers: ReadBuffers | None = None
+            ) -> KVCacheSnapshot:
+        """The snapshot, pages fetched in one pipelined pass and received straight into
+        their pools.  ``MissingPagesError`` if Redis lost one of its pages (evicted or
+        deleted).  ``buffers``: the pages land in one buffer taken from it, which a later
+        get takes again once no snapshot over it is left (memory already faulted in),
+        instead of fresh memory every get."""
+        scalars, members = self._assemble(snapshot_id, None, buffers)
         return KVCacheSnapshot.from_members(scalars + members)
+
+    @reaching
+    def get_hashed(self, snapshot_id: str, *, buffers: ReadBuffers | None = None
+                   ) -> tuple[KVCacheSnapshot, np.ndarray]:
+        """``get``, and the xxh3-64 digests of the snapshot's checksum pieces in the order
+        of its ``checksum.xxh3_64`` entry (``io/checksums.py``), for
+        ``checksums.verify(snapshot, what, digests)``: each page is hashed right after
+        its bytes land, while they are still in the core's cache, instead of in a second
+        pass over the whole snapshot.  The seconds hashing took are added to
+        ``hash_seconds``."""
+        hashed = Hashed()
+        scalars, members = self._assemble(snapshot_id, None, buffers, hashed)
+        snapshot = KVCacheSnapshot.from_members(scalars + members)
+        started = time.perf_counter()
+        digests = piece_digests(snapshot, hashed)
+        self.hash_seconds += hashed.seconds + time.perf_counter() - started
+        return snapshot, digests
 
     @reaching
     def get_layer(self, snapshot_id: str, layer: int) -> tuple[BlockPagedTensor, ...]:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 from ..errors import StoreError, TransportError
-from ..net.gather import send_gathered
+from ..net.gather import IOV_MAX, send_gathered
 
 _READ = 1 << 16
 HEADER_READ = 64
@@ -108,6 +110,99 @@ class Wire:
         self._into(view)
         self._into(memoryview(bytearray(2)))  # CRLF
         return True
+
+    def bulks_into(self, views: Sequence[memoryview],
+                   landed: Callable[[int, int], None] | None = None) -> list[int]:
+        """The replies to GETs of ``len(views)`` keys, each value received into its view;
+        the indices of the nil replies (no such key).  ``landed(a, b)`` is called, in
+        order, once views ``a`` to ``b - 1`` hold their values (while they are still in
+        the core's cache).
+
+        Where every reply is the one expected (a value of its view's size), replies are
+        received by scatter reads (``recvmsg_into``): headers into one small buffer,
+        values straight into their views, up to 512 replies a system call.  The reply that
+        is not (nil, another size, an error) is found from the first byte it differs by,
+        so nothing waits for bytes the server never sends; it and those after it are read
+        one at a time (``bulk_into``), from the bytes already scattered first."""
+        if self._start != self._end or not views:
+            return self._one_by_one(views, 0, landed)
+        heads = [b"$%d\r\n" % v.nbytes for v in views]
+        # before value k: the CRLF ending value k - 1 (none before the first), its header
+        seps = [heads[0], *(b"\r\n" + h for h in heads[1:]), b"\r\n"]
+        expected = b"".join(seps)
+        got = bytearray(len(expected))
+        at = [0, *accumulate(len(s) for s in seps)]  # each separator's offset in got
+        with memoryview(got) as g:
+            iov: list[memoryview] = []
+            for k, v in enumerate(views):
+                iov += (g[at[k]:at[k + 1]], v)
+            iov.append(g[at[-2]:])
+            ends = list(accumulate(v.nbytes for v in iov))
+            pos = done = checked = 0
+            while pos < ends[-1]:
+                i = bisect_right(ends, pos)  # the first entry not filled yet
+                lo = ends[i - 1] if i else 0
+                n = self.sock.recvmsg_into([iov[i][pos - lo:], *iov[i + 1:i + IOV_MAX]])[0]
+                if not n:
+                    raise closed(self.where)
+                pos += n
+                i = bisect_right(ends, pos)
+                # the separator bytes received: inside separator i // 2 (i even), those
+                # before it and its part received; inside a value (i odd), all up to it
+                filled = at[i // 2] + pos - (ends[i - 1] if i else 0) if i % 2 == 0 \
+                    else at[i // 2 + 1]
+                if got[checked:filled] != expected[checked:filled]:
+                    return self._diverged(views, iov, ends, got, expected, at, pos, done,
+                                          landed)
+                checked = filled
+                if landed is not None and i // 2 > done:
+                    landed(done, i // 2)
+                done = i // 2  # the values received whole
+        return []
+
+    def _diverged(self, views: Sequence[memoryview], iov: list[memoryview], ends: list[int],
+                  got: bytearray, expected: bytes, at: list[int], pos: int, done: int,
+                  landed: Callable[[int, int], None] | None) -> list[int]:
+        """A reply that is not the expected value: every stream byte from its start on
+        (``pos`` received so far) is gathered back into the buffer from where it was
+        scattered, and the rest is read one reply at a time."""
+        bad = next(b for b in range(len(got)) if got[b] != expected[b])
+        k = bisect_right(at, bad) - 1  # the separator holding it, before value k
+        if k and bad < at[k] + 2:  # the CRLF after a value of the size announced
+            raise StoreError(f"Redis's reply {k - 1} to GET does not end where its header "
+                             "says", field="reply", value=k - 1)
+        if landed is not None and k > done:
+            landed(done, k)
+        first = ends[2 * k - 1] + 2 if k else 0  # where reply k starts
+        tail = bytearray()
+        for e in range(2 * k, len(iov)):
+            lo, hi = (ends[e - 1] if e else 0), ends[e]
+            if lo >= pos:
+                break
+            take_from, take_to = max(lo, first), min(hi, pos)
+            if take_from < take_to:
+                tail += iov[e][take_from - lo:take_to - lo]
+        self._buf[:0] = tail
+        self._start, self._end = 0, len(tail)
+        return self._one_by_one(views, k, landed)
+
+    def _one_by_one(self, views: Sequence[memoryview], first: int,
+                    landed: Callable[[int, int], None] | None) -> list[int]:
+        missing = []
+        for k in range(first, len(views)):
+            try:
+                found = self.bulk_into(views[k])
+            except StoreError as e:
+                if e.field != "page":
+                    raise
+                raise StoreError(f"reply {k}: {e}", field="page", offset=k, value=e.value,
+                                 rule="a page of the size its manifest says") from None
+            if found:
+                if landed is not None:
+                    landed(k, k + 1)
+            else:
+                missing.append(k)
+        return missing
 
 
 def closed(where: str) -> TransportError:
