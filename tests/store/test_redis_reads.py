@@ -97,11 +97,13 @@ def page_store(request):
     s.client.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "float16, values of another head size"])
 def test_hashed_get_digests_are_the_checksum_entry(page_store, kind):
     """Every page hashed as it landed (unreferenced pages as zeros, per-slot scales
-    apart from the pool), the other buffers after: the entry the writer recorded."""
-    snap = checksums.with_checksums(zeroed(make_snapshot(kind)))
+    apart from the pool, keys' and values' pages of two sizes in one window), the other
+    buffers after: the entry the writer recorded."""
+    snap = checksums.with_checksums(zeroed(
+        make_snapshot(kind) if kind in KINDS else make_snapshot("float16", dim_v=24)))
     page_store.put("hashed", snap)
     back, digests = page_store.get_hashed("hashed")
     assert back.equal(snap)
@@ -151,3 +153,20 @@ def test_a_page_of_another_size_is_refused_naming_it(redis_url):
     with pytest.raises(MissingPagesError):
         store.get("resized")
     store.delete("resized")
+
+
+def test_an_error_reply_among_the_pages_is_a_store_error_and_the_store_reads_on(redis_url):
+    store = PageStore.from_url(redis_url + "?socket_timeout=10")
+    snap, other = big(7, 40), big(8, 8)
+    store.put("typed", snap)
+    store.put("other", other)
+    key = page_key(_unshared_page(snap, (0, "value"), 17))
+    store.client.delete(key)
+    store.client.hset(key, "a", 1)  # not a string: Redis answers WRONGTYPE to its GET
+    with pytest.raises(StoreError, match="WRONGTYPE") as e:
+        store.get("typed")
+    assert e.value.field == "reply"
+    assert store.get("other").equal(other)
+    store.client.delete(key)
+    store.delete("typed")
+    store.delete("other")

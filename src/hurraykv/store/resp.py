@@ -19,7 +19,7 @@ import socket
 import ssl
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 from ..errors import StoreError, TransportError
@@ -126,18 +126,26 @@ class Wire:
         one at a time (``bulk_into``), from the bytes already scattered first."""
         if self._start != self._end or not views:
             return self._one_by_one(views, 0, landed)
-        heads = [b"$%d\r\n" % v.nbytes for v in views]
+        sizes = [v.nbytes for v in views]
         # before value k: the CRLF ending value k - 1 (none before the first), its header
-        seps = [heads[0], *(b"\r\n" + h for h in heads[1:]), b"\r\n"]
-        expected = b"".join(seps)
+        if min(sizes) == max(sizes):  # pages of one size: built by repetition
+            head = b"$%d\r\n" % sizes[0]
+            expected = head + (b"\r\n" + head) * (len(sizes) - 1) + b"\r\n"
+            at = [0, *range(len(head), len(expected), len(head) + 2), len(expected)]
+        else:
+            seps = [b"$%d\r\n" % sizes[0], *(b"\r\n$%d\r\n" % n for n in sizes[1:]),
+                    b"\r\n"]
+            expected = b"".join(seps)
+            at = [0, *accumulate(map(len, seps))]  # each separator's offset in got
         got = bytearray(len(expected))
-        at = [0, *accumulate(len(s) for s in seps)]  # each separator's offset in got
         with memoryview(got) as g:
-            iov: list[memoryview] = []
-            for k, v in enumerate(views):
-                iov += (g[at[k]:at[k + 1]], v)
-            iov.append(g[at[-2]:])
-            ends = list(accumulate(v.nbytes for v in iov))
+            iov: list[memoryview] = [g] * (2 * len(views) + 1)
+            iov[::2] = [g[a:b] for a, b in pairwise(at)]
+            iov[1::2] = views
+            lengths = [0] * len(iov)
+            lengths[::2] = [b - a for a, b in pairwise(at)]
+            lengths[1::2] = sizes
+            ends = list(accumulate(lengths))
             pos = done = checked = 0
             while pos < ends[-1]:
                 i = bisect_right(ends, pos)  # the first entry not filled yet
