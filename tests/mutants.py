@@ -37,6 +37,8 @@ FC, FS = "hurraykv/integrations/file_capacity.py", "hurraykv/integrations/file_s
 GUARD, KS = "hurraykv/integrations/guard.py", "hurraykv/net/keystore.py"
 PT = "hurraykv/net/persisted.py"
 CAP = "tests/store/test_file_capacity.py"
+PAGES = "tests/store/test_file_pages.py"
+ONE_PASS = "docs/vllm.md, How a request flows (3: one pass), docs/reliability.md"
 CAPACITY = "docs/vllm.md, Capacity and eviction"
 WRONG = "docs/vllm.md, When things go wrong"
 RETAIN = "docs/vllm.md, Running it in production"
@@ -63,9 +65,23 @@ MUTANTS = [
            "out.sort(key=lambda e: e.used_ns, reverse=True)",
            (f"{CAP}::test_eviction_takes_the_least_recently_used_in_exact_order",),
            f"{CAPACITY}: file:// evicts the least recently used first"),
-    Mutant("file-load-not-a-use", FS, "Capacity.touch(fd)", "None",
+    Mutant("file-load-not-a-use", FS, "Capacity.touch(fd)\n                size =", "size =",
            (f"{CAP}::test_eviction_takes_the_least_recently_used_in_exact_order",),
            f"{CAPACITY}: a load touches the file's mtime in any engine"),
+    Mutant("file-one-pass-load-not-a-use", FS, "Capacity.touch(fd)\n            got =",
+           "got =", (f"{PAGES}::test_a_one_pass_load_is_a_use_for_eviction",),
+           f"{CAPACITY}: a load touches the file's mtime in any engine (a one-pass load too)"),
+    Mutant("one-pass-writes-unverified-pages", "hurraykv/io/page_hash.py",
+           "if (j + 1) * size > pos or xxh3(s_at + src, size) != digests[p]:",
+           "if (j + 1) * size > pos:",
+           ("tests/integrations/vllm/test_vllm_direct_loads.py::"
+            "test_a_damaged_page_never_reaches_its_block_and_its_blocks_are_recomputed",
+            f"{PAGES}::test_a_damaged_or_missing_page_is_not_placed_and_names_its_member_and_page"),
+           f"{ONE_PASS}: no byte reaches a block unverified; a damaged page is never written"),
+    Mutant("one-pass-small-buffers-unverified", FS,
+           "if xxhash.xxh3_64_intdigest(data[o:o + n]) != d:", "if False:",
+           (f"{PAGES}::test_a_damaged_block_table_is_refused_before_any_page_is_read",),
+           f"{ONE_PASS}: the structure (block tables, lengths) is verified by the fetch"),
     Mutant("file-no-low-water", FC,
            "target = int(limit * self.LOW_WATER)", "target = limit",
            (f"{CAP}::test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark",),

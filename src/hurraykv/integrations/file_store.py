@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import ParseResult, unquote
 
 import numpy as np
+import xxhash
 
 from .. import alloc
 from ..errors import HurrayError
@@ -190,11 +191,12 @@ def _values(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
 
 
 def _page_places(snapshot: KVCacheSnapshot, data: memoryview,
-                 places: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+                 places: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], what: str
                  ) -> dict[str, tuple[int, int, np.ndarray]] | None:
     """Per member of ``places``: the file offset of its page 0, a page's bytes and its
-    pages' stored digests (the pieces inside its page pool, the member's other buffers
-    left out); None unless each pool is its pages in order, one piece a page."""
+    pages' stored digests (the pieces inside its page pool); the member's other buffers
+    (in ``data`` already) verified here.  None unless each pool is its pages in order,
+    one piece a page."""
     base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
     out = {}
     for key, view in snapshot.values().items():
@@ -210,6 +212,13 @@ def _page_places(snapshot: KVCacheSnapshot, data: memoryview,
         if not len(offs) or offs[0] != at or np.any(lens != lens[0]) or np.any(
                 np.diff(offs) != lens[0]) or len(offs) * lens[0] != len(view):
             return None
+        for o, n, d in zip(offsets[~inside].tolist(), lengths[~inside].tolist(),
+                           digests[~inside].tolist(), strict=True):
+            if xxhash.xxh3_64_intdigest(data[o:o + n]) != d:  # its block table, lengths
+                raise checksums.ChecksumError(
+                    f"{what}: a buffer of member {member} other than its pages (at byte "
+                    f"{o}, {n} bytes) does not match its checksum", field=checksums.KEY,
+                    value=member, rule="stored bytes equal those checksummed when written")
         out[member] = (at, int(lens[0]), digests[inside])
     return out
 
@@ -553,7 +562,7 @@ class FileChunks(ChunkStore):
             places = plan.places(snap, members)
             if not places:
                 return None
-            pages = _page_places(snap, data, places)
+            pages = _page_places(snap, data, places, what)
             if pages is None:
                 return None
             source = PageSource(fd, name, pages)
@@ -564,21 +573,23 @@ class FileChunks(ChunkStore):
 
     def _structure_only(self, fd: int, path: Path, members: frozenset[str]
                         ) -> tuple[KVCacheSnapshot, checksums.ReadPlan, memoryview] | None:
-        """The snapshot of file ``fd`` over memory holding every byte but its page pools
-        (read with small reads; the pools' memory untouched), its read plan."""
+        """The snapshot of file ``fd`` over memory holding every byte but the page pools
+        of ``members`` (read with small reads; those pools' memory untouched), and its
+        read plan."""
         size = os.fstat(fd).st_size
         data = memoryview(alloc.empty((size,), np.uint8)) if size else memoryview(b"")
         known = next((layout for layout in self._by_size.get(size, ())
                       if layout.plan is not None), None)
         if known is not None:
-            pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2]
+            pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2
+                     and member_name(*r[2]) in members]
             for off, piece in _complement(data, pools):
                 _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
             if known.matches(data):
                 return known.read(data), known.plan, data
         try:
             f = HrryFile.over(fd, data, str(path))
-            pools = _pools(f)
+            pools = [r for r in _pools(f) if member_name(*r[2]) in members]
             for off, piece in _complement(data, pools):
                 _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
             snap = snapshot_from_file(f)

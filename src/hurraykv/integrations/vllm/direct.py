@@ -15,14 +15,11 @@ AMX tiles, a GPU cache) reads the segment whole first.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...io.checksums import KEY, ChecksumError
 from ...io.scatter import Destination, PageSource, Scatter
 from ...snapshot_members import member_name
-
-if TYPE_CHECKING:
-    from .loads import LoadJob, Target
 
 
 def destinations(layers: list[tuple[str, Any]]) -> list[list[Destination]] | None:
@@ -36,11 +33,11 @@ def destinations(layers: list[tuple[str, Any]]) -> list[list[Destination]] | Non
     return out
 
 
-def scatter_layer(job: LoadJob, target: Target, layer: int
+def scatter_layer(job: Any, target: Any, layer: int
                   ) -> tuple[int, dict[str, ChecksumError]]:
-    """Read, verify and place layer ``layer`` of every run of ``job`` whose segment
-    is a ``PageSource``: the bytes placed, and the segments with a page that was not
-    (damaged, or cut short in the file)."""
+    """Read, verify and place layer ``layer`` of every run of ``job`` (a ``LoadJob``
+    of ``target``, loads.py) whose segment is a ``PageSource``: the bytes placed, and
+    the segments with a page that was not (damaged, or cut short in the file)."""
     dests = target.destinations[layer]
     scatter = Scatter()
     for run in job.runs:
