@@ -142,9 +142,10 @@ def segment(layers: int = 16, pages: int = 64) -> hk.KVCacheSnapshot:
 
 
 def ratios(base: list[float], times: list[float]) -> tuple[float, float]:
-    """The best and the median ratio of a run to its paired baseline run."""
-    r = sorted(b / t for b, t in zip(base, times, strict=True))
-    return r[-1], statistics.median(r)
+    """The ratio of the best runs, and the median ratio of a run to its paired baseline
+    run (on a shared host one pair can be far apart either way: no best pair)."""
+    r = [b / t for b, t in zip(base, times, strict=True)]
+    return min(base) / min(times), statistics.median(r)
 
 
 def ms(times: list[float]) -> str:

@@ -97,7 +97,7 @@ class KVClient:
         self._stream = 1
         self._hdr = bytearray(HEADER.size)
         self._off = bytearray(8)
-        self.last_pull_hashed = 0  # pages the last pull hashed as they landed (verify=)
+        self.last_pull_hashed = 0  # pages the last pull checked as hashed on landing
         self.last_verify_seconds = 0.0  # what checking it cost, hashing included
         self.server_hello = self._handshake()
 
