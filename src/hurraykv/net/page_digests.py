@@ -81,9 +81,9 @@ class PullDigests:
         """The hasher of a member about to be received (None: not a page pool);
         ``region(n)``: the first ``n`` bytes of where its data region lands."""
         layout = desc.layout
-        if not isinstance(layout, BlockPaged) or not layout.num_pages \
-                or not desc.buffers or not desc.buffers[0].byte_size:
-            return None
+        if not isinstance(layout, BlockPaged) or not layout.num_pages or not desc.buffers \
+                or desc.buffers[0].byte_size < layout.num_pages:
+            return None  # nothing to hash as it lands (the check hashes what there is)
         hashes = PoolHashes(region(desc.buffers[0].byte_size), layout.num_pages,
                             self._compiled)
         self.pools[hashes.address] = hashes
