@@ -32,6 +32,18 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     return np.frombuffer(mm, dt, count=math.prod(shape)).reshape(shape)
 
 
+def sparse(nbytes: int) -> np.ndarray:
+    """``nbytes`` of uint8 of which only a few pages will be touched (a file's structure
+    read at its offsets, its page pools never): small pages, so each touch faults 4 KiB
+    and not a zeroed 2 MiB."""
+    if nbytes < MAPPED_FROM:
+        return np.empty(nbytes, np.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mm, np.uint8)
+
+
 def huge_mapping(nbytes: int) -> mmap.mmap:
     """An anonymous mapping of ``nbytes`` rounded up to 2 MiB, advised for 2 MiB pages."""
     mm = mmap.mmap(-1, -(-nbytes // HUGE) * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -93,7 +93,7 @@ def test_a_damaged_block_table_is_refused_before_any_page_is_read(tmp_path):
     assert at > 0
     data[at] ^= 0x02
     path.write_bytes(bytes(data))
-    with pytest.raises(checksums.ChecksumError, match="block_table|does not match"):
+    with pytest.raises(checksums.ChecksumError, match="does not match its checksum"):
         store.get_pages(name, MEMBERS)
 
 
@@ -104,6 +104,28 @@ def test_a_one_pass_load_is_a_use_for_eviction(tmp_path):
     new = put(store, 5)
     assert os.stat(store.path(old)).st_mtime_ns < os.stat(store.path(new)).st_mtime_ns
     later(tmp_path / "kv")
-    snap, source = store.get_pages(store.locate(keys(4))[0], MEMBERS)
+    _, source = store.get_pages(store.locate(keys(4))[0], MEMBERS)
     source.close()
     assert os.stat(store.path(old)).st_mtime_ns > os.stat(store.path(new)).st_mtime_ns
+
+
+@pytest.mark.parametrize("first", [0, 2])  # 8-byte aligned (packed stores), or not
+def test_a_transposed_destination_gets_each_page_transposed(tmp_path, first):
+    """CPU_ATTN's keys: each (block, head) holds ``[dims, rows]``; the pages of the
+    file ``[rows, heads, dims]`` are transposed on the way, packed or one by one."""
+    store = FileChunks(tmp_path / "kv")
+    name = put(store, 6)
+    snap, source = store.get_pages(name, MEMBERS)
+    rows, heads, dims = snap.tensor(0, "key").page_pool[0].shape
+    elem, blocks = 2, 8
+    memory = np.zeros(first + blocks * heads * dims * rows * elem + 8, np.uint8)
+    dest = scatter.destination(memory, first, heads * dims * rows * elem,
+                               (rows, heads, dims * elem, elem, elem, dims * rows * elem,
+                                rows * elem), blocks)
+    out = scatter.Scatter()
+    out.add(source, member_name(0, "key"), 0, list(range(blocks))[::-1], dest, "key")
+    assert out.run() == {}
+    source.close()
+    got = memory[first:first + blocks * heads * dims * rows * elem].view(np.float16)
+    got = got.reshape(blocks, heads, dims, rows)[::-1]
+    assert np.array_equal(got, segment(6).tensor(0, "key").page_pool.transpose(0, 2, 3, 1))

@@ -577,7 +577,7 @@ class FileChunks(ChunkStore):
         of ``members`` (read with small reads; those pools' memory untouched), and its
         read plan."""
         size = os.fstat(fd).st_size
-        data = memoryview(alloc.empty((size,), np.uint8)) if size else memoryview(b"")
+        data = memoryview(alloc.sparse(size)) if size else memoryview(b"")
         known = next((layout for layout in self._by_size.get(size, ())
                       if layout.plan is not None), None)
         if known is not None:

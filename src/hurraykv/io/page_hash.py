@@ -49,16 +49,17 @@ def reader() -> Callable[..., float] | None:
 
 
 def scatter_reader() -> Callable[..., int] | None:
-    """``fn(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok, first,
-    stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
+    """``fn(fd, stage, stage_t, dst, dst_t, dst_w, tasks, geoms, page_dst, digests, ok,
+    first, stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
     page, page count, geometry), read its pages from file ``fd`` a stage at a time into
     ``stage`` (a buffer that fits the core's L2), hash each page there and compare the
     digest with ``digests[page]``; a page that matches is placed into ``dst`` at byte
     ``page_dst[page]`` by its geometry (``geoms[g]``: rows N, heads H, row bytes,
     element size, the byte strides in ``dst`` of N, H and of a row's elements; the page
     is ``[N, H, row]`` in the file): one ``memcpy`` a row where its elements are
-    adjacent, else element by element through ``stage_t``/``dst_t`` (the same memory
-    viewed as unsigned integers of the element's size: CPU_ATTN's transposed keys), and
+    adjacent, else transposed (CPU_ATTN's keys) through ``stage_t``/``dst_t`` (the same
+    memory viewed as unsigned integers of the element's size) and ``dst_w`` (``dst`` as
+    uint64: rows adjacent in ``dst`` written 8 bytes at a time where aligned), and
     ``ok[page]`` set to 1.  A page that does not match, or is not in the file, is never
     written (``ok`` stays 0).  Returns the bytes read."""
     return _compiled()[2]
@@ -128,8 +129,34 @@ def _build() -> tuple[Any, Any]:
         return spent / 1e9
 
     @numba.njit(nogil=True)
-    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests,
-                            ok, first, stop):  # pragma: no cover - compiled
+    def transpose_packed(src, dst_w, at, to, rows, heads, dims, elem, h_step, d_step
+                         ):  # pragma: no cover - compiled
+        span, k = heads * dims, 8 // elem
+        s16, s32, s48 = np.uint64(16), np.uint64(32), np.uint64(48)
+        for h in range(heads):
+            for n0 in range(0, rows, k):
+                r = at + n0 * span + h * dims
+                out = to + h * h_step + (n0 * elem) // 8
+                if k == 4:
+                    for d in range(dims):
+                        dst_w[out + d * d_step] = (
+                            np.uint64(src[r + d]) | np.uint64(src[r + span + d]) << s16 |
+                            np.uint64(src[r + 2 * span + d]) << s32 |
+                            np.uint64(src[r + 3 * span + d]) << s48)
+                elif k == 2:
+                    for d in range(dims):
+                        dst_w[out + d * d_step] = (np.uint64(src[r + d]) |
+                                                   np.uint64(src[r + span + d]) << s32)
+                else:
+                    for d in range(dims):
+                        v = np.uint64(0)
+                        for j in range(k):
+                            v |= np.uint64(src[r + j * span + d]) << np.uint64(8 * elem * j)
+                        dst_w[out + d * d_step] = v
+
+    @numba.njit(nogil=True)
+    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, dst_w, tasks, geoms, page_dst,
+                            digests, ok, first, stop):  # pragma: no cover - compiled
         total = 0
         s_at, d_at = stage.ctypes.data, dst.ctypes.data
         for t in range(first, stop):
@@ -165,7 +192,14 @@ def _build() -> tuple[Any, Any]:
                             for h in range(heads):
                                 memcpy(d_at + base + n * s_n + h * s_h,
                                        s_at + src + (n * heads + h) * row, row)
-                    else:  # elements apart: transposed (CPU_ATTN keys)
+                    elif s_n == elem and rows % (8 // elem) == 0 and d_at % 8 == 0 and \
+                            base % 8 == 0 and s_h % 8 == 0 and s_d % 8 == 0:
+                        # transposed (CPU_ATTN keys): the 8 // elem rows that are adjacent
+                        # in the block packed into one 8-byte store (scalar stores of one
+                        # element each are what cap a transpose; loads stay contiguous)
+                        transpose_packed(stage_t, dst_w, src // elem, base // 8, rows,
+                                         heads, row // elem, elem, s_h // 8, s_d // 8)
+                    else:  # elements apart: transposed, one element at a time
                         dims, step, span = row // elem, s_n // elem, heads * (row // elem)
                         for h in range(heads):
                             for d in range(dims):

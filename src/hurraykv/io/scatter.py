@@ -52,8 +52,8 @@ def warm(widths: Iterable[int] = (1, 2, 4)) -> None:
     none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
     for width in sorted(set(widths)):
         typed = stage.view(WIDTHS[width])
-        fn(-1, stage, typed, stage, typed, none, one, np.zeros(0, np.int64),
-           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
+        fn(-1, stage, typed, stage, typed, stage.view(np.uint64), none, one,
+           np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
 
 
 @dataclass(eq=False)
@@ -87,6 +87,7 @@ class Destination:
 
     memory: np.ndarray
     typed: np.ndarray
+    wide: np.ndarray  # the same bytes as uint64 (8-byte stores of a transpose)
     first: int
     block: int
     geometry: tuple[int, int, int, int, int, int, int]
@@ -115,16 +116,17 @@ def destination(memory: np.ndarray, first: int, block: int,
                              f"pages of {blocks} blocks from byte {first} inside "
                              f"{len(memory)} bytes, aligned to their elements")
     typed = memory[:len(memory) // elem * elem].view(WIDTHS[elem])
-    return Destination(memory, typed, first, block, (rows, heads, row, elem, s_n, s_h, s_d),
-                       keep)
+    wide = memory[:len(memory) // 8 * 8].view(np.uint64)
+    return Destination(memory, typed, wide, first, block,
+                       (rows, heads, row, elem, s_n, s_h, s_d), keep)
 
 
 class _Group:
     """The tasks of one source file into one destination memory (one compiled call a
     band)."""
 
-    def __init__(self, fd: int, memory: np.ndarray, typed: np.ndarray) -> None:
-        self.fd, self.memory, self.typed = fd, memory, typed
+    def __init__(self, fd: int, dest: Destination) -> None:
+        self.fd, self.memory, self.typed, self.wide = fd, dest.memory, dest.typed, dest.wide
         self.tasks: list[tuple[int, int, int, int]] = []
         self.geoms: list[tuple[int, ...]] = []
         self.dst: list[np.ndarray] = []
@@ -172,7 +174,7 @@ class Scatter:
         key = (source.fd, dest.memory.ctypes.data)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(source.fd, dest.memory, dest.typed)
+            group = self._groups[key] = _Group(source.fd, dest)
         group.add(offset + first_page * size, size, dest.first + ids * dest.block,
                   digests[first_page:first_page + n], dest.geometry, tag, member, first_page)
         self.nbytes += n * size
@@ -197,8 +199,8 @@ def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
 
     def band(a: int, b: int) -> None:
         stage = _stage(page)
-        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed, tasks,
-           geoms, page_dst, digests, ok, a, b)
+        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed,
+           group.wide, tasks, geoms, page_dst, digests, ok, a, b)
 
     run_bands(band, len(tasks), len(page_dst) * page)
     failed: dict[Hashable, tuple[str, int]] = {}
