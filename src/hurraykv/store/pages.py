@@ -70,9 +70,15 @@ NOSCRIPT, in pipelines too (only the refused calls are sent again).
 
 Pages travel on the raw path of ``resp.py`` (MSETs gathered from the pool's memory, GET
 replies received into the rows being rebuilt) where the connection allows, else in
-redis-py pipelines.  ``members.py`` digests pages, ``manifest.py`` encodes manifests and
-prefix values, ``scripts.py`` holds the keys and the Lua, ``refs.py`` the reference calls,
-``reads.py`` and ``writes.py`` the two paths, ``fsck.py`` the repair after crashes.
+redis-py pipelines.  A get is one pipelined pass (``reads.py``): the GETs of the next
+1 MiB of pages are sent while the replies to the 1 MiB before arrive, each reply lands
+in its row by a scatter read, every member's rows are one buffer (recycled between gets
+when ``get`` is given ``buffers``, a ``buffers.ReadBuffers``: the ``redis://`` chunk
+store's), and ``get_hashed`` hashes each page as it lands, for the checksums the
+``redis://`` chunk store verifies.  ``members.py`` digests pages, ``manifest.py``
+encodes manifests and prefix values, ``scripts.py`` holds the keys and the Lua,
+``refs.py`` the reference calls, ``reads.py`` and ``writes.py`` the two paths,
+``buffers.py`` the recycled read buffers, ``fsck.py`` the repair after crashes.
 """
 
 from __future__ import annotations

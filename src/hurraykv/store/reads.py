@@ -11,6 +11,7 @@ cache.  The rows of every member are one buffer, recycled between gets when a
 
 from __future__ import annotations
 
+import binascii
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import xxhash
 
 from .. import alloc
 from ..errors import StoreError
+from ..io import page_hash
 from ..paged import byte_view
 from ..snapshot import KVCacheSnapshot
 from ..wire.descriptor import TensorDescriptor
@@ -38,6 +40,11 @@ from .scripts import page_key
 # enough for many replies a system call, small enough that a window's replies and hashes
 # stay in L2-to-L3 sized pieces and Redis buffers little
 WINDOW = 1 << 20
+
+
+# a page to receive: its digest, its row, the pool's bytes of the row (a checksum piece),
+# the row's address (for the compiled hasher)
+Job = tuple[bytes, memoryview, int, int]
 
 
 @dataclass
@@ -112,7 +119,7 @@ def assemble(refs: Refs, snapshot_id: str, items: list, table: list[bytes],
     taken = [(desc, skeleton, ds) for desc, skeleton, ds, take in plan if take]
     sizes = [_aligned(desc.layout.num_pages * page_width(desc)) for desc, _, _ in taken]
     block = buffers.take(sum(sizes)) if buffers is not None else None
-    jobs: list[tuple[bytes, memoryview, int]] = []
+    jobs: list[Job] = []
     members = []
     at = 0
     for (desc, skeleton, ds), size in zip(taken, sizes, strict=True):
@@ -167,7 +174,7 @@ def _pool_bytes(desc: TensorDescriptor) -> int:
 
 
 def rows_for(desc: TensorDescriptor, digests: list[bytes],
-             jobs: list[tuple[bytes, memoryview, int]], memory: np.ndarray | None = None
+             jobs: list[Job], memory: np.ndarray | None = None
              ) -> np.ndarray:
     """The member's page rows (in ``memory``, at least their size, where given), each
     referenced one a job for ``fetch`` (the row's bytes, the pool's part of them)."""
@@ -176,11 +183,13 @@ def rows_for(desc: TensorDescriptor, digests: list[bytes],
         memory[:n * width].reshape(n, width)
     flat = memoryview(rows.reshape(-1))  # a row a slice of it: cheaper than rows[i]
     pool = _pool_bytes(desc)
+    base = rows.ctypes.data
     for i, d in enumerate(digests):
         if d == ZERO:
             rows[i] = 0  # a page no sequence references comes back as zeros
         else:
-            jobs.append((d, flat[i * width:(i + 1) * width], pool))
+            at = i * width
+            jobs.append((d, flat[at:at + width], pool, base + at))
     return rows
 
 
@@ -200,21 +209,22 @@ def _resized(snapshot_id: str, plan: list, digest: bytes, found: Any, width: int
                       field="page", value=found, rule="a page of the size its manifest says")
 
 
-def fetch(refs: Refs, snapshot_id: str, jobs: list[tuple[bytes, memoryview, int]],
+def fetch(refs: Refs, snapshot_id: str, jobs: list[Job],
           plan: list, hashed: Hashed | None = None) -> dict[bytes, int]:
     """Fill every job's row: each distinct page is fetched once, its GET reply received
     straight into its first row; later rows of the same page are copied from that one.
     A hashed read returns each page's xxh3-64 digest (of the row's first ``pool`` bytes)
     by page digest, computed as the page lands."""
     first: dict[bytes, memoryview] = {}
-    fetch: list[tuple[bytes, memoryview, int]] = []
+    fetch: list[Job] = []
     copies: list[tuple[memoryview, memoryview]] = []
-    for d, row, pool in jobs:
+    for job in jobs:
+        d, row = job[0], job[1]
         if d in first:
             copies.append((row, first[d]))
         else:
             first[d] = row
-            fetch.append((d, row, pool))
+            fetch.append(job)
     digests = np.zeros(len(fetch), np.uint64)
     hasher = _hasher(fetch, digests, hashed)
     missing: list[bytes] = []
@@ -222,13 +232,14 @@ def fetch(refs: Refs, snapshot_id: str, jobs: list[tuple[bytes, memoryview, int]
         if wire is None:
             missing = _fetch_pipelined(refs, snapshot_id, fetch, plan, hasher)
         else:
-            windows = rounds([row.nbytes for _, row, _ in fetch], WINDOW)
+            windows = rounds([row.nbytes for _, row, _, _ in fetch], WINDOW)
+            commands = _gets(fetch)
             if windows:
-                wire.send(_gets(fetch, *windows[0]))
+                wire.send([commands[slice(*windows[0])]])
             for k, (a, b) in enumerate(windows):
                 if k + 1 < len(windows):  # queued before this window's replies are read
-                    wire.send(_gets(fetch, *windows[k + 1]))
-                views = [row for _, row, _ in fetch[a:b]]
+                    wire.send([commands[slice(*windows[k + 1])]])
+                views = [row for _, row, _, _ in fetch[a:b]]
                 landed = None if hasher is None else hasher(a, views)
                 try:
                     missing += [fetch[a + i][0] for i in wire.bulks_into(views, landed)]
@@ -241,24 +252,48 @@ def fetch(refs: Refs, snapshot_id: str, jobs: list[tuple[bytes, memoryview, int]
         raise missing_error(snapshot_id, plan, set(missing))
     for row, src in copies:
         row[:] = src
-    return {} if hashed is None else dict(zip([d for d, _, _ in fetch], digests.tolist(),
+    return {} if hashed is None else dict(zip([d for d, _, _, _ in fetch], digests.tolist(),
                                               strict=True))
 
 
-def _gets(fetch: list[tuple[bytes, memoryview, int]], a: int, b: int) -> list[bytes]:
-    return [get_command(page_key(d)) for d, _, _ in fetch[a:b]]
+def _gets(fetch: list[Job]) -> np.ndarray:
+    """The GET command of every page of ``fetch``, one a row: page keys are all of one
+    length, so the commands are one template with each digest's hex put in place (no
+    Python per page)."""
+    probe = bytes(range(16))
+    template = get_command(page_key(probe))
+    at = template.index(probe.hex().encode())
+    out = np.tile(np.frombuffer(template, np.uint8), (len(fetch), 1))
+    out[:, at:at + 32] = np.frombuffer(
+        binascii.hexlify(b"".join([d for d, _, _, _ in fetch])), np.uint8).reshape(-1, 32)
+    return out
 
 
-def _hasher(fetch: list[tuple[bytes, memoryview, int]], digests: np.ndarray,
-            hashed: Hashed | None) -> Callable[[int, list[memoryview]], Any] | None:
+def _hasher(fetch: list[Job], digests: np.ndarray, hashed: Hashed | None
+            ) -> Callable[[int, list[memoryview]], Any] | None:
     """``hasher(a, views)``: the ``landed(x, y)`` of the window of ``fetch`` from page
     ``a`` on received into ``views``: pages ``a + x`` to ``a + y - 1`` have landed, and
     their digests are taken at once, while they are in cache (None: a read that hashes
-    nothing)."""
+    nothing).  With the compiled hasher (``io/page_hash.py``, once the process has built
+    it, as the vLLM connector does at start) one call hashes them all, 2.5x faster than
+    ``xxhash`` page by page here (it picks the CPU's widest vectors)."""
     if hashed is None:
         return None
-    digest = xxhash.xxh3_64_intdigest
     clock = time.perf_counter
+    compiled = page_hash.hasher() if page_hash.built() else None
+    if compiled is not None:
+        addresses = np.array([job[3] for job in fetch], np.uint64)
+        lengths = np.array([job[2] for job in fetch], np.uint64)
+
+        def hasher(a: int, views: list[memoryview]) -> Callable[[int, int], None]:
+            def landed(x: int, y: int) -> None:
+                started = clock()
+                compiled(0, addresses[a + x:a + y], lengths[a + x:a + y],
+                         digests[a + x:a + y])
+                hashed.seconds += clock() - started
+            return landed
+        return hasher
+    digest = xxhash.xxh3_64_intdigest
 
     def hasher(a: int, views: list[memoryview]) -> Callable[[int, int], None]:
         def landed(x: int, y: int) -> None:
@@ -272,17 +307,17 @@ def _hasher(fetch: list[tuple[bytes, memoryview, int]], digests: np.ndarray,
     return hasher
 
 
-def _fetch_pipelined(refs: Refs, snapshot_id: str, fetch: list[tuple[bytes, memoryview, int]],
+def _fetch_pipelined(refs: Refs, snapshot_id: str, fetch: list[Job],
                      plan: list, hasher: Callable[[int, list[memoryview]], Any] | None
                      ) -> list[bytes]:
     """``fetch``'s pages through redis-py pipelines (a cluster, TLS), BATCH_BYTES a round
     trip, each copied into its row; the digests of those missing."""
     missing = []
-    for a, b in rounds([row.nbytes for _, row, _ in fetch]):
+    for a, b in rounds([row.nbytes for _, row, _, _ in fetch]):
         batch = fetch[a:b]
-        values = refs.batched([d for d, _, _ in batch], [0] * len(batch),
+        values = refs.batched([d for d, _, _, _ in batch], [0] * len(batch),
                               lambda p, d: p.get(page_key(d)))
-        for i, ((d, row, _), v) in enumerate(zip(batch, values, strict=True)):
+        for i, ((d, row, _, _), v) in enumerate(zip(batch, values, strict=True)):
             if v is None:
                 missing.append(d)
             elif len(v) != row.nbytes:

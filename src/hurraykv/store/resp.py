@@ -4,8 +4,10 @@ redis-py packs every command into one new bytes object (hiredis copies each page
 it) and returns every reply as a new bytes object: two copies of every page and a
 Python call per page, which cost PageStore more time than the network did.  Here page
 bytes go from the caller's arrays to the socket with ``sendmsg`` (gathered, no copy),
-pages travel many to an ``MSET``, and ``GET`` replies are received with ``recv_into``
-straight into the rows of the pool being rebuilt.
+pages travel many to an ``MSET``, and ``GET`` replies are received by scatter reads
+(``recvmsg_into``, ``Wire.bulks_into``) straight into the rows of the pools being
+rebuilt: the replies' headers into one small buffer, checked against those expected,
+each value into its row, hundreds of replies a system call, nothing joined or copied.
 
 Only for a plain TCP or Unix-socket connection to one server; ``open_wire`` answers
 None for anything else (TLS, a cluster, a redis-py without the attributes relied on)
