@@ -41,10 +41,10 @@ and its ``lmcache.v1.multiprocess.server``, in ``.venv-lmcache``).  Per row one 
 runs the long-doc-qa warm-up round (with its pre-warmup) and stops; a fresh one runs its
 own pre-warmup, the query round, then multi-round-qa, then prefix_repetition.  Every
 workload is the same seeded token ids for every row.  Per workload and row: the time to
-first token p50/p99 of the measured requests (client side: request sent to the first
-streamed token), the share of prompt tokens the server reported cached, and the
-throughput (requests/s and prompt tokens/s over the measured requests' wall time), with
-ratios against no connector and against the best peer (ExampleConnector or LMCache,
+first token of the measured requests, best, p50 and p99 (client side: request sent to
+the first streamed token), the share of prompt tokens the server reported cached, and
+the throughput (requests/s and prompt tokens/s over the measured requests' wall time),
+with ratios against no connector and against the best peer (ExampleConnector or LMCache,
 whichever is better in that column).  Targets: every hurraykv row ahead of both peers
 (TTFT p50 below and throughput above the best peer's); on long-doc-qa, a hit's TTFT p50
 below ExampleConnector's.
@@ -417,7 +417,8 @@ def summary(records: list[dict], wall: float) -> dict:
     ok = [r for r in records if r["error"] is None and r["first"] is not None]
     ttft = [(r["first"] - r["sent"]) * 1e3 for r in ok]
     prompt = sum(r["prompt"] for r in records)
-    return {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "rps": len(ok) / wall,
+    return {"best": min(ttft, default=float("nan")), "p50": pct(ttft, 50),
+            "p99": pct(ttft, 99), "rps": len(ok) / wall,
             "tps": sum(r["prompt"] for r in ok) / wall,
             "cached": sum(r["cached"] for r in ok) / prompt if prompt else 0.0,
             "failed": len(records) - len(ok), "n": len(records)}
@@ -447,12 +448,12 @@ def grid(name: str, title: str, results: list[dict]) -> tuple[str, tuple, list]:
                            + ("met" if below else "MISSED"))
         out.append((rows[key].label, f"{s['cached']:.0%}" + (
             f" ({s['failed']} failed)" if s["failed"] else ""),
-            f"{s['p50']:.1f} / {s['p99']:.1f}",
+            f"{s['best']:.1f} / {s['p50']:.1f} / {s['p99']:.1f}",
             ratio(s["p50"], none["p50"]) if none else "-", ratio(s["p50"], best_ttft),
             f"{s['rps']:.2f} ({s['tps']:.0f} tok/s)",
             ratio(s["rps"], none["rps"]) if none else "-", ratio(s["rps"], best_rps),
             target))
-    head = ("row", "cached", "TTFT p50 / p99 ms", "p50 x none", "p50 x best peer",
+    head = ("row", "cached", "TTFT best / p50 / p99 ms", "p50 x none", "p50 x best peer",
             "requests/s (prompt tok/s)", "req/s x none", "req/s x best peer", "target")
     return title, head, out
 
