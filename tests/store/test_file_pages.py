@@ -129,3 +129,24 @@ def test_a_transposed_destination_gets_each_page_transposed(tmp_path, first):
     got = memory[first:first + blocks * heads * dims * rows * elem].view(np.float16)
     got = got.reshape(blocks, heads, dims, rows)[::-1]
     assert np.array_equal(got, segment(6).tensor(0, "key").page_pool.transpose(0, 2, 3, 1))
+
+
+def test_the_layouts_of_stored_segments_are_learned_at_start(tmp_path, monkeypatch):
+    """A process's first load of a segment structure reads at the speed of the rest:
+    ``learn_layouts`` (called when the connector registers the engine's caches) parses
+    the newest segment of each size once, so the first ``get_pages`` of a segment of
+    that size reads its structure with small reads and no parse."""
+    writer = FileChunks(tmp_path / "kv")
+    put(writer, 7)
+    writer.put(keys(8), 0, segment(8, pages=16), {})  # another size
+    reader = FileChunks(tmp_path / "kv")
+    assert reader.learn_layouts(MEMBERS) == 2
+    assert sorted(reader._by_size) == sorted(p.stat().st_size
+                                             for p in (tmp_path / "kv").glob("*.hrry"))
+    assert reader.learn_layouts(MEMBERS) == 0  # known: nothing parsed again
+    parsed = []
+    original = checksums.ReadPlan.of
+    monkeypatch.setattr(checksums.ReadPlan, "of",
+                        classmethod(lambda cls, *a: parsed.append(1) or original(*a)))
+    _, failed = place(reader, reader.locate(keys(7))[0], list(range(8)))
+    assert failed == {} and parsed == []

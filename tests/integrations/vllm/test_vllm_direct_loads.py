@@ -137,3 +137,14 @@ def test_a_damaged_page_never_reaches_its_block_and_its_blocks_are_recomputed(
     assert torch.equal(w.target.layers[0][1].read([dst[4]])[0],
                        w.target.layers[0][1].read([src[4]])[0])
     assert w.ctx.stats["chunks_corrupt"] == 3
+
+
+def test_an_engine_started_after_segments_were_stored_knows_their_layout(side, tmp_path):
+    """``register_kv_caches`` learns the stored segments' file layouts (start-up, not a
+    process's first hit, parses them)."""
+    url = (tmp_path / "kv").as_uri()
+    first = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16)
+    store_one(side, first, tmp_path, list(range(3, 9)))
+    later = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16)
+    sizes = later.ctx.loads.call("sizes", lambda store: sorted(store._by_size), None)
+    assert sizes == [p.stat().st_size for p in (tmp_path / "kv").glob("*.hrry")]

@@ -100,6 +100,9 @@ class WorkerSide:
                              list(self.saver.groups), states, self.saver.group_map)
         if self.target.destinations is not None:  # compiled for this cache's elements
             scatter.warm({d.geometry[3] for parts in self.target.destinations for d in parts})
+            pools = self.target.pools  # the stored segments' structures known before a hit
+            ctx.loads.call("learn", lambda store: store.learn_layouts(pools) if hasattr(
+                store, "learn_layouts") else 0, 0)
         self.step = StepLoads(lambda: self.target, dtype)
         self.loader = Loader(lambda: self.target, dtype)
         log.info("HurrayConnector: %d layers of %s (%s)%s, chunks of %d tokens in %s; "
