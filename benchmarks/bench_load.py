@@ -7,13 +7,13 @@ CPU_ATTN (LBHNC, keys transposed) and FlashAttention's NHD (LBNHC).
 
 Each configuration runs in a fresh process, whose loading connector is made (and
 registers the caches) after the segment was stored, as a new engine meets a store; its
-first load is a process's first.  It loads the same hit ``LOADS`` times; the table gives the first load and the best and
-median of the rest (the steady state), each as a ratio to a 1-thread copy of the same
-bytes into touched memory measured in the same process, for the one-pass path
-(``io/scatter.py``: each page read from the file into its block and verified there)
-and for the path that reads the segment whole into a buffer first (the baseline of
-issue 47).  The segment file is in the page cache (written just before), as a hot
-store's are.
+first load is a process's first. It loads the same hit ``LOADS`` times; the table gives
+the first load and the best and median of the rest (the steady state), each as a ratio
+to a 1-thread copy of the same bytes into touched memory measured in the same process,
+for the one-pass path (``io/scatter.py``: each page read from the file into its block
+and verified there) and for the path that reads the segment whole into a buffer first
+(the baseline of issue 47). The segment file is in the page cache (written just before),
+as a hot store's are.
 
     .venv/bin/python benchmarks/bench_load.py [--threads N]
 """

@@ -33,7 +33,6 @@ from tests.integrations.vllm.test_vllm_worker import (
     load_of,
     run_step,
     save,
-    side,  # noqa: F401 - the fixture
 )
 
 pytestmark = pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
@@ -43,6 +42,13 @@ BLOCKS = 64
 CASES = [("CPU_ATTN", "LBHNC", torch.bfloat16), ("CPU_ATTN", "LBHNC", torch.float32),
          ("FLASH_ATTN", "LBNHC", torch.bfloat16), ("FLASH_ATTN", "LBHNC", torch.bfloat16),
          ("FLASHINFER", "BLNHC", torch.float16)]
+
+
+@pytest.fixture
+def side():
+    s = Side()
+    yield s
+    s.close()
 
 
 def vllm_caches(layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
