@@ -231,13 +231,15 @@ def chunk_get_rows(client: Any, port: int, scale: int, rounds: int
     runs = {"raw": raw, "redis-py": redis_py, "get": ours(store.get),
             "get_verified": ours(store.get_verified)}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's, not Redis's
     gc.collect()
     for i in range(rounds):
         order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
         for k in order:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             runs[k]()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
     store.close()
     best_of = {k: min(v) for k, v in times.items()}
     median = {k: float(np.median(v)) for k, v in times.items()}
@@ -246,12 +248,12 @@ def chunk_get_rows(client: Any, port: int, scale: int, rounds: int
     def row(label: str, k: str, target: float | None) -> tuple[str, str, str, str]:
         ratio_best, ratio_median = best_of["raw"] / best_of[k], median["raw"] / median[k]
         return (label, f"{best_of[k] * 1e3:.1f} ms best, {median[k] * 1e3:.1f} median "
-                f"({nbytes / best_of[k] / gib:.2f} GiB/s)",
+                f"({nbytes / best_of[k] / gib:.2f} GiB/s); CPU {min(cpu[k]) * 1e3:.1f} ms",
                 f"{ratio_best:.2f}x best, {ratio_median:.2f}x median",
                 "" if target is None else verdict(ratio_median, target))
     return (f"redis:// get of one segment, {nbytes / (1 << 20):.0f} MiB in {len(keys)} "
             f"pages, against raw pipelined GETs of the same pages; {rounds} interleaved "
-            "rounds (target on the median)", [
+            "rounds (target on the median; CPU: the least this process used for one)", [
                 row("raw GETs, pipelined, into a touched buffer", "raw", None),
                 row("redis-py GETs of the same pages, pipelined", "redis-py", None),
                 row("RedisChunks.get (one pass, recycled buffer)", "get", 0.8),
