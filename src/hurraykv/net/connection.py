@@ -400,15 +400,15 @@ class Connection(asyncio.BufferedProtocol):
         if not self._writable.is_set():
             await self._writable.wait()
 
-    async def send_data(self, header: bytes, parts: list[Any]) -> None:
-        """One TENSOR_DATA frame (its header, its data as byte views), then ``drain``.
-        On a plain socket the data goes from its own memory to the socket: the
-        transport would copy every byte the socket does not take at once into its
-        buffer (most of a frame, when a pull outpaces its client), so once the transport
-        holds nothing the frame is written with ``sendmsg``, waiting for room as the
-        socket fills; messages sent meanwhile follow the frame."""
+    async def send_data(self, parts: list[Any]) -> None:
+        """Whole messages (a pull's data frames: their headers, their data as byte
+        views), then ``drain``.  On a plain socket the data goes from its own memory to
+        the socket: the transport would copy every byte the socket does not take at once
+        into its buffer (most of a frame, when a pull outpaces its client), so once the
+        transport holds nothing the parts are written with ``sendmsg``, waiting for room
+        as the socket fills; messages sent meanwhile follow them."""
         if self._raw is None:
-            self.send(header, *parts)
+            self.send(*parts)
             await self.drain()
             return
         async with self._frames:
@@ -417,7 +417,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             self._behind = []
             try:
-                sent = await self._write_direct([header, *parts])
+                sent = await self._write_direct(parts)
                 self.server.counts.bytes_sent += sent
             finally:
                 behind, self._behind = self._behind, None

@@ -65,22 +65,30 @@ async def send_object(s: Session, stream: int, key: str, obj: StoredObject) -> N
     try:
         for desc, buffers in obj.items:
             total = sum(h.byte_size for h in desc.buffers)
-            s.send(frame(MessageType.TENSOR_DESCRIPTOR, stream,
-                         DescriptorMessage(desc, total)))
+            # a tensor's messages go out together: its descriptor with its first frame,
+            # its end with its last (one write each, fewer system calls)
+            out = [frame(MessageType.TENSOR_DESCRIPTOR, stream,
+                         DescriptorMessage(desc, total))]
             plan = DataPlan([b if isinstance(b, FileBytes) else memoryview(b).cast("B")
                              for b in buffers])
-            for offset, parts in plan.frames(max_frame):
+            frames = list(plan.frames(max_frame))
+            for k, (offset, parts) in enumerate(frames):
                 if s.closing():
                     break
                 # read before the frame's header goes out: a short read can still be
                 # answered with ERROR on a stream whose framing is intact
                 data = [p.read() if isinstance(p, FileBytes) else p for p in parts]
                 size = sum(len(d) if isinstance(d, bytes) else d.nbytes for d in data)
-                await s.send_data(encode_data_header(stream, offset, size), data)
+                out += [encode_data_header(stream, offset, size), *data]
+                if k == len(frames) - 1:
+                    out.append(frame(MessageType.TENSOR_DATA_END, stream))
+                await s.send_data(out)
+                out = []
                 sent += size
             if s.closing():
                 break
-            s.send(frame(MessageType.TENSOR_DATA_END, stream))
+            if not frames:
+                s.send(*out, frame(MessageType.TENSOR_DATA_END, stream))
     except UnreadableObject as e:
         s.server.store.drop_opened(obj)
         fail_pull(s, stream, key, e, sent)

@@ -81,8 +81,8 @@ class Session(Protocol):
         """Whether the connection is closed or closing (what is sent now is dropped)."""
         ...
 
-    async def send_data(self, header: bytes, parts: list[Any]) -> None:
-        """Write one TENSOR_DATA frame (``header``, then ``parts``: byte views, sent from
+    async def send_data(self, parts: list[Any]) -> None:
+        """Write whole messages (a pull's data frames: headers and byte views, sent from
         their own memory where the transport allows), then wait as :meth:`drain` does."""
         ...
 
