@@ -152,6 +152,12 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
         for ours, theirs in zip(loaded.layer(layer), segment.layer(layer), strict=True):
             assert np.array_equal(ours.gather(0).view(np.uint8), theirs.gather(0).view(np.uint8))
     assert connector.stats["chunks_loaded"] == 6
+    # read from the file straight into the blocks (one pass) wherever the engine's
+    # cache is laid out by strides (VEC); AMX tiles are read through a buffer
+    tiled = any(view._tiles is not None for _, view in connector.worker.target.layers)
+    direct = connector.stats["bytes_loaded_direct"]
+    assert direct == (0 if tiled else connector.stats["bytes_loaded"]) and (
+        tiled or direct > 0)
     eng.close()
 
 
