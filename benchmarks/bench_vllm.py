@@ -15,7 +15,8 @@ Every engine runs in its own process (``hurraykv.integrations.engine_run``), vll
    calls plus what runs beside the engine for it (hurraykv's background writer thread,
    and the CPU time of a store server - LMCache's, ``hurraykv serve``, redis-server -
    over the engine's run), so a contender that saves off the request path is not
-   credited with work it only moved.
+   credited with work it only moved; the median request's and the best one's (on a
+   host shared with other work, the best shows the cost without them).
    Peers: vLLM's ExampleConnector (safetensors files) and LMCache 0.5.6 in server mode
    (LMCacheMPConnector).  hurraykv with the file URL must cost less than both peers,
    storing and hitting; the server and Redis URLs are reported too.
@@ -269,22 +270,30 @@ def peers(work: Path, n_prompts: int, repeats: int) -> list[tuple[str, str, str,
                                              server))
                 hit[name].append(measured(conn, rep, kw, f"{slug}-hit{rep}", python, server))
 
-    def work_ms(results: list[dict]) -> float:
-        """Total work per request: the connector's calls (foreground) plus what runs
-        beside the engine for it - hurraykv's writer thread (``write_seconds``) and the
-        store server's CPU time over the engine's run - per request."""
-        beside = [(r["stats"].get("write_seconds", 0.0) + r["server_cpu"]) / len(r["times"])
-                  for r in results]
-        return med(results, "connector_times") + float(np.median(beside)) * 1e3
+    def works_ms(results: list[dict]) -> np.ndarray:
+        """Total work of each request (the first of each engine left out): its connector
+        calls (foreground) plus its share of what ran beside the engine for it -
+        hurraykv's writer thread (``write_seconds``) and the store server's CPU time over
+        the engine's run."""
+        return np.array([c + (r["stats"].get("write_seconds", 0.0) + r["server_cpu"])
+                         / len(r["times"]) for r in results
+                         for c in r["connector_times"][1:]]) * 1e3
 
-    rows = [("no connector", "", med(none), 0.0, 0.0)]
+    def work_ms(results: list[dict]) -> float:
+        return float(np.median(works_ms(results)))
+
+    def best_ms(results: list[dict]) -> float:
+        # a host shared with other work: the best request shows the cost without them
+        return float(works_ms(results).min())
+
+    rows = [("no connector", "", med(none), 0.0, 0.0, 0.0)]
     for name, *_ in contenders:
         reused = [o["num_cached_tokens"] for r in hit[name] for o in r["outputs"]]
         assert min(reused) >= 192, (name, reused)
         rows += [(name, "storing", med(stored[name]), med(stored[name], "connector_times"),
-                  work_ms(stored[name])),
+                  work_ms(stored[name]), best_ms(stored[name])),
                  (name, f"{min(reused)}-token hit", med(hit[name]),
-                  med(hit[name], "connector_times"), work_ms(hit[name]))]
+                  med(hit[name], "connector_times"), work_ms(hit[name]), best_ms(hit[name]))]
     base = rows[0][2]
 
     def best_peer(kind: str, col: int) -> float:
@@ -292,16 +301,18 @@ def peers(work: Path, n_prompts: int, repeats: int) -> list[tuple[str, str, str,
                    and not r[0].startswith("hurraykv"))
 
     out = []
-    for name, kind, ms, calls, work in rows:
+    for name, kind, ms, calls, work, best in rows:
         target = ""
         if name == "hurraykv file://":
             k = "storing" if kind == "storing" else "1"
-            peer, peer_work = best_peer(k, 2), best_peer(k, 4)
+            peer, peer_work, peer_best = best_peer(k, 2), best_peer(k, 4), best_peer(k, 5)
             target = (f"< {peer:.1f} ms " + ("met" if ms < peer else "MISSED")
                       + f"; work < {peer_work:.2f} ms "
-                      + ("met" if work < peer_work else "MISSED") + " (best peers)")
+                      + ("met" if work < peer_work else "MISSED")
+                      + f", best < {peer_best:.2f} ms "
+                      + ("met" if best < peer_best else "MISSED") + " (best peers)")
         value = f"{ms:.1f} ms" + (f" (connector calls {calls:.2f} ms, total work "
-                                  f"{work:.2f} ms)" if calls else "")
+                                  f"{work:.2f} ms, best {best:.2f} ms)" if calls else "")
         out.append((f"{name} {kind}".strip(), value, f"{ms / base:.2f}x", target))
     return out
 
