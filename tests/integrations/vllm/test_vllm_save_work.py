@@ -69,7 +69,8 @@ def test_a_miss_is_stored_without_asking_the_store_what_its_lookup_found_missing
         side, tmp_path):
     """A 100-token prompt the store lacks: its lookup found chunks 0-2 missing, so the
     writer stores them without ``has`` (it asked once before).  Decoding on to 129 tokens
-    completes chunk 3, which no lookup asked about: the writer asks the store first."""
+    completes chunk 3 in a later step: the writer asks the store first (another engine
+    may have stored it since the lookup), as it does for a chunk no lookup asked about."""
     url = (tmp_path / "kv").as_uri()
     store = CountingStore(url)
     w = side.worker(url, lambda: store)
@@ -90,9 +91,17 @@ def test_a_miss_is_stored_without_asking_the_store_what_its_lookup_found_missing
     assert w.ctx.stats["segments_saved"] == 2
     assert (store.calls["put"], store.calls["has"]) == (2, 1)  # unknown to the lookup
 
-    # what the store holds now is found by the next request's lookup, and loaded
-    again = request("b", list(range(1, 101)))
-    assert match(sched, again, 0) == (96, False)
+    # a hit of chunks 0-2 whose prefill completes chunk 3 in the lookup's own step: no
+    # lookup asked about chunk 3, so the writer does
+    hit = request("b", list(range(1, 97)) + list(range(500, 532)))  # 128 tokens
+    assert match(sched, hit, 0) == (96, False)
+    alloc(sched, hit, 96)
+    more = list(range(20, 28))
+    plan = engine_step(sched, w, step(new=[("b", more, 96)], scheduled={"b": 32}))
+    w.drain()
+    assert len(plan.loads) == 1 and [(t.first_chunk, t.absent) for t in plan.saves] == [
+        (3, False)]
+    assert (store.calls["put"], store.calls["has"]) == (3, 2)
 
 
 def test_a_step_that_loads_and_saves_nothing_builds_no_plan_and_counts_nothing(
