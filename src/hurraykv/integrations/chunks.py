@@ -467,7 +467,9 @@ def store_classes(plugins: bool = True) -> tuple[type[ChunkStore], ...]:
     the built-ins only (no entry point loaded)."""
     if not plugins:
         _import_builtins()
-        return tuple(dict.fromkeys(c for c in _REGISTRY.values() if _builtin(c)))
+        rank = {f"{__package__}.{m}": i for i, m in enumerate(BUILTIN)}
+        return tuple(sorted(dict.fromkeys(c for c in _REGISTRY.values() if _builtin(c)),
+                            key=lambda c: rank[c.__module__]))  # whatever imported first
     return tuple(dict.fromkeys(_registered().values()))
 
 
