@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
+from . import stream_stores
 
 _UNSET: Any = object()
 _built: Any = _UNSET
@@ -49,17 +50,17 @@ def reader() -> Callable[..., float] | None:
 
 
 def scatter_reader() -> Callable[..., int] | None:
-    """``fn(fd, stage, stage_t, dst, dst_t, dst_w, tasks, geoms, page_dst, digests, ok,
-    first, stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
+    """``fn(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok, first,
+    stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
     page, page count, geometry), read its pages from file ``fd`` a stage at a time into
     ``stage`` (a buffer that fits the core's L2), hash each page there and compare the
     digest with ``digests[page]``; a page that matches is placed into ``dst`` at byte
     ``page_dst[page]`` by its geometry (``geoms[g]``: rows N, heads H, row bytes,
     element size, the byte strides in ``dst`` of N, H and of a row's elements; the page
     is ``[N, H, row]`` in the file): one ``memcpy`` a row where its elements are
-    adjacent, else transposed (CPU_ATTN's keys) through ``stage_t``/``dst_t`` (the same
-    memory viewed as unsigned integers of the element's size) and ``dst_w`` (``dst`` as
-    uint64: rows adjacent in ``dst`` written 8 bytes at a time where aligned), and
+    adjacent (streaming stores, ``stream_stores``), else transposed (CPU_ATTN's keys:
+    through a tile in L1, streamed out per head) or element by element through
+    ``stage_t``/``dst_t`` (the same memory as unsigned integers of the element's size), and
     ``ok[page]`` set to 1.  A page that does not match, or is not in the file, is never
     written (``ok`` stays 0).  Returns the bytes read."""
     return _compiled()[2]
@@ -99,6 +100,10 @@ def _build() -> tuple[Any, Any]:
     memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     memcpy.restype = ctypes.c_void_p
     monotonic = 1  # CLOCK_MONOTONIC
+    streaming = stream_stores.build(memcpy)
+    if streaming is None:
+        return None, None, None
+    copy_row, fence = streaming
 
     # Not cached: the compiled code holds the addresses the libraries were loaded at.
     @numba.njit(nogil=True)
@@ -129,35 +134,36 @@ def _build() -> tuple[Any, Any]:
         return spent / 1e9
 
     @numba.njit(nogil=True)
-    def transpose_packed(src, dst_w, at, to, rows, heads, dims, elem, h_step, d_step
-                         ):  # pragma: no cover - compiled
-        span, k = heads * dims, 8 // elem
+    def transpose_head(src, tile, at, rows, heads, dims, elem, h):  # pragma: no cover
+        # head h of the page at element ``at`` of ``src`` ([rows, heads, dims]) into
+        # ``tile`` as [dims, rows]: the 8 // elem rows adjacent in the tile packed into
+        # one 8-byte store, each row of the page read contiguously
+        span, k, width = heads * dims, 8 // elem, rows * elem // 8
         s16, s32, s48 = np.uint64(16), np.uint64(32), np.uint64(48)
-        for h in range(heads):
-            for n0 in range(0, rows, k):
-                r = at + n0 * span + h * dims
-                out = to + h * h_step + (n0 * elem) // 8
-                if k == 4:
-                    for d in range(dims):
-                        dst_w[out + d * d_step] = (
-                            np.uint64(src[r + d]) | np.uint64(src[r + span + d]) << s16 |
-                            np.uint64(src[r + 2 * span + d]) << s32 |
-                            np.uint64(src[r + 3 * span + d]) << s48)
-                elif k == 2:
-                    for d in range(dims):
-                        dst_w[out + d * d_step] = (np.uint64(src[r + d]) |
-                                                   np.uint64(src[r + span + d]) << s32)
-                else:
-                    for d in range(dims):
-                        v = np.uint64(0)
-                        for j in range(k):
-                            v |= np.uint64(src[r + j * span + d]) << np.uint64(8 * elem * j)
-                        dst_w[out + d * d_step] = v
+        for n0 in range(0, rows, k):
+            r, col = at + n0 * span + h * dims, n0 * elem // 8
+            if k == 4:
+                for d in range(dims):
+                    tile[d * width + col] = (
+                        np.uint64(src[r + d]) | np.uint64(src[r + span + d]) << s16 |
+                        np.uint64(src[r + 2 * span + d]) << s32 |
+                        np.uint64(src[r + 3 * span + d]) << s48)
+            elif k == 2:
+                for d in range(dims):
+                    tile[d * width + col] = (np.uint64(src[r + d]) |
+                                             np.uint64(src[r + span + d]) << s32)
+            else:
+                for d in range(dims):
+                    v = np.uint64(0)
+                    for j in range(k):
+                        v |= np.uint64(src[r + j * span + d]) << np.uint64(8 * elem * j)
+                    tile[d * width + col] = v
 
     @numba.njit(nogil=True)
-    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, dst_w, tasks, geoms, page_dst,
-                            digests, ok, first, stop):  # pragma: no cover - compiled
+    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests,
+                            ok, first, stop):  # pragma: no cover - compiled
         total = 0
+        tile = np.empty(0, np.uint64)
         s_at, d_at = stage.ctypes.data, dst.ctypes.data
         for t in range(first, stop):
             off, page, count, g = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
@@ -182,23 +188,25 @@ def _build() -> tuple[Any, Any]:
                         continue
                     base = page_dst[p]
                     if s_d == elem and s_h == row and s_n == heads * row:  # the same page
-                        memcpy(d_at + base, s_at + src, size)
+                        copy_row(d_at + base, s_at + src, size)
                     elif s_d == elem and s_h == row:
                         for n in range(rows):
-                            memcpy(d_at + base + n * s_n, s_at + src + n * heads * row,
-                                   heads * row)
+                            copy_row(d_at + base + n * s_n, s_at + src + n * heads * row,
+                                     heads * row)
                     elif s_d == elem:
                         for n in range(rows):
                             for h in range(heads):
-                                memcpy(d_at + base + n * s_n + h * s_h,
-                                       s_at + src + (n * heads + h) * row, row)
-                    elif s_n == elem and rows % (8 // elem) == 0 and d_at % 8 == 0 and \
-                            base % 8 == 0 and s_h % 8 == 0 and s_d % 8 == 0:
-                        # transposed (CPU_ATTN keys): the 8 // elem rows that are adjacent
-                        # in the block packed into one 8-byte store (scalar stores of one
-                        # element each are what cap a transpose; loads stay contiguous)
-                        transpose_packed(stage_t, dst_w, src // elem, base // 8, rows,
-                                         heads, row // elem, elem, s_h // 8, s_d // 8)
+                                copy_row(d_at + base + n * s_n + h * s_h,
+                                         s_at + src + (n * heads + h) * row, row)
+                    elif s_n == elem and s_d == rows * elem and rows % (8 // elem) == 0:
+                        # transposed (CPU_ATTN keys: each head's [dims, rows] contiguous):
+                        # built in a tile that stays in L1, then streamed out whole
+                        if len(tile) * 8 < row * rows:
+                            tile = np.empty(row * rows // 8, np.uint64)
+                        for h in range(heads):
+                            transpose_head(stage_t, tile, src // elem, rows, heads,
+                                           row // elem, elem, h)
+                            copy_row(d_at + base + h * s_h, tile.ctypes.data, row * rows)
                     else:  # elements apart: transposed, one element at a time
                         dims, step, span = row // elem, s_n // elem, heads * (row // elem)
                         for h in range(heads):
@@ -209,8 +217,10 @@ def _build() -> tuple[Any, Any]:
                                     dst_t[to + n * step] = stage_t[fr + n * span]
                     ok[p] = 1
                 if pos < want:
+                    fence()
                     return total
                 done += k
+        fence()  # the streaming stores seen by every core before the caller goes on
         return total
 
     return hash_pieces, read_and_hash, read_verify_scatter

@@ -52,8 +52,8 @@ def warm(widths: Iterable[int] = (1, 2, 4)) -> None:
     none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
     for width in sorted(set(widths)):
         typed = stage.view(WIDTHS[width])
-        fn(-1, stage, typed, stage, typed, stage.view(np.uint64), none, one,
-           np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
+        fn(-1, stage, typed, stage, typed, none, one, np.zeros(0, np.int64),
+           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
 
 
 @dataclass(eq=False)
@@ -87,7 +87,6 @@ class Destination:
 
     memory: np.ndarray
     typed: np.ndarray
-    wide: np.ndarray  # the same bytes as uint64 (8-byte stores of a transpose)
     first: int
     block: int
     geometry: tuple[int, int, int, int, int, int, int]
@@ -116,8 +115,7 @@ def destination(memory: np.ndarray, first: int, block: int,
                              f"pages of {blocks} blocks from byte {first} inside "
                              f"{len(memory)} bytes, aligned to their elements")
     typed = memory[:len(memory) // elem * elem].view(WIDTHS[elem])
-    wide = memory[:len(memory) // 8 * 8].view(np.uint64)
-    return Destination(memory, typed, wide, first, block,
+    return Destination(memory, typed, first, block,
                        (rows, heads, row, elem, s_n, s_h, s_d), keep)
 
 
@@ -126,7 +124,7 @@ class _Group:
     band)."""
 
     def __init__(self, fd: int, dest: Destination) -> None:
-        self.fd, self.memory, self.typed, self.wide = fd, dest.memory, dest.typed, dest.wide
+        self.fd, self.memory, self.typed = fd, dest.memory, dest.typed
         self.tasks: list[tuple[int, int, int, int]] = []
         self.geoms: list[tuple[int, ...]] = []
         self.dst: list[np.ndarray] = []
@@ -199,8 +197,8 @@ def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
 
     def band(a: int, b: int) -> None:
         stage = _stage(page)
-        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed,
-           group.wide, tasks, geoms, page_dst, digests, ok, a, b)
+        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed, tasks,
+           geoms, page_dst, digests, ok, a, b)
 
     run_bands(band, len(tasks), len(page_dst) * page)
     failed: dict[Hashable, tuple[str, int]] = {}
