@@ -409,8 +409,8 @@ class LoadJob:
         it; ``told``: another job did)."""
         chunk = next((i for i, n in enumerate(self.transfer.names[:self.ok]) if n == name),
                      None)
-        self.pending.pop(name, None)
-        self.sources.pop(name, None)  # closed by release: another job may share it
+        self.pending.pop(name, None)  # a source stays (closed by release; shared in a
+        # step): its runs are cut below, and the pages under its snapshot were never read
         if chunk is None:
             return
         self.corrupt += self.transfer.names[chunk:self.ok].count(name)
