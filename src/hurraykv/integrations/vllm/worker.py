@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from urllib.parse import urlparse
 
 from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
 from ...io import checksums, scatter
+from ..chunks import store_class
 from .common import IDLE_WAIT, Context, Plan, log
 from .decode_buffers import warm as warm_formats
 from .events import WorkerSegments
@@ -100,9 +102,12 @@ class WorkerSide:
                              list(self.saver.groups), states, self.saver.group_map)
         if self.target.destinations is not None:  # compiled for this cache's elements
             scatter.warm({d.geometry[3] for parts in self.target.destinations for d in parts})
-            pools = self.target.pools  # the stored segments' structures known before a hit
-            ctx.loads.call("learn", lambda store: store.learn_layouts(pools) if hasattr(
-                store, "learn_layouts") else 0, 0)
+            # the stored segments' structures known before a hit (a store that can; asked
+            # only then, so that a store away costs no start-up wait and no failure)
+            cls = store_class(urlparse(ctx.url).scheme)
+            if hasattr(cls, "learn_layouts"):
+                pools = self.target.pools
+                ctx.loads.call("learn", lambda store: store.learn_layouts(pools), 0)
         self.step = StepLoads(lambda: self.target, dtype)
         self.loader = Loader(lambda: self.target, dtype)
         log.info("HurrayConnector: %d layers of %s (%s)%s, chunks of %d tokens in %s; "
