@@ -102,3 +102,23 @@ def test_every_request_fits_the_servers_model_length(quick):
     assert max(longest_chat, longest_doc, longest_prefix) <= ba.MAX_MODEL_LEN
     sizes = (wl.doc.n_docs, wl.chat.users, len(wl.prefix.prompts))
     assert sizes == ((2, 2, 4) if quick else (4, 3, 12))
+
+
+def test_the_anchors_table_is_documented_as_the_script_prints_it():
+    """docs/benchmarks.md carries the three tables under the script's own column heads,
+    with when, where and at which commit they were measured; README and the Makefile name
+    the target that runs it."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "benchmarks.md").read_text()
+    section = doc.split("## vLLM: the anchors' own workloads (`benchmarks/bench_anchors.py`)",
+                        1)[1].split("\n## ", 1)[0]
+    head = " | ".join(ba.grid("doc", "t", [])[1])
+    blocks = section.split("```\n")[1::2]
+    for workload in ("long-doc-qa:", "multi-round-qa:", "prefix_repetition:"):
+        tables = [b.splitlines() for b in blocks if b.startswith(workload)]
+        assert len(tables) == 1, workload
+        assert tables[0][1].split() == head.split(), workload
+    assert "commit" in section and "make bench-anchors" in section
+    assert "`make bench-anchors`" in (root / "README.md").read_text()
+    makefile = (root / "Makefile").read_text()
+    assert "bench-anchors: $(VLLM_STAMP)\n\t$(VLLM_PY) benchmarks/bench_anchors.py" in makefile
