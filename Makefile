@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_net.py
 	$(PY) benchmarks/bench_store.py
 	$(PY) benchmarks/bench_capacity.py
+	$(PY) benchmarks/bench_load.py
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) benchmarks/bench_vllm.py
