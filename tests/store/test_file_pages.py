@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hurraykv.integrations.file_store import FileChunks
-from hurraykv.io import checksums, scatter
+from hurraykv.io import checksums, page_hash, scatter
 from hurraykv.snapshot_members import member_name
 from tests.store.test_file_capacity import keys, later, put, segment
 
@@ -109,10 +109,15 @@ def test_a_one_pass_load_is_a_use_for_eviction(tmp_path):
     assert os.stat(store.path(old)).st_mtime_ns > os.stat(store.path(new)).st_mtime_ns
 
 
-@pytest.mark.parametrize("first", [0, 2])  # 8-byte aligned (packed stores), or not
-def test_a_transposed_destination_gets_each_page_transposed(tmp_path, first):
+@pytest.mark.parametrize("first", [0, 2])  # whole cache lines (streamed), or not
+@pytest.mark.parametrize("compiled_for", ["geometry", "any"])
+def test_a_transposed_destination_gets_each_page_transposed(tmp_path, first, compiled_for,
+                                                            monkeypatch):
     """CPU_ATTN's keys: each (block, head) holds ``[dims, rows]``; the pages of the
-    file ``[rows, heads, dims]`` are transposed on the way, packed or one by one."""
+    file ``[rows, heads, dims]`` are transposed on the way, by the transpose compiled for
+    their geometry or by the one that takes any."""
+    if compiled_for == "any":
+        monkeypatch.setattr(scatter, "_fast16", lambda geoms: page_hash.transposer(0, 0, 0))
     store = FileChunks(tmp_path / "kv")
     name = put(store, 6)
     snap, source = store.get_pages(name, MEMBERS)

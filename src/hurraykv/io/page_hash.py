@@ -51,7 +51,7 @@ def reader() -> Callable[..., float] | None:
 
 def scatter_reader() -> Callable[..., int] | None:
     """``fn(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok, first,
-    stop)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
+    stop, fast16)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
     page, page count, geometry), read its pages from file ``fd`` a stage at a time into
     ``stage`` (a buffer that fits the core's L2), hash each page there and compare the
     digest with ``digests[page]``; a page that matches is placed into ``dst`` at byte
@@ -66,13 +66,32 @@ def scatter_reader() -> Callable[..., int] | None:
     return _compiled()[2]
 
 
+def transposer(rows: int, heads: int, dims: int) -> Callable[..., bool] | None:
+    """The key transpose of ``scatter_reader`` compiled for pages of ``rows`` x ``heads``
+    x ``dims`` 2-byte elements (passed to it as its ``fast16``): known when compiled, the
+    geometry lets the compiler keep the 4x4 transposes in vector registers, 5x the
+    transpose with the geometry known only at run time here.  It declines (False) pages
+    of another geometry; ``transposer(0, 0, 0)`` declines every page.  Each geometry
+    compiles the reader once more (a second or two)."""
+    made = _compiled()[3]
+    if made is None:
+        return None
+    key = (int(rows), int(heads), int(dims))
+    if key not in _transposers:
+        _transposers[key] = made(*key)
+    return _transposers[key]
+
+
+_transposers: dict[tuple[int, int, int], Any] = {}
+
+
 def built() -> bool:
     """Whether the compiled functions exist already in this process (``hasher()`` would
     not compile them)."""
     return _built is not _UNSET
 
 
-def _compiled() -> tuple[Any, Any, Any]:
+def _compiled() -> tuple[Any, Any, Any, Any]:
     global _built
     if _built is _UNSET:
         _built = _build()
@@ -81,7 +100,7 @@ def _compiled() -> tuple[Any, Any, Any]:
 
 def _build() -> tuple[Any, Any]:
     if kernels.impl() is None:
-        return None, None, None
+        return None, None, None, None
     try:
         import numba
         import xxhash._xxhash as ext
@@ -90,7 +109,7 @@ def _build() -> tuple[Any, Any]:
         libc = ctypes.CDLL(None, use_errno=False)
         pread, clock, memcpy = libc.pread, libc.clock_gettime, libc.memcpy
     except (ImportError, OSError, AttributeError):
-        return None, None, None
+        return None, None, None, None
     xxh3.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     xxh3.restype = ctypes.c_uint64
     pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
@@ -102,7 +121,7 @@ def _build() -> tuple[Any, Any]:
     monotonic = 1  # CLOCK_MONOTONIC
     streaming = stream_stores.build(memcpy)
     if streaming is None:
-        return None, None, None
+        return None, None, None, None
     copy_row, fence = streaming
 
     # Not cached: the compiled code holds the addresses the libraries were loaded at.
@@ -183,9 +202,38 @@ def _build() -> tuple[Any, Any]:
                 tile[o + 2 * width] = (t0 >> s32) | (t2 & hi32)
                 tile[o + 3 * width] = (t1 >> s32) | (t3 & hi32)
 
+    def make_transposer(ROWS, HEADS, DIMS):
+        # the geometry as closure variables: constants to the compiler
+        WIDTH, SPAN, WORDS = ROWS // 4, HEADS * DIMS // 4, DIMS // 4
+
+        @numba.njit(nogil=True)
+        def fast16(src64, tile, at, rows, heads, dims, h):  # pragma: no cover - compiled
+            if rows != ROWS or heads != HEADS or dims != DIMS or ROWS == 0:
+                return False
+            lo16, hi16 = np.uint64(0x0000FFFF0000FFFF), np.uint64(0xFFFF0000FFFF0000)
+            lo32, hi32 = np.uint64(0x00000000FFFFFFFF), np.uint64(0xFFFFFFFF00000000)
+            s16, s32 = np.uint64(16), np.uint64(32)
+            for n0 in range(0, ROWS, 4):
+                r, col = at + n0 * SPAN + h * WORDS, n0 // 4
+                for q in range(WORDS):
+                    r0, r1 = src64[r + q], src64[r + SPAN + q]
+                    r2, r3 = src64[r + 2 * SPAN + q], src64[r + 3 * SPAN + q]
+                    t0 = (r0 & lo16) | ((r1 & lo16) << s16)
+                    t1 = ((r0 >> s16) & lo16) | (r1 & hi16)
+                    t2 = (r2 & lo16) | ((r3 & lo16) << s16)
+                    t3 = ((r2 >> s16) & lo16) | (r3 & hi16)
+                    o = 4 * q * WIDTH + col
+                    tile[o] = (t0 & lo32) | (t2 << s32)
+                    tile[o + WIDTH] = (t1 & lo32) | (t3 << s32)
+                    tile[o + 2 * WIDTH] = (t0 >> s32) | (t2 & hi32)
+                    tile[o + 3 * WIDTH] = (t1 >> s32) | (t3 & hi32)
+            return True
+
+        return fast16
+
     @numba.njit(nogil=True)
     def read_verify_scatter(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests,
-                            ok, first, stop):  # pragma: no cover - compiled
+                            ok, first, stop, fast16):  # pragma: no cover - compiled
         total = 0
         tile = np.empty(0, np.uint64)
         stage64 = stage[:len(stage) // 8 * 8].view(np.uint64)
@@ -230,8 +278,10 @@ def _build() -> tuple[Any, Any]:
                             tile = np.empty(row * rows // 8, np.uint64)
                         for h in range(heads):
                             if elem == 2 and row % 8 == 0 and rows % 4 == 0:
-                                transpose_head16(stage64, tile, src // 8, rows, heads,
-                                                 row // 2, h)
+                                if not fast16(stage64, tile, src // 8, rows, heads,
+                                              row // 2, h):
+                                    transpose_head16(stage64, tile, src // 8, rows, heads,
+                                                     row // 2, h)
                             else:
                                 transpose_head(stage_t, tile, src // elem, rows, heads,
                                                row // elem, elem, h)
@@ -252,7 +302,7 @@ def _build() -> tuple[Any, Any]:
         fence()  # the streaming stores seen by every core before the caller goes on
         return total
 
-    return hash_pieces, read_and_hash, read_verify_scatter
+    return hash_pieces, read_and_hash, read_verify_scatter, make_transposer
 
 
 __all__ = ["hasher", "reader", "scatter_reader"]

@@ -40,20 +40,29 @@ def available() -> bool:
     return page_hash.scatter_reader() is not None
 
 
-def warm(widths: Iterable[int] = (1, 2, 4)) -> None:
-    """Compile the reader for elements of ``widths`` bytes (a second each, once a
-    process), start the worker threads and touch their stages, so that a process's
-    first load runs as fast as the rest."""
+def warm(geometries: Iterable[Sequence[int]]) -> None:
+    """Compile the reader for destinations of these geometries (a second or two each
+    kind, once a process), start the worker threads and touch their stages, so that a
+    process's first load runs as fast as the rest."""
     fn = page_hash.scatter_reader()
     if fn is None:
         return
     run_bands(lambda a, b: _stage(STAGE), workers(), PARALLEL_BYTES)
     stage = np.zeros(64, np.uint8)
     none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
-    for width in sorted(set(widths)):
+    for width, fast in {(int(g[3]), _fast16([g])) for g in geometries}:
         typed = stage.view(WIDTHS[width])
         fn(-1, stage, typed, stage, typed, none, one, np.zeros(0, np.int64),
-           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0)
+           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0, fast)
+
+
+def _fast16(geometries: Iterable[Sequence[int]]) -> Any:
+    """The transposer compiled for the first transposed 2-byte geometry (CPU_ATTN's
+    keys), else one that declines every page."""
+    for rows, heads, row, elem, s_n, _, s_d in geometries:
+        if elem == 2 and s_n == elem and s_d == rows * elem:
+            return page_hash.transposer(rows, heads, row // 2)
+    return page_hash.transposer(0, 0, 0)
 
 
 @dataclass(eq=False)
@@ -194,11 +203,12 @@ def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
     page_dst, digests = np.concatenate(group.dst), np.concatenate(group.digests)
     ok = np.zeros(len(page_dst), np.uint8)
     page = int(max(g[0] * g[1] * g[2] for g in group.geoms))
+    fast = _fast16(group.geoms)
 
     def band(a: int, b: int) -> None:
         stage = _stage(page)
         fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed, tasks,
-           geoms, page_dst, digests, ok, a, b)
+           geoms, page_dst, digests, ok, a, b, fast)
 
     run_bands(band, len(tasks), len(page_dst) * page)
     failed: dict[Hashable, tuple[str, int]] = {}

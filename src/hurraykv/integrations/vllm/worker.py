@@ -101,7 +101,7 @@ class WorkerSide:
         self.target = Target(ctx, views, self.segment_dtype, self.format,
                              list(self.saver.groups), states, self.saver.group_map)
         if self.target.destinations is not None:  # compiled for this cache's elements
-            scatter.warm({d.geometry[3] for parts in self.target.destinations for d in parts})
+            scatter.warm([d.geometry for parts in self.target.destinations for d in parts])
             # the stored segments' structures known before a hit (a store that can; asked
             # only then, so that a store away costs no start-up wait and no failure)
             cls = store_class(urlparse(ctx.url).scheme)
