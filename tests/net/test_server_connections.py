@@ -157,10 +157,18 @@ def sock_dir() -> Iterator[Path]:
         yield Path(d)
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C's signal as a terminal delivers it, whatever the test run
+    inherited (a suite started in the background by a non-interactive shell ignores
+    SIGINT, and a Python started so keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _serve_unix(path: Path) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "hurraykv.cli", "serve", "--listen",
                           str(path), "--log-level", "warning"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
     line = p.stdout.readline()
     if "listening on" not in line:
         p.kill()
