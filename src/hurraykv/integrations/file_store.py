@@ -8,7 +8,6 @@ import contextlib
 import fcntl
 import os
 import stat
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from ..io.scatter import PageSource
 from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
 from ..snapshot import KV_SCALES, KVCacheSnapshot
 from ..snapshot_members import is_kv_scales, member_name
+from ..store.buffers import ReadBuffers
 from ..wire.layouts import BlockPaged
 from .chunks import (
     ALIAS_LINE,
@@ -288,7 +288,7 @@ class FileChunks(ChunkStore):
         self.capacity.repair()
         self._aliases: dict[str, str] = {}
         self._log = LogTail(self.dir / self.LOG)
-        self._buffers = _Buffers()
+        self._buffers = ReadBuffers(keep=8)  # recycled read buffers (store/buffers.py)
         self._by_structure: dict[bytes, _FileLayout] = {}
         self._by_size: dict[int, list[_FileLayout]] = {}
 
@@ -763,43 +763,7 @@ def _regular(path: Path) -> bool:
         return False
 
 
-class _Buffers:
-    """Read buffers recycled between loads: a buffer is reused once nothing but this pool
-    refers to it (the snapshots over it are gone), so a steady stream of loads reads
-    into memory already faulted in instead of faulting fresh pages every time.
-
-    "Refers to it" is counted on the object that owns the memory: NumPy gives a view of
-    an array that does not own its data (a large buffer is an anonymous mapping,
-    ``alloc.empty``) that owner as its base, not the array it was sliced from, so the
-    array's own count stays the same while snapshots over it live (issue 30: buffers
-    still read by the loads of one step were handed to the next read)."""
-
-    KEEP = 8
-
-    def __init__(self) -> None:
-        self._free: list[list[Any]] = []  # [buffer, the owner of its memory, idle count]
-
-    def take(self, size: int) -> np.ndarray:
-        for buf, owner, idle in self._free:
-            if len(buf) >= size and sys.getrefcount(owner) <= idle:
-                return buf[:size]
-        buf = alloc.empty((size,), np.uint8)
-        # Faulted in now: a huge page faulted by the read itself is zeroed in the middle
-        # of it, which evicts what was just read before it is hashed (5x slower hashing).
-        buf[::4096] = 0
-        if len(self._free) >= self.KEEP:
-            self._free.pop(0)
-        owner = buf if buf.base is None else buf.base
-        entry = [buf, owner, 0]
-        self._free.append(entry)
-        # what refers to the owner when no view does, counted as the loop above counts:
-        # this entry, the names buf and owner (the loop's), getrefcount's argument, and
-        # buf's reference to its base
-        entry[2] = sys.getrefcount(owner)
-        return buf[:size]
-
-
-def _read_fd(fd: int, path: Path, buffers: _Buffers | None = None) -> memoryview:
+def _read_fd(fd: int, path: Path, buffers: ReadBuffers | None = None) -> memoryview:
     """File ``fd``'s bytes, read (``preadv``, in bands on every core) into memory of our
     own.  Not mapped: a mapped file truncated underneath kills the reader with SIGBUS,
     where a read just comes up short, which is an error (and a recompute)."""
