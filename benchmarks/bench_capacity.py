@@ -54,6 +54,7 @@ from hurraykv.integrations.file_capacity import Capacity, Reservation  # noqa: E
 from hurraykv.integrations.file_store import FileChunks  # noqa: E402
 from hurraykv.io import checksums  # noqa: E402
 from hurraykv.snapshot_members import member_name  # noqa: E402
+from hurraykv.store.buffers import ReadBuffers  # noqa: E402
 
 PAGE, HEADS, DIM = 32, 8, 128
 SHAPES = [  # (label, layers, pages, dtype, segments a run)
@@ -103,7 +104,7 @@ def instrument() -> None:
     file_store._FileLayout.matches = timed("parse", file_store._FileLayout.matches)
     file_store._FileLayout.read = timed("parse", file_store._FileLayout.read)
     FileChunks._verified = timed("verify", FileChunks._verified)
-    file_store._Buffers.take = timed("buffer", file_store._Buffers.take)
+    ReadBuffers.take = timed("buffer", ReadBuffers.take)
 
 
 def segment(rng: np.random.Generator, layers: int, pages: int, dtype: Any
