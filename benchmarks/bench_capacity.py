@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hurraykv as hk  # noqa: E402
 from bench_paged import print_table  # noqa: E402
-from hurraykv.integrations import file_store  # noqa: E402
+from hurraykv.integrations import file_layouts  # noqa: E402
 from hurraykv.integrations.chunks import ChunkKeys, identity_digest  # noqa: E402
 from hurraykv.integrations.file_capacity import Capacity, Reservation  # noqa: E402
 from hurraykv.integrations.file_store import FileChunks  # noqa: E402
@@ -101,8 +101,8 @@ def instrument() -> None:
     Reservation.release = timed("release", Reservation.release)
     FileChunks._compact = timed("_compact", FileChunks._compact)
     checksums.ReadPlan.read = timed("read+hash", checksums.ReadPlan.read)
-    file_store._FileLayout.matches = timed("parse", file_store._FileLayout.matches)
-    file_store._FileLayout.read = timed("parse", file_store._FileLayout.read)
+    file_layouts.FileLayout.matches = timed("parse", file_layouts.FileLayout.matches)
+    file_layouts.FileLayout.read = timed("parse", file_layouts.FileLayout.read)
     FileChunks._verified = timed("verify", FileChunks._verified)
     ReadBuffers.take = timed("buffer", ReadBuffers.take)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FC, FS = "hurraykv/integrations/file_capacity.py", "hurraykv/integrations/file_store.py"
+FL = "hurraykv/integrations/file_layouts.py"
 GUARD, KS = "hurraykv/integrations/guard.py", "hurraykv/net/keystore.py"
 PT = "hurraykv/net/persisted.py"
 CAP = "tests/store/test_file_capacity.py"
@@ -83,7 +84,7 @@ MUTANTS = [
            "                    tile[o + WIDTH] = (t0 & lo32) | (t3 << s32)",
            (f"{PAGES}::test_a_transposed_destination_gets_each_page_transposed",),
            f"{ONE_PASS}: CPU_ATTN's keys are laid out transposed, bit for bit"),
-    Mutant("one-pass-small-buffers-unverified", FS,
+    Mutant("one-pass-small-buffers-unverified", FL,
            "if xxhash.xxh3_64_intdigest(data[o:o + n]) != d:", "if False:",
            (f"{PAGES}::test_a_damaged_block_table_is_refused_before_any_page_is_read",),
            f"{ONE_PASS}: the structure (block tables, lengths) is verified by the fetch"),

@@ -388,7 +388,7 @@ def test_a_copy_of_the_digests_in_another_entry_decides_nothing_on_either_path(t
         fresh.get_verified(bad_name)
     learned = open_store(directory.as_uri())
     assert learned.get_verified(good_name).equal(good)
-    assert learned._by_size  # the structure is known from here on
+    assert learned.layouts.by_size  # the structure is known from here on
     with pytest.raises(checksums.ChecksumError, match=r"does not match its checksum"):
         learned.get_verified(bad_name)
     unverified = open_store(directory.as_uri())  # a plain get, then verify: the same

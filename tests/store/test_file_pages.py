@@ -146,7 +146,7 @@ def test_the_layouts_of_stored_segments_are_learned_at_start(tmp_path, monkeypat
     writer.put(keys(8), 0, segment(8, pages=16), {})  # another size
     reader = FileChunks(tmp_path / "kv")
     assert reader.learn_layouts(MEMBERS) == 2
-    assert sorted(reader._by_size) == sorted(p.stat().st_size
+    assert sorted(reader.layouts.by_size) == sorted(p.stat().st_size
                                              for p in (tmp_path / "kv").glob("*.hrry"))
     assert reader.learn_layouts(MEMBERS) == 0  # known: nothing parsed again
     parsed = []

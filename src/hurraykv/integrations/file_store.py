@@ -10,27 +10,22 @@ import os
 import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import ParseResult, unquote
 
 import numpy as np
-import xxhash
 
 from .. import alloc
 from ..errors import HurrayError
-from ..info import PREFIX, info_member, is_info, parse_info, text_offset
+from ..info import is_info, parse_info
 from ..io import checksums, retention, scatter
 from ..io.atomic import append_lines, create_temp, write_pieces
 from ..io.hrry import HrryFile, read_bands
-from ..io.hrry_format import kv_text_spans
 from ..io.scatter import PageSource
 from ..io.snapshots import member_names, save_snapshot, snapshot_from_file
-from ..snapshot import KV_SCALES, KVCacheSnapshot
-from ..snapshot_members import is_kv_scales, member_name
+from ..snapshot import KVCacheSnapshot
 from ..store.buffers import ReadBuffers
-from ..wire.layouts import BlockPaged
 from .chunks import (
     ALIAS_LINE,
     SEGMENT_NAME,
@@ -42,206 +37,10 @@ from .chunks import (
     segment_name,
 )
 from .file_capacity import Capacity, Entry, Reservation
+from .file_layouts import FileLayout, Layouts, complement, pools_of, structure_key, whole
 from .file_tenants import TENANT, LogTail
 
 TENANT_KEY = "vllm.tenant"  # put's metadata: who stored it (max_bytes_per_tenant)
-
-
-@dataclass
-class _FileLayout:
-    """Where everything of one snapshot structure sits in its .hrry file: ``static`` are
-    the bytes that are the same in every file of the structure (header, descriptors,
-    index buffers, KV metadata, index, trailer), ``regions`` the ``(offset, nbytes,
-    source)`` of what differs, in file order: each value (source: its key in
-    ``snapshot.values()``: page pools, quantization scales, ``kv_scales``) and the text of
-    the checksum entry (source: ``CHECKSUMS``, fixed width for a structure: the entry
-    the snapshot's metadata comes from) and of its copy in the KV section (``MIRROR``,
-    equal to it in a file that ``matches``); ``snapshot`` is that file's validated
-    snapshot; ``plan`` reads such a file and hashes its checksum pieces in one pass (None:
-    the structure has no checksums)."""
-
-    size: int
-    static: list[tuple[int, bytes]]
-    regions: list[tuple[int, int, Any]]
-    snapshot: KVCacheSnapshot
-    plan: checksums.ReadPlan | None
-
-    @classmethod
-    def learn(cls, data: memoryview, snapshot: KVCacheSnapshot, f: HrryFile,
-              plan: checksums.ReadPlan | None = None) -> _FileLayout | None:
-        """The layout of ``data`` (the file ``f``, read as ``snapshot``), or None when a
-        value or the checksum entry cannot be placed in it (such files are then parsed one
-        by one)."""
-        regions = _values(f, snapshot, data)
-        text = checksums.KEY in snapshot.metadata
-        places = _checksum_places(f, snapshot, data) if text else []
-        if regions is None or places is None:
-            return None
-        regions += places
-        regions.sort(key=lambda r: r[0])
-        if text and plan is None:  # the caller's, when it read the file with one
-            plan = checksums.ReadPlan.of(snapshot, data)
-        plan = plan if text else None
-        return cls(len(data), _complement(data, regions), regions, snapshot.skeleton(), plan)
-
-    def matches(self, data: memoryview) -> bool:
-        # tobytes(): a memoryview compared with == unpacks element by element
-        if len(data) != self.size or not all(data[off:off + len(b)].tobytes() == b
-                                             for off, b in self.static):
-            return False
-        entry = [data[off:off + n].tobytes() for off, n, source in self.regions
-                 if source in TEXT]
-        # a KV copy that differs decides nothing (the digests are the entry's), but such
-        # a file is not one of this structure's: the full rules read it
-        return all(copy == entry[0] for copy in entry[1:])
-
-    def pieces(self, snapshot: KVCacheSnapshot) -> list[memoryview]:
-        """The file's bytes for ``snapshot`` (this structure), in order, pools not copied."""
-        values = snapshot.values()
-        out = [memoryview(self.static[0][1])]
-        for (_, _, source), (_, b) in zip(self.regions, self.static[1:], strict=True):
-            if source in TEXT:
-                out.append(memoryview(str(snapshot.metadata[checksums.KEY]).encode()))
-            else:
-                out.append(values[source])
-            out.append(memoryview(b))
-        return out
-
-    def read(self, data: memoryview) -> KVCacheSnapshot:
-        """The snapshot of a file that ``matches``: this structure over its own pools and
-        with its own checksums."""
-        snap = self.snapshot.with_pools({source: data[off:off + n]
-                                         for off, n, source in self.regions
-                                         if source not in TEXT}, owner=data)
-        for off, n, source in self.regions:
-            if source == CHECKSUMS:
-                return snap.with_info(metadata={
-                    checksums.KEY: data[off:off + n].tobytes().decode("ascii", "replace")})
-        return snap
-
-
-CHECKSUMS = "checksums"
-MIRROR = "checksums in the KV section"
-TEXT = (CHECKSUMS, MIRROR)
-
-
-def _checksum_places(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
-                     ) -> list[tuple[int, int, Any]] | None:
-    """``(offset, nbytes, CHECKSUMS or MIRROR)`` of the checksum entry the snapshot's
-    metadata was read from (the info member's, else the KV section's) and of its KV copy,
-    placed by the file's structure (the index, the info member's form, the KV keys), never
-    found by searching for the text: a copy in another entry is metadata like any other,
-    so the digests a known structure reads are those a full parse reads.  None when they
-    cannot be placed so (such files are then parsed one by one)."""
-    text = snapshot.metadata[checksums.KEY]
-    if not isinstance(text, str):
-        return None
-    n = len(text.encode())
-    kv = kv_text_spans(data).get(checksums.KEY)
-    if kv is not None and kv[1] != n:
-        return None
-    infos = [name for name in member_names(f) if is_info(f.descriptor(name)) and
-             data[f.entry(name).data_offset:][:len(PREFIX)].tobytes() == PREFIX]
-    if not infos:  # read from the KV section (a file of another writer)
-        return None if kv is None else [(kv[0], n, CHECKSUMS)]
-    member = info_member(snapshot.model, snapshot.metadata)[1][0].tobytes()
-    at = text_offset(snapshot.model, snapshot.metadata, checksums.KEY)
-    start = f.entry(infos[0]).data_offset  # the one snapshot_from_file took
-    if (at is None or f.descriptor(infos[0]).shape[0] != len(member)
-            or data[start:start + len(member)].tobytes() != member):
-        return None  # written in another form: where its entry sits is not known
-    return [(start + at, n, CHECKSUMS)] + ([(kv[0], n, MIRROR)] if kv is not None else [])
-
-
-def _pools(f: HrryFile) -> list[tuple[int, int, Any]]:
-    """``(offset, nbytes, (layer, role))`` of every page pool of a parsed file."""
-    regions = []
-    for e in f.entries:
-        desc = f.descriptor(e.name)
-        if isinstance(desc.layout, BlockPaged):
-            regions.append((e.data_offset, desc.buffers[0].byte_size,
-                            (desc.layout.layer_index, desc.layout.kv_role_name)))
-    return regions
-
-
-def _values(f: HrryFile, snapshot: KVCacheSnapshot, data: memoryview
-            ) -> list[tuple[int, int, Any]] | None:
-    """``(offset, nbytes, source)`` of every value of ``snapshot`` (read from ``f`` over
-    ``data``) in the file: where its view points, each checked to hold the value's bytes,
-    so that no value is ever left in ``static`` (a later segment would be written with
-    this one's scales); None when one cannot be placed.  ``kv_scales`` is a float32 copy:
-    its place is the one member of its form (recognised by its fields, D7) holding its
-    bytes."""
-    base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
-    regions = []
-    for source, view in snapshot.values().items():
-        if source == KV_SCALES:
-            places = [e.data_offset for e in f.entries if is_kv_scales(f.descriptor(e.name))
-                      and data[e.data_offset:e.data_offset + len(view)] == view.cast("B")]
-            if len(places) != 1:
-                return None
-            at = places[0]
-        else:
-            at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
-        if not 0 <= at <= at + len(view) <= len(data) or (
-                len(view) <= 4096 and data[at:at + len(view)] != view.cast("B")):
-            return None
-        regions.append((at, len(view), source))
-    return regions
-
-
-def _page_places(snapshot: KVCacheSnapshot, data: memoryview,
-                 places: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], what: str
-                 ) -> dict[str, tuple[int, int, np.ndarray]] | None:
-    """Per member of ``places``: the file offset of its page 0, a page's bytes and its
-    pages' stored digests (the pieces inside its page pool); the member's other buffers
-    (in ``data`` already) verified here.  None unless each pool is its pages in order,
-    one piece a page."""
-    base = np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
-    out = {}
-    for key, view in snapshot.values().items():
-        if not (isinstance(key, tuple) and len(key) == 2):
-            continue  # quantization parameters, kv_scales: read and verified already
-        member = member_name(*key)
-        if member not in places:
-            continue
-        offsets, lengths, digests = places[member]
-        at = np.frombuffer(view, np.uint8).ctypes.data - base if len(view) else 0
-        inside = (offsets >= at) & (offsets < at + len(view))
-        offs, lens = offsets[inside].astype(np.int64), lengths[inside].astype(np.int64)
-        if not len(offs) or offs[0] != at or np.any(lens != lens[0]) or np.any(
-                np.diff(offs) != lens[0]) or len(offs) * lens[0] != len(view):
-            return None
-        for o, n, d in zip(offsets[~inside].tolist(), lengths[~inside].tolist(),
-                           digests[~inside].tolist(), strict=True):
-            if xxhash.xxh3_64_intdigest(data[o:o + n]) != d:  # its block table, lengths
-                raise checksums.ChecksumError(
-                    f"{what}: a buffer of member {member} other than its pages (at byte "
-                    f"{o}, {n} bytes) does not match its checksum", field=checksums.KEY,
-                    value=member, rule="stored bytes equal those checksummed when written")
-        out[member] = (at, int(lens[0]), digests[inside])
-    return out
-
-
-def _complement(data: memoryview, regions: list[tuple[int, int, Any]]
-                ) -> list[tuple[int, bytes]]:
-    """The bytes of ``data`` between ``regions`` (sorted by offset), with their offsets."""
-    out, pos = [], 0
-    for off, n, _ in sorted(regions, key=lambda r: r[0]):
-        out.append((pos, bytes(data[pos:off])))
-        pos = off + n
-    out.append((pos, bytes(data[pos:])))
-    return out
-
-
-def _structure_key(snapshot: KVCacheSnapshot) -> bytes:
-    """What two segments of one file layout share: their structure, the checksum entry's
-    digits blanked (its width is the structure's; its digits are each file's own; a copy
-    of them in another entry is structure like any metadata)."""
-    text = snapshot.metadata.get(checksums.KEY)
-    if not isinstance(text, str):
-        return snapshot.structure()
-    return snapshot.with_info(metadata={checksums.KEY: "#" * len(text)}).structure()
 
 
 class FileChunks(ChunkStore):
@@ -289,8 +88,7 @@ class FileChunks(ChunkStore):
         self._aliases: dict[str, str] = {}
         self._log = LogTail(self.dir / self.LOG)
         self._buffers = ReadBuffers(keep=8)  # recycled read buffers (store/buffers.py)
-        self._by_structure: dict[bytes, _FileLayout] = {}
-        self._by_size: dict[int, list[_FileLayout]] = {}
+        self.layouts = Layouts(self.LAYOUTS)
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -352,15 +150,6 @@ class FileChunks(ChunkStore):
         return self.capacity.retain([check_name(n) for n in names], pin=pin, ttl_s=ttl_s,
                                     extend=extend)
 
-    def _remember(self, structure: bytes, layout: _FileLayout | None) -> None:
-        if layout is None:
-            return
-        if len(self._by_structure) >= self.LAYOUTS:
-            self._by_structure.clear()
-            self._by_size.clear()
-        self._by_structure[structure] = layout
-        self._by_size.setdefault(layout.size, []).append(layout)
-
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         # No fsync: a segment lost in a crash is a future cache miss, and the atomic
@@ -375,8 +164,8 @@ class FileChunks(ChunkStore):
         old = self._retained().get(name)
         if old is not None and old.expired(time.time()):  # stored again: a new segment,
             self.capacity.forget(name)                    # not one past its lifetime
-        structure = _structure_key(snapshot) + repr(sorted(metadata.items())).encode()
-        layout = self._by_structure.get(structure)
+        structure = structure_key(snapshot) + repr(sorted(metadata.items())).encode()
+        layout = self.layouts.by_structure.get(structure)
         if layout is None:
             held = self._put_first(name, structure, snapshot, metadata, tenant)
         else:  # room held first: the directory does not pass its capacity even briefly
@@ -437,9 +226,8 @@ class FileChunks(ChunkStore):
                 data = _read_fd(fd, path)
                 self.capacity.check(len(data), name)
                 f = HrryFile.from_bytes(data, str(path))
-                layout = _FileLayout.learn(data, snapshot_from_file(f), f)
-                if layout is not None:
-                    self._remember(structure, layout)
+                self.layouts.remember(structure,
+                                      FileLayout.learn(data, snapshot_from_file(f), f))
                 held = self.capacity.admit(len(data), name, written=False,
                                            then=self._compact, tenant=tenant)
                 try:
@@ -495,8 +283,7 @@ class FileChunks(ChunkStore):
             try:
                 Capacity.touch(fd)
                 size = os.fstat(fd).st_size
-                known = next((layout for layout in self._by_size.get(size, ())
-                              if layout.plan is not None), None) if verify else None
+                known = self.layouts.planned(size) if verify else None
                 if verify and known is None:
                     cold = self._first_of_structure(fd, size, path, later)
                     if cold is not None:
@@ -506,7 +293,7 @@ class FileChunks(ChunkStore):
                 else:
                     data = memoryview(self._buffers.take(size))
                     got, computed, hashing, skipped = known.plan.read(fd, data, later)
-                    _whole(path, size, got)
+                    whole(path.name, size, got)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -520,7 +307,7 @@ class FileChunks(ChunkStore):
             snap = known.read(data)
             return snap, self._verified(snap, data, what, known.plan, computed, hashing,
                                         skipped, later)
-        snap = self._parse(data, path)
+        snap = self.layouts.parse(data, str(path))
         if verify:
             started = time.perf_counter()
             checksums.verify(snap, what)
@@ -547,29 +334,18 @@ class FileChunks(ChunkStore):
         except OSError as e:
             raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
                               value=name) from None
-        source = None
         try:
             Capacity.touch(fd)
-            got = self._structure_only(fd, path, members)
-            if got is None:
-                return None
-            snap, plan, data = got
-            what = f"segment {name}"
-            started = time.perf_counter()
-            found, skipped = plan.hash_in_memory(data, members)
-            checksums.verify(snap, what, plan.complete(snap, found, skipped))
-            self.verify_seconds += time.perf_counter() - started
-            places = plan.places(snap, members)
-            if not places:
-                return None
-            pages = _page_places(snap, data, places, what)
-            if pages is None:
-                return None
-            source = PageSource(fd, name, pages)
-            return snap, source
-        finally:
-            if source is None:
-                os.close(fd)
+            got = self.layouts.pages(fd, name, str(path), members)
+        except BaseException:
+            os.close(fd)
+            raise
+        if got is None:
+            os.close(fd)
+            return None
+        snap, source, seconds = got
+        self.verify_seconds += seconds
+        return snap, source
 
     SCAN_ON_START = 4096  # directory entries looked at by learn_layouts
 
@@ -588,7 +364,7 @@ class FileChunks(ChunkStore):
                     continue
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
-                    if st.st_size not in self._by_size and st.st_mtime_ns > newest.get(
+                    if st.st_size not in self.layouts.by_size and st.st_mtime_ns > newest.get(
                             st.st_size, (-1, ""))[0]:
                         newest[st.st_size] = (st.st_mtime_ns, entry.name)
         learned = 0
@@ -599,43 +375,12 @@ class FileChunks(ChunkStore):
             except OSError:
                 continue
             try:
-                learned += self._structure_only(fd, path, members) is not None
+                learned += self.layouts.structure_only(fd, str(path), members) is not None
             except (HurrayError, OSError):  # damaged or gone: its load will say
                 pass
             finally:
                 os.close(fd)
         return learned
-
-    def _structure_only(self, fd: int, path: Path, members: frozenset[str]
-                        ) -> tuple[KVCacheSnapshot, checksums.ReadPlan, memoryview] | None:
-        """The snapshot of file ``fd`` over memory holding every byte but the page pools
-        of ``members`` (read with small reads; those pools' memory untouched), and its
-        read plan."""
-        size = os.fstat(fd).st_size
-        data = memoryview(alloc.sparse(size)) if size else memoryview(b"")
-        known = next((layout for layout in self._by_size.get(size, ())
-                      if layout.plan is not None), None)
-        if known is not None:
-            pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2
-                     and member_name(*r[2]) in members]
-            for off, piece in _complement(data, pools):
-                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
-            if known.matches(data):
-                return known.read(data), known.plan, data
-        try:
-            f = HrryFile.over(fd, data, str(path))
-            pools = [r for r in _pools(f) if member_name(*r[2]) in members]
-            for off, piece in _complement(data, pools):
-                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
-            snap = snapshot_from_file(f)
-            snap.tensors()  # every member built: index buffers and token counts checked
-            plan = checksums.ReadPlan.of(snap, data)
-        except HurrayError:
-            return None
-        if plan is None:
-            return None
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f, plan))
-        return snap, plan, data
 
     def _verified(self, snap: KVCacheSnapshot, data: memoryview, what: str,
                   plan: checksums.ReadPlan, computed: Any, hashing: float, skipped: Any,
@@ -656,10 +401,10 @@ class FileChunks(ChunkStore):
         data = memoryview(self._buffers.take(size))
         try:
             f = HrryFile.over(fd, data, str(path))
-            pools = _pools(f)
-            for off, piece in _complement(data, pools):  # data is not the file yet: offsets
-                _whole(path, len(piece), read_bands(fd, data[off:off + len(piece)], off))
-            structure = _complement(data, pools)
+            pools = pools_of(f)
+            for off, piece in complement(data, pools):  # data is not the file yet: offsets
+                whole(path.name, len(piece), read_bands(fd, data[off:off + len(piece)], off))
+            structure = complement(data, pools)
             snap = snapshot_from_file(f)
             plan = checksums.ReadPlan.of(snap, data)
         except HurrayError:
@@ -667,23 +412,13 @@ class FileChunks(ChunkStore):
         if plan is None:
             return None
         got, computed, hashing, skipped = plan.read(fd, data, later)
-        _whole(path, size, got)
-        if _complement(data, pools) != structure:  # replaced between the two reads
+        whole(path.name, size, got)
+        if complement(data, pools) != structure:  # replaced between the two reads
             return None
         snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f, plan))
+        self.layouts.remember(structure_key(snap), FileLayout.learn(data, snap, f, plan))
         return snap, self._verified(snap, data, f"segment {path.stem}", plan, computed,
                                     hashing, skipped, later)
-
-    def _parse(self, data: memoryview, path: Path) -> KVCacheSnapshot:
-        for layout in self._by_size.get(len(data), ()):
-            if layout.matches(data):
-                return layout.read(data)
-        f = HrryFile.from_bytes(data, str(path))
-        snap = snapshot_from_file(f)
-        snap.tensors()  # every member built: index buffers and token counts checked
-        self._remember(_structure_key(snap), _FileLayout.learn(data, snap, f))
-        return snap
 
     def close(self) -> None:
         self.capacity.close()  # the files it evicted removed from the disk
@@ -772,14 +507,8 @@ def _read_fd(fd: int, path: Path, buffers: ReadBuffers | None = None) -> memoryv
         return memoryview(b"")
     buf = buffers.take(size) if buffers is not None else alloc.empty((size,), np.uint8)
     view = memoryview(buf)
-    _whole(path, size, read_bands(fd, view))
+    whole(path.name, size, read_bands(fd, view))
     return view
-
-
-def _whole(path: Path, size: int, got: int) -> None:
-    if got != size:
-        raise HurrayError(f"{path.name} shrank from {size} to {got} bytes while it was read",
-                          field="segment", value=path.name, rule="a file that stays whole")
 
 
 __all__ = ["FileChunks"]

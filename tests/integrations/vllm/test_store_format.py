@@ -198,7 +198,7 @@ def test_segments_of_one_geometry_share_one_file_layout(fmt, tmp_path):
         files = sorted((tmp_path / "kv").glob("*.hrry"))
         assert sum(f.stat().st_size for f in files) <= cap
         assert i < 2 or store.capacity.evictions > before
-    assert len(store._by_structure) == 1
+    assert len(store.layouts.by_structure) == 1
     reader = FileChunks(tmp_path / "kv")
     kept = [(i, reader.locate([f"{i:032x}"])[0]) for i in range(5)]
     kept = [(i, name) for i, name in kept if name is not None]
@@ -211,7 +211,7 @@ def test_segments_of_one_geometry_share_one_file_layout(fmt, tmp_path):
             assert got.tensor(1, "value").fp8_scale == segs[i].tensor(1, "value").fp8_scale
         np.testing.assert_array_equal(decode(got.tensor(1, "key"), 0, 4),
                                       decode(segs[i].tensor(1, "key"), 0, 4))
-    assert len(reader._by_structure) == 1
+    assert len(reader.layouts.by_structure) == 1
     # a flipped byte in the second file's scales: caught by the checksums of the read
     path = reader.path(kept[1][1])
     scales = (segs[4].kv_scales.tobytes() if fmt.dtype == "fp8" else
@@ -281,7 +281,7 @@ def test_kv_scales_under_another_member_name_are_found_by_their_fields(tmp_path)
             got = store.get_verified(f"{i:032x}-0")
             np.testing.assert_array_equal(got.kv_scales, snap.kv_scales)
             assert got.equal(snap)
-    assert len(store._by_structure) == 1
+    assert len(store.layouts.by_structure) == 1
 
 
 def test_a_segment_of_another_format_is_refused():

@@ -152,5 +152,5 @@ def test_an_engine_started_after_segments_were_stored_knows_their_layout(side, t
     first = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16)
     store_one(side, first, tmp_path, list(range(3, 9)))
     later = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16)
-    sizes = later.ctx.loads.call("sizes", lambda store: sorted(store._by_size), None)
+    sizes = later.ctx.loads.call("sizes", lambda store: sorted(store.layouts.by_size), None)
     assert sizes == [p.stat().st_size for p in (tmp_path / "kv").glob("*.hrry")]
