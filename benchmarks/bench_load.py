@@ -3,7 +3,9 @@ part (``integrations/vllm/worker.py``) over a real ``file://`` store, loading a 
 segment (4,096 tokens of a model with 16 KiB of KV a token: 4 layers, 8 KV heads of 128,
 bfloat16, blocks of 32) into caches laid out as vLLM allocates them (one raw buffer in a
 ``KVCacheLayout`` order, ``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``):
-CPU_ATTN (LBHNC, keys transposed) and FlashAttention's NHD (LBNHC).
+CPU_ATTN (LBHNC, keys transposed) and FlashAttention's NHD (LBNHC); and the same one-pass
+load from a ``hurraykv serve`` of its own process on a Unix socket (``hurray://`` on this
+host: each segment handed over as a sealed memory file, issue 47 item 3).
 
 Each configuration runs in a fresh process, whose loading connector is made (and
 registers the caches) after the segment was stored, as a new engine meets a store; its
@@ -21,6 +23,7 @@ as a hot store's are.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -38,12 +41,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS, HEADS, HEAD, BLOCK, CHUNK, TOKENS, LOADS = 4, 8, 128, 32, 256, 4096, 8
 IDENTITY = "model=bench;cache_dtype=bfloat16;chunk_size=256;tp_size=1"
 ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4)}
-CASES = [("CPU_ATTN", "LBHNC", "one pass"), ("CPU_ATTN", "LBHNC", "buffered"),
-         ("FLASH_ATTN", "LBNHC", "one pass"), ("FLASH_ATTN", "LBNHC", "buffered")]
+CASES = [("CPU_ATTN", "LBHNC", "one pass", "file"), ("CPU_ATTN", "LBHNC", "buffered", "file"),
+         ("CPU_ATTN", "LBHNC", "one pass", "unix"),
+         ("FLASH_ATTN", "LBNHC", "one pass", "file"), ("FLASH_ATTN", "LBNHC", "buffered", "file"),
+         ("FLASH_ATTN", "LBNHC", "one pass", "unix")]
+STORES = {"file": "file://", "unix": "hurray:// on this host"}
 
 
-def run_case(backend: str, layout: str, path: str, mode: str) -> dict:
+@contextlib.contextmanager
+def store_url(store: str, directory: str):
+    """A ``file://`` directory, or a ``hurraykv serve`` of its own process on a Unix
+    socket (segments handed over as sealed memory files, ``net/handover.py``)."""
+    if store == "file":
+        yield Path(directory).as_uri()
+        return
+    sock = os.path.join(directory, "kv.sock")
+    server = subprocess.Popen([sys.executable, "-m", "hurraykv", "serve", "--listen", sock],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert server.poll() is None and time.monotonic() < deadline, "no server"
+            time.sleep(0.05)
+        yield f"hurray://{sock}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def run_case(backend: str, layout: str, path: str, store: str, mode: str) -> dict:
     """One configuration, in this (fresh) process: the load times and the copy's."""
+    with store_url(store, tempfile.mkdtemp(prefix="bench-load-")) as url:
+        return _run(backend, layout, path, url, mode)
+
+
+def _run(backend: str, layout: str, path: str, url: str, mode: str) -> dict:
     import torch
 
     from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
@@ -52,8 +84,6 @@ def run_case(backend: str, layout: str, path: str, mode: str) -> dict:
     from hurraykv.integrations.vllm.config import ConnectorConfig
     from hurraykv.integrations.vllm.worker import WorkerSide
 
-    directory = tempfile.mkdtemp(prefix="bench-load-")
-    url = Path(directory).as_uri()
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     guards: list = []
 
@@ -144,7 +174,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None,
                    help="HURRAYKV_THREADS for the loads (default: the cores, capped)")
-    p.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
         print(json.dumps(run_case(*args.case, mode="sync")))
@@ -153,15 +183,15 @@ def main() -> None:
     if args.threads:
         env["HURRAYKV_THREADS"] = str(args.threads)
     rows = []
-    for backend, layout, path in CASES:
-        out = subprocess.run([sys.executable, __file__, "--case", backend, layout, path],
+    for backend, layout, path, store in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", backend, layout, path, store],
                              env=env, capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         copy, times = r["copy"], r["times"]
         steady = times[1:]
         target = 0.8 if backend != "CPU_ATTN" else 0.6
         best, med = copy / min(steady), copy / float(np.median(steady))
-        rows.append((f"{backend} ({layout}) {path}", f"{r['bytes'] >> 20} MiB",
+        rows.append((f"{backend} ({layout}) {path}, {STORES[store]}", f"{r['bytes'] >> 20} MiB",
                      f"{copy / times[0]:.2f}x", f"{best:.2f}x", f"{med:.2f}x",
                      f"{times[0] * 1e3:.1f} / {min(steady) * 1e3:.1f} ms",
                      f">= {target}x " + ("met" if best >= target else "MISSED")

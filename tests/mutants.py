@@ -39,6 +39,8 @@ GUARD, KS = "hurraykv/integrations/guard.py", "hurraykv/net/keystore.py"
 PT = "hurraykv/net/persisted.py"
 CAP = "tests/store/test_file_capacity.py"
 PAGES = "tests/store/test_file_pages.py"
+HANDOVER = "tests/net/test_handover.py"
+SHARED = "docs/vllm.md, What is stored where (hurray:// on this host)"
 ONE_PASS = "docs/vllm.md, How a request flows (3: one pass), docs/reliability.md"
 CAPACITY = "docs/vllm.md, Capacity and eviction"
 WRONG = "docs/vllm.md, When things go wrong"
@@ -88,6 +90,24 @@ MUTANTS = [
            "if xxhash.xxh3_64_intdigest(data[o:o + n]) != d:", "if False:",
            (f"{PAGES}::test_a_damaged_block_table_is_refused_before_any_page_is_read",),
            f"{ONE_PASS}: the structure (block tables, lengths) is verified by the fetch"),
+    Mutant("handover-seals-not-checked", "hurraykv/net/handover.py",
+           "if seals & SEALS != SEALS:", "if False:",
+           (f"{HANDOVER}::test_a_descriptor_without_the_seals_is_refused",),
+           f"{SHARED}: a descriptor a reader could be cut short under is refused"),
+    Mutant("handover-file-not-sealed", "hurraykv/net/handover.py",
+           "fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)", "pass",
+           (f"{HANDOVER}::test_a_segment_is_handed_over_sealed_and_placed_bit_for_bit",),
+           f"{SHARED}: the server seals what it hands over"),
+    Mutant("handover-copied-every-time", "hurraykv/net/handover.py",
+           "obj.items, obj.sealed = items, sealed", "obj.sealed = None",
+           (f"{HANDOVER}::test_the_object_then_lives_in_its_sealed_file_held_once",),
+           f"{SHARED}: a segment is copied into its memory file once and lives there"),
+    Mutant("server-store-pulls-instead-of-handover", "hurraykv/integrations/server_store.py",
+           "if not self._share or not scatter.available():", "if True:",
+           (f"{HANDOVER}::test_a_segment_is_handed_over_sealed_and_placed_bit_for_bit",
+            "tests/integrations/vllm/test_vllm_direct_loads.py::test_a_server_on_this_"
+            "host_hands_its_segments_over_and_they_load_in_one_pass"),
+           f"{SHARED}: a server on this host hands segments over, loaded in one pass"),
     Mutant("file-no-low-water", FC,
            "target = int(limit * self.LOW_WATER)", "target = limit",
            (f"{CAP}::test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark",),

@@ -15,6 +15,7 @@ from hurraykv.cli import main
 from hurraykv.net.client import KVClient
 from hurraykv.net.keystore import KeyStore, PersistFull, StoredObject, hrry_size
 from hurraykv.net.messages import ErrorCode as E
+from hurraykv.net.persisted import file_contents
 from hurraykv.net.server import KVServer
 from tests.support.snapshots import make_snapshot, zeroed
 
@@ -55,7 +56,7 @@ def test_the_expected_file_size_is_the_written_one(tmp_path, kind):
     else:
         snap = make_snapshot(kind, layers=4).with_info("some-model", {"engine": "x" * 5000})
         obj = _object(snap)
-    expected = hrry_size(*store._file_contents("key-é", obj, snap))
+    expected = hrry_size(*file_contents("key-é", obj, snap))
     path = store.persist_object("key-é", obj, snap)
     assert path.stat().st_size == expected == store.persisted_bytes
     assert store.persist_reserved == 0 and store.stats()["persisted_objects"] == 1

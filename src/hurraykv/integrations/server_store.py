@@ -10,6 +10,7 @@ from urllib.parse import ParseResult, unquote
 
 from ..errors import TransportError
 from ..io.checksums import Pending
+from ..io.scatter import PageSource
 from ..snapshot import KVCacheSnapshot
 from .chunks import (
     SEGMENT_NAME,
@@ -21,6 +22,7 @@ from .chunks import (
     segment_name,
     valid_name,
 )
+from .file_layouts import Layouts
 
 # A segment's identity, kept by the server as an alias it drops with the segment:
 # LABELS + identity_key + "/" + segment name -> the segment (``catalog``).
@@ -57,6 +59,8 @@ class ServerChunks(ChunkStore):
         self.address, self.prefix, self._opts = address, prefix, client
         self.url = f"hurray://{address}"
         self._client: Any = None
+        self._share = True  # hand-overs asked for until a connection cannot have them
+        self._layouts = Layouts()
 
     def _call(self, fn: Any) -> Any:
         from ..net.client import KVClient
@@ -151,6 +155,45 @@ class ServerChunks(ChunkStore):
 
         return self._call(pull)
 
+    def get_pages(self, name: str, members: frozenset[str]
+                  ) -> tuple[KVCacheSnapshot, PageSource] | None:
+        """From a server on this host (its Unix socket, without TLS): the segment's file
+        handed over as a sealed memory file (``net/handover.py``) and read as a
+        ``file://`` segment is, the pages of ``members`` left in it for ``io.scatter`` to
+        place (``FileChunks.get_pages``).  None where the server is elsewhere or hands
+        nothing over (it does not serve ``hurraykv.share``): the caller pulls."""
+        from ..io import scatter
+        from ..net import handover
+        from ..net.messages import ErrorCode, RemoteError
+
+        check_name(name)
+        if not self._share or not scatter.available():
+            return None
+
+        def take(c: Any) -> handover.Sealed | None:
+            if not handover.can_receive(c):
+                return None
+            try:
+                return handover.receive(c, self.prefix + name)
+            except RemoteError as e:
+                if e.code not in (ErrorCode.UNKNOWN_OPERATION, ErrorCode.INVALID_MESSAGE):
+                    raise
+                return None
+
+        sealed = self._call(take)
+        if sealed is None:
+            self._share = False  # asked once a connection
+            return None
+        got = self._layouts.pages(sealed.fd, name, f"segment {name} from {self.url}",
+                                  members)
+        if got is None:
+            sealed.close()
+            return None
+        sealed.close.detach()  # the descriptor is the PageSource's now
+        snap, source, seconds = got
+        self.verify_seconds += seconds
+        return snap, source
+
     def get_checked(self, name: str, later: frozenset[str] = frozenset()
                     ) -> tuple[KVCacheSnapshot, Pending | None]:
         """Everything checked as it arrived, ``later`` members too (hashing a page in
@@ -165,6 +208,7 @@ class ServerChunks(ChunkStore):
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
+        self._share = True  # a new connection may reach a server that hands over
 
 
 __all__ = ["ServerChunks"]

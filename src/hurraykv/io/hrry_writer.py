@@ -48,12 +48,16 @@ RESERVE_FROM = 16 << 20  # files at least this large get their blocks reserved u
 class HrryWriter:
     """Writes a .hrry file in one forward pass (no seek back) into a temporary file;
     ``finish`` makes it appear atomically at ``path``.  Buffers are written straight from
-    the caller's memory; the KV metadata is given up front so the header's flags are final."""
+    the caller's memory; the KV metadata is given up front so the header's flags are final.
+
+    ``into``: an open, empty file descriptor written instead (from its offset 0, not
+    atomically, left open: a memory file nobody sees before it is sealed); ``path`` then
+    only names it in errors."""
 
     def __init__(self, path: str | os.PathLike, *, kv: dict[str, Any] | None = None,
                  alignment: int = DEFAULT_ALIGNMENT, tensor_count: int | None = None,
                  progress: Progress | None = None, total_bytes: int = 0,
-                 reserve: int = 0, fsync: bool = True) -> None:
+                 reserve: int = 0, fsync: bool = True, into: int | None = None) -> None:
         if alignment & (alignment - 1) or not DEFAULT_ALIGNMENT <= alignment <= MAX_ALIGNMENT:
             raise bad(f"data_buffer_alignment {alignment} is not a power of two in "
                        "[4096, 2 MiB]", "data_buffer_alignment", value=alignment)
@@ -65,7 +69,10 @@ class HrryWriter:
         self._kv = encode_kv(kv) if kv else b""  # encoded first: errors before any write
         self.entries: list[IndexEntry] = []
         self._names: set[str] = set()
-        fd, self._tmp = create_temp(self.path)  # locked until closed
+        if into is None:
+            fd, self._tmp = create_temp(self.path)  # locked until closed
+        else:
+            fd, self._tmp, self.fsync = os.dup(into), None, False
         self._f = os.fdopen(fd, "wb", buffering=0)
         self._pending = bytearray()
         try:
@@ -150,7 +157,8 @@ class HrryWriter:
         self.entries.append(IndexEntry(name, desc_off, len(raw), data_off, data_end - data_off))
 
     def finish(self) -> Path:
-        """KV metadata, index and trailer; then fsync and the atomic rename."""
+        """KV metadata, index and trailer; then fsync and the atomic rename (``into``:
+        neither)."""
         kv_off = kv_len = 0
         if self._kv:
             self._pad_to(8)
@@ -172,6 +180,9 @@ class HrryWriter:
         self._flush()
         if self._reserved:
             os.ftruncate(self._f.fileno(), self.pos)  # drop what fallocate reserved past the end
+        if self._tmp is None:
+            self._f.close()
+            return self.path
         if self.fsync:
             os.fsync(self._f.fileno())
         os.replace(self._tmp, self.path)  # renamed while still locked, then closed
@@ -184,7 +195,7 @@ class HrryWriter:
         try:
             self._f.close()
         finally:
-            if os.path.exists(self._tmp):
+            if self._tmp is not None and os.path.exists(self._tmp):
                 os.unlink(self._tmp)
 
     def __enter__(self) -> HrryWriter:
@@ -197,15 +208,17 @@ class HrryWriter:
 
 def write_hrry(path: str | os.PathLike, tensors: Iterable[tuple[str, TensorDescriptor, Any]],
                kv: dict[str, Any] | None = None, *, alignment: int = DEFAULT_ALIGNMENT,
-               progress: Progress | None = None, fsync: bool = True) -> Path:
+               progress: Progress | None = None, fsync: bool = True,
+               into: int | None = None) -> Path:
     """Write named tensors (and KV metadata) to ``path`` atomically; an existing file is
-    replaced only once the new one is complete (and, with ``fsync``, on disk)."""
+    replaced only once the new one is complete (and, with ``fsync``, on disk).  ``into``:
+    written into that open descriptor instead (``HrryWriter``)."""
     tensors = list(tensors)
     total = sum(h.byte_size for _, d, _ in tensors for h in d.buffers)
     overhead = sum(512 + len(n) + alignment * (len(d.buffers) + 1) for n, d, _ in tensors)
     w = HrryWriter(path, kv=kv, alignment=alignment, tensor_count=len(tensors),
                    progress=progress, total_bytes=total, reserve=total + overhead + (1 << 16),
-                   fsync=fsync)
+                   fsync=fsync, into=into)
     try:
         for name, desc, bufs in tensors:
             w.add(name, desc, bufs)

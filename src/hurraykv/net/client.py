@@ -9,6 +9,7 @@ zeroed copies only of the pages that hold unused slots (``zero_unused``).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import socket
@@ -59,6 +60,8 @@ Progress = Callable[[int, int], None]
 # how a web server's answer starts: a status line, or (to a request line without an HTTP
 # version, which the bytes of CLIENT_HELLO read as) an HTML error page alone
 HTTP_ANSWERS = (b"HTTP/", b"<!DOCTYPE", b"<HTML")
+MAX_FDS = 4  # descriptors taken with one message (hurraykv.share passes one)
+FD = array.array("i")
 
 
 def _show(where: tuple[str, int]) -> str:
@@ -157,8 +160,11 @@ class KVClient:
             got += n
             hashes.advance(n)
 
-    def _recv(self) -> tuple[int, int, int]:
-        self._recv_into(memoryview(self._hdr))
+    def _recv(self, fds: list[int] | None = None) -> tuple[int, int, int]:
+        if fds is None:
+            self._recv_into(memoryview(self._hdr))
+        else:
+            self._recv_header_fds(fds)
         if bytes(self._hdr).upper().startswith(HTTP_ANSWERS):  # no Hurray peer says so
             raise TransportError(
                 f"{self.address} answered in HTTP, not the Hurray protocol: is it the "
@@ -169,13 +175,38 @@ class KVClient:
                                             self.server_hello.max_message_size
                                             if hasattr(self, "server_hello") else 0))
 
+    def _recv_header_fds(self, fds: list[int]) -> None:
+        """The header into ``_hdr`` with ``recvmsg``: descriptors passed with it
+        (``SCM_RIGHTS``, a Unix socket) appended to ``fds``, which the caller owns (a
+        socket read without room for them would close them unseen)."""
+        view, got = memoryview(self._hdr), 0
+        while got < len(view):
+            try:
+                n, ancillary, flags, _ = self.sock.recvmsg_into(
+                    [view[got:]], socket.CMSG_SPACE(MAX_FDS * FD.itemsize))
+            except OSError as e:
+                raise self._transport(e) from None
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[:len(data) - len(data) % FD.itemsize]))
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"{self.address} passed more than {MAX_FDS} descriptors "
+                                    "with one message", field="descriptors",
+                                    rule=f"at most {MAX_FDS} descriptors a message")
+            if not n:
+                raise TransportError(f"{self.address} closed the connection ({got} of "
+                                     f"{len(view)} bytes of a message received)",
+                                     field="address", value=self.address)
+            got += n
+
     def _payload(self, length: int) -> memoryview:
         buf = memoryview(bytearray(length))
         self._recv_into(buf)
         return buf
 
-    def _expect(self, stream: int, *types: int) -> tuple[int, memoryview]:
-        mtype, sid, length = self._recv()
+    def _expect(self, stream: int, *types: int, fds: list[int] | None = None
+                ) -> tuple[int, memoryview]:
+        mtype, sid, length = self._recv(fds)
         if mtype == MessageType.ERROR:
             err = decode_error(self._payload(length))
             raise remote_error(err.code, err.message)
@@ -391,11 +422,12 @@ class KVClient:
         return BlockPagedTensor.from_descriptor(desc, buffers, seq_lens)
 
     # -- others ------------------------------------------------------------------------
-    def _ask(self, mtype: int, value: Any, reply: int) -> Any:
-        """One round trip of a private message; the reply's decoded value."""
+    def _ask(self, mtype: int, value: Any, reply: int, fds: list[int] | None = None) -> Any:
+        """One round trip of a private message; the reply's decoded value (descriptors
+        passed with it appended to ``fds``, when given)."""
         stream = self._next_stream()
         self._send(frame(mtype, stream, value))
-        _, payload = self._expect(stream, reply)
+        _, payload = self._expect(stream, reply, fds=fds)
         return decode(reply, payload)
 
     def delete(self, key: str) -> None:
@@ -466,16 +498,19 @@ class KVClient:
             raise ProtocolError("stat_reply is not a JSON object")
         return out
 
-    def extension(self, operation: str, payload: bytes = b"") -> bytes:
+    def extension(self, operation: str, payload: bytes = b"", *,
+                  fds: list[int] | None = None) -> bytes:
         """Call the server's private ``operation`` (one round trip in the EXTENSION
         envelope, H95) with ``payload``; the bytes it answers.  ``RemoteError``
         UNKNOWN_OPERATION when the server has no such operation (INVALID_MESSAGE from a
-        server older than the envelope), or the ERROR the operation answers with."""
+        server older than the envelope), or the ERROR the operation answers with.
+        ``fds``: a list the descriptors the server passes with its answer are appended
+        to (a Unix socket; the caller closes them, whatever is raised)."""
         if not valid_operation(operation):
             raise HurrayError(f"operation {operation!r}: {OPERATION_RULE}",
                               field="operation", value=operation, rule=OPERATION_RULE)
         reply = self._ask(MessageType.EXTENSION, Extension(operation, bytes(payload)),
-                          MessageType.EXTENSION)
+                          MessageType.EXTENSION, fds)
         if not isinstance(reply, Extension) or reply.operation != operation:
             got = reply.operation if isinstance(reply, Extension) else "RETAIN's form"
             raise ProtocolError(f"the reply to private operation {operation!r} names "

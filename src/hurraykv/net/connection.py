@@ -33,6 +33,7 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import os
@@ -419,6 +420,36 @@ class Connection(asyncio.BufferedProtocol):
             try:
                 sent = await self._write_direct(parts)
                 self.server.counts.bytes_sent += sent
+            finally:
+                behind, self._behind = self._behind, None
+                if not self.closing():
+                    for p in behind:
+                        self.transport.write(p)
+
+    def can_pass_fds(self) -> bool:
+        return self._raw is not None and self._raw.family == socket.AF_UNIX
+
+    async def send_with_fds(self, message: bytes, fds: list[int]) -> None:
+        if not self.can_pass_fds():
+            raise RuntimeError("descriptors go over a plain Unix socket only")
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        async with self._frames:  # after every data frame before it, as send_data
+            await self.drain()
+            self._behind = []
+            try:
+                while not self.closing():
+                    try:
+                        n = self._raw.sendmsg([message], ancillary)  # type: ignore[union-attr]
+                    except (BlockingIOError, InterruptedError):
+                        await self._socket_writable()
+                        continue
+                    except OSError as e:
+                        log.info("connection lost while sending: %s", e)
+                        self.close()
+                        break
+                    self.server.counts.bytes_sent += n + await self._write_direct(
+                        [memoryview(message)[n:]])
+                    break
             finally:
                 behind, self._behind = self._behind, None
                 if not self.closing():

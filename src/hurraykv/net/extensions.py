@@ -18,7 +18,9 @@ connection closed goes unanswered.  A connection has at most ``MAX_IN_FLIGHT`` (
 operations awaiting their answer at a time: an envelope arriving while it has that many
 is answered with ERROR SERVER_BUSY naming the operation and the limit, without running,
 and the connection carries on.  An envelope naming an operation not registered is
-answered with ERROR UNKNOWN_OPERATION naming it, and the connection carries on.
+answered with ERROR UNKNOWN_OPERATION naming it, and the connection carries on.  A reply
+may pass descriptors with it (a :class:`Handover`, to a client on a Unix socket without
+TLS: ``hurraykv.share``).
 
 Operations are registered for the process (every server in it), like
 ``handlers.HANDLERS``; ``KVClient.extension(name, payload)`` calls one.  Names are 1 to 128
@@ -38,6 +40,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +63,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hurraykv.server")
 
-Reply = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A reply with descriptors passed alongside it (``SCM_RIGHTS``; only to a client on a
+    Unix socket without TLS, ``Session.can_pass_fds``).  ``keep``: what holds the
+    descriptors open until the reply is sent."""
+
+    payload: bytes
+    fds: list[int]
+    keep: Any = None
+
+
+Reply = bytes | bytearray | memoryview | Handover
 Operation = Callable[["Session", bytes], "Reply | Awaitable[Reply]"]
 
 OPERATIONS: dict[str, Operation] = {}
@@ -160,6 +176,23 @@ def _internal(name: str, e: BaseException) -> ProtocolError:
 
 
 def _answer(s: Session, stream: int, name: str, reply: Reply) -> None:
+    message = _message(s, stream, name, reply)
+    if isinstance(reply, Handover):
+        s.spawn(_hand_over(s, message, reply))
+    else:
+        s.send(message)
+
+
+async def _hand_over(s: Session, message: bytes, reply: Handover) -> None:
+    await s.send_with_fds(message, reply.fds)  # reply.keep held open until sent
+
+
+def _message(s: Session, stream: int, name: str, reply: Reply) -> bytes:
+    if isinstance(reply, Handover):
+        if not s.can_pass_fds():
+            raise _internal(name, TypeError("it passes descriptors to a client that is not "
+                                            "on a Unix socket without TLS"))
+        reply = reply.payload
     if not isinstance(reply, bytes | bytearray | memoryview):
         raise _internal(name, TypeError(f"it returned {type(reply).__name__}, not bytes"))
     message = frame(MessageType.EXTENSION, stream, Extension(name, bytes(reply)))
@@ -169,7 +202,7 @@ def _answer(s: Session, stream: int, name: str, reply: Reply) -> None:
                             f"{len(message) - HEADER.size} bytes exceeds the client's "
                             f"max_message_size {most}", ErrorCode.MESSAGE_TOO_LARGE,
                             field="extension.payload", value=len(message) - HEADER.size)
-    s.send(message)
+    return message
 
 
 async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Reply]) -> None:
@@ -183,7 +216,10 @@ async def _answer_later(s: Session, stream: int, name: str, reply: Awaitable[Rep
                 raise
             log.exception("private operation %r failed", name)
             raise _internal(name, e) from None
-        _answer(s, stream, name, data)
+        if isinstance(data, Handover):
+            await s.send_with_fds(_message(s, stream, name, data), data.fds)
+        else:
+            _answer(s, stream, name, data)
     except HurrayError as e:
         log.info("stream %d: %s", stream, e)
         s.fail(stream, code_of(e), str(e))

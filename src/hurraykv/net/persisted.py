@@ -303,7 +303,7 @@ class PersistedTier:
                 self.backing.put(key, snap)
                 obj.backed = True
             return None
-        tensors, kv = self._file_contents(key, obj, snap)
+        tensors, kv = file_contents(key, obj, snap)
         reserved = hrry_size(tensors, kv)
         self._reserve_disk(reserved, key)
         added = False
@@ -320,23 +320,25 @@ class PersistedTier:
                     self._done_writing(key, reserved)
         return path
 
-    def _file_contents(self, key: str, obj: StoredObject, snap: Any
-                       ) -> tuple[list[tuple[str, TensorDescriptor, Any]], dict[str, Any]]:
-        """The named tensors and KV metadata of ``key``'s .hrry file."""
-        if snap is not None:
-            tensors = [(HEAD_NAME, obj.items[0][0], [])]
-            used: set[str] = set()
-            for i, (d, b) in enumerate(obj.items[1:]):
-                name = _name(d, i)
-                name = name if name not in used else f"extra.{i}"
-                used.add(name)
-                tensors.append((name, d, b))
-            kv = snapshot_kv(snap)
-        else:
-            tensors = [("tensor", *obj.items[0])]
-            kv = {}
-        kv["hurraykv.key"] = key
-        return tensors, kv
+
+def file_contents(key: str, obj: StoredObject, snap: Any
+                  ) -> tuple[list[tuple[str, TensorDescriptor, Any]], dict[str, Any]]:
+    """The named tensors and KV metadata of ``key``'s .hrry file, in the object's order
+    (``snap``: the object's snapshot, None for one tensor)."""
+    if snap is not None:
+        tensors = [(HEAD_NAME, obj.items[0][0], [])]
+        used: set[str] = set()
+        for i, (d, b) in enumerate(obj.items[1:]):
+            name = _name(d, i)
+            name = name if name not in used else f"extra.{i}"
+            used.add(name)
+            tensors.append((name, d, b))
+        kv = snapshot_kv(snap)
+    else:
+        tensors = [("tensor", *obj.items[0])]
+        kv = {}
+    kv["hurraykv.key"] = key
+    return tensors, kv
 
 
 def _usable_directory(path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import units
 from ..errors import ConfigError, TransportError
-from . import extensions, tls
+from . import extensions, handover, tls  # noqa: F401  (handover: hurraykv.share)
 from .config import ServerConfig
 from .connection import SCRATCH, Connection
 from .counts import Counts, Latencies

@@ -89,3 +89,13 @@ class Session(Protocol):
     async def drain(self) -> None:
         """Return once the transport takes more bytes (flow control of a long send)."""
         ...
+
+    def can_pass_fds(self) -> bool:
+        """Whether descriptors can go to the client: a Unix socket without TLS."""
+        ...
+
+    async def send_with_fds(self, message: bytes, fds: list[int]) -> None:
+        """Write one whole message with ``fds`` passed alongside its first byte
+        (``SCM_RIGHTS``), in order with what was sent before it; only where
+        :meth:`can_pass_fds`.  The descriptors stay the caller's."""
+        ...

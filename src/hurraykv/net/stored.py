@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,8 @@ class StoredObject:
     nbytes: int
     path: Path | None = None
     backed: bool = False  # also in the backing store
+    # the sealed memory file it lives in once handed over (handover.py), or its making
+    sealed: Any = field(default=None, repr=False, compare=False)
 
     @property
     def durable(self) -> bool:

@@ -22,6 +22,7 @@ from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
 from hurraykv.integrations.vllm.common import Plan
 from hurraykv.integrations.vllm.worker import WorkerSide
 from hurraykv.io import scatter
+from hurraykv.net.server import KVServer
 from tests.integrations.vllm.test_vllm_worker import (
     BLOCK,
     CHUNK,
@@ -113,6 +114,25 @@ def test_a_load_reads_each_page_from_the_file_straight_into_its_block(
     stats = w.ctx.stats
     assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
     assert stats["chunks_loaded"] == 3
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), [CASES[0], CASES[2]])
+def test_a_server_on_this_host_hands_its_segments_over_and_they_load_in_one_pass(
+        side, tmp_path, backend, layout, dtype):
+    """``hurray://`` to a ``hurraykv serve`` on this host's Unix socket: the segment comes
+    as a sealed memory file (``hurraykv.share``), read into the blocks as a file is."""
+    with KVServer(listen=str(tmp_path / "kv.sock")).run_in_thread() as st:
+        w = worker(side, f"hurray://{st.address}", backend, layout, dtype)
+        src, dst = list(range(3, 9)), [40, 41, 20, 21, 50, 51]
+        names = store_one(side, w, tmp_path, src)
+        assert run_step(w, Plan(loads=[load_of("hit", names, 0, dst)])) == set()
+        for name in LAYER_NAMES:
+            cache = w.caches[name]
+            assert torch.equal(cache[dst].view(torch.int8), cache[src].view(torch.int8))
+        stats = w.ctx.stats
+        assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
+        side.close()  # its connections closed before the server stops
+        side.workers.clear()
 
 
 @pytest.mark.parametrize(("backend", "layout", "dtype"), CASES[1:3])
