@@ -46,7 +46,6 @@ from .persisted import file_contents
 from .stored import FileBytes, StoredObject
 
 if TYPE_CHECKING:
-    from .client import KVClient
     from .session import Session
 
 OPERATION = "hurraykv.share"
@@ -136,14 +135,15 @@ extensions.register(OPERATION, share, replace=True)
 
 
 # -- the client's side ---------------------------------------------------------------
-def can_receive(client: KVClient) -> bool:
+def can_receive(client: Any) -> bool:
     """Whether ``client`` can be handed a file: a Unix socket without TLS."""
     sock = client.sock
     return not isinstance(sock, ssl.SSLSocket) and sock.family == socket.AF_UNIX
 
 
-def receive(client: KVClient, key: str) -> Sealed:
-    """The sealed memory file holding the ``.hrry`` file of ``key`` (the caller's to
+def receive(client: Any, key: str) -> Sealed:
+    """The sealed memory file holding the ``.hrry`` file of ``key``, from ``client`` (a
+    ``KVClient``: not imported, the client imports the server) (the caller's to
     close, ``Sealed.close``).  ``HurrayError`` naming what is wrong with what the server
     passed: no descriptor or several, one that is not a memory file sealed against
     shrinking, growing and writing, a size that is not the one announced."""
