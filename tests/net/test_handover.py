@@ -151,3 +151,14 @@ def test_an_object_served_from_its_persisted_file_is_handed_over_from_a_copy(tmp
         obj = st.server.store.get(store.prefix + name)
         assert obj.sealed is None  # not kept: the memory budget does not count it
         store.close()
+
+
+def test_the_request_payload_is_the_key_and_a_malformed_one_is_refused(unix_server):
+    assert handover._key_payload("ab/é") == b"\x05\x00ab/\xc3\xa9"  # u16 n + utf8
+    with KVClient(unix_server.address) as c:
+        for payload, field in ((b"\x05\x00ab", "hurraykv.share.key at payload byte 2"),
+                               (b"\x01\x00ab", "hurraykv.share.trailing at payload byte 3")):
+            with pytest.raises(RemoteError, match=field) as e:
+                c.extension(handover.OPERATION, payload)
+            assert e.value.code == ErrorCode.INVALID_MESSAGE
+        assert c.ping() > 0  # the connection carries on
