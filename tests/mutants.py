@@ -79,7 +79,8 @@ MUTANTS = [
            "if (j + 1) * size > pos:",
            ("tests/integrations/vllm/test_vllm_direct_loads.py::"
             "test_a_damaged_page_never_reaches_its_block_and_its_blocks_are_recomputed",
-            f"{PAGES}::test_a_damaged_or_missing_page_is_not_placed_and_names_its_member_and_page"),
+            f"{PAGES}::test_a_damaged_or_missing_page_is_not_placed_and_names_its_member_and_page",
+            f"{HANDOVER}::test_a_damaged_page_handed_over_never_reaches_its_block"),
            f"{ONE_PASS}: no byte reaches a block unverified; a damaged page is never written"),
     Mutant("one-pass-transpose-compiled-for-geometry-wrong", "hurraykv/io/page_hash.py",
            "                    tile[o + WIDTH] = (t1 & lo32) | (t3 << s32)",

@@ -162,3 +162,20 @@ def test_the_request_payload_is_the_key_and_a_malformed_one_is_refused(unix_serv
                 c.extension(handover.OPERATION, payload)
             assert e.value.code == ErrorCode.INVALID_MESSAGE
         assert c.ping() > 0  # the connection carries on
+
+
+def test_a_damaged_page_handed_over_never_reaches_its_block(unix_server):
+    """A server that holds a damaged page (pushed so, or damaged in its memory): the page
+    read from the sealed file is hashed before it is placed and never reaches its block;
+    the others do."""
+    store = ServerChunks(unix_server.address)
+    snap = segment(5)
+    page = snap.tensor(0, "value").page_pool[5]
+    page.view(np.uint8)[0, 0, 0] ^= 0x10  # after its digest was taken
+    store.put(keys(5), 0, snap, {})
+    name = store.locate(keys(5))[0]
+    memory, failed = place(store, name, list(range(8)))
+    assert failed == {"value": ("layers.0.value", 5)}
+    assert (memory[1, 5] == 0xAB).all()
+    assert memory[1, 4].tobytes() == segment(5).tensor(0, "value").page_pool[4].tobytes()
+    store.close()
