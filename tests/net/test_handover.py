@@ -179,3 +179,23 @@ def test_a_damaged_page_handed_over_never_reaches_its_block(unix_server):
     assert (memory[1, 5] == 0xAB).all()
     assert memory[1, 4].tobytes() == segment(5).tensor(0, "value").page_pool[4].tobytes()
     store.close()
+
+
+def test_a_server_on_a_unix_socket_seals_each_object_as_it_is_stored(unix_server, tmp_path):
+    """Off the load's path: a decode engine loads what a prefill engine stored a moment
+    before, and its first hand-over must not wait for the copy. A server on TCP (it
+    cannot hand anything over) keeps objects as received."""
+    store = ServerChunks(unix_server.address)
+    name = stored(store, 6)
+    obj = unix_server.server.store.get(store.prefix + name)
+    deadline = time.monotonic() + 10
+    while not isinstance(obj.sealed, handover.Sealed):
+        assert time.monotonic() < deadline, f"not sealed after the push: {obj.sealed!r}"
+        time.sleep(0.01)
+    store.close()
+    with KVServer(listen="127.0.0.1:0").run_in_thread() as st:
+        remote = ServerChunks(st.address)
+        name = stored(remote, 6)
+        time.sleep(0.2)
+        assert st.server.store.get(remote.prefix + name).sealed is None
+        remote.close()

@@ -12,11 +12,15 @@ file cannot be cut underneath a reader: nobody, the server included, can shrink 
 mapping of it never faults with SIGBUS and a read never comes up short; the client
 refuses a descriptor that does not carry those seals.
 
-The first hand-over of an object kept in memory writes its file into the memory file (a
-worker thread, one copy), and the object then lives there: its buffers become views of
-a read-only mapping of that file (pulls send from it as before), the memory they held
-going back to the receive pool, so it is held once, never twice; later hand-overs cost
-one message.  The file is closed when the object goes (replaced, deleted, evicted); a
+A server listening on a Unix socket without TLS writes each object it stores into its
+memory file as soon as the push is acknowledged (``prepare``: a worker thread, one
+copy, off the push's and the load's paths: a decode engine loads what a prefill engine
+stored a moment before, and its first hand-over should not wait for that copy); an
+object not sealed yet when a hand-over asks is sealed then, once, whoever asks.  The
+object then lives in that file: its buffers become views of a read-only mapping of it
+(pulls send from it as before), the memory they held going back to the receive pool, so
+it is held once, never twice (twice only while the copy runs); every hand-over costs one
+message.  The file is closed when the object goes (replaced, deleted, evicted); a
 client still holding a descriptor keeps reading what it was given, and the kernel frees
 the memory when the last one closes.  An object served from its persisted file is
 copied into a memory file for each hand-over (not kept: the memory budget does not
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import mmap
 import os
 import socket
@@ -48,6 +53,7 @@ from .stored import FileBytes, StoredObject
 if TYPE_CHECKING:
     from .session import Session
 
+log = logging.getLogger("hurraykv.server")
 OPERATION = "hurraykv.share"
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 RULE = "a client on the server's Unix socket, without TLS"
@@ -81,27 +87,45 @@ async def share(s: Session, payload: bytes) -> extensions.Handover:
     return extensions.Handover(SIZE.pack(sealed.size), [sealed.fd], keep=sealed)
 
 
+def prepare(key: str, obj: StoredObject) -> None:
+    """Start sealing ``obj`` (just stored under ``key``) into its memory file on a
+    worker thread, so that its first hand-over does not wait for the copy (a decode
+    engine loads what a prefill engine stored a moment before)."""
+    if obj.sealed is None:
+        _making(key, obj)
+
+
 async def _sealed(key: str, obj: StoredObject) -> Sealed:
     """``obj``'s sealed file: the one it lives in, or made now (once, whoever asks)."""
     held = obj.sealed
     if isinstance(held, Sealed):
         return held
     if held is None:
-        held = obj.sealed = asyncio.get_running_loop().run_in_executor(None, seal, key, obj)
-    try:
-        sealed, items = await asyncio.shield(held)
-    except asyncio.CancelledError:
-        raise  # the asker went away; the file is still made for the next one
-    except BaseException:
-        if obj.sealed is held:
-            obj.sealed = None  # asked again, tried again
-        raise
-    if obj.sealed is held:
-        if items is None:
-            obj.sealed = None  # served from disk: a file for each hand-over
-        else:
-            obj.items, obj.sealed = items, sealed
+        held = _making(key, obj)
+    sealed, _ = await asyncio.shield(held)
     return sealed
+
+
+def _making(key: str, obj: StoredObject) -> asyncio.Future:
+    """``seal`` on a worker thread; once done, ``obj`` lives in its file (or, served from
+    disk or failed, is left as it was, to be tried again by the next hand-over)."""
+    making = asyncio.get_running_loop().run_in_executor(None, seal, key, obj)
+    obj.sealed = making
+
+    def done(f: asyncio.Future) -> None:
+        if obj.sealed is not f:
+            return
+        failed = f.cancelled() or f.exception() is not None
+        if failed or f.result()[1] is None:
+            obj.sealed = None
+            if failed and not f.cancelled():
+                log.warning("%s of %r failed: %s", OPERATION, key, f.exception())
+            return
+        sealed, items = f.result()
+        obj.items, obj.sealed = items, sealed
+
+    making.add_done_callback(done)
+    return making
 
 
 def seal(key: str, obj: StoredObject) -> tuple[Sealed, list | None]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .. import units
 from ..errors import HurrayError
 from ..wire.layouts import Composite
+from . import handover
 from .dataplane import DataAssembler
 from .keystore import PersistFull, StoreFull, object_from_items
 from .messages import ErrorCode, MessageType, ProtocolError, code_of, message
@@ -124,6 +125,8 @@ async def _commit(s: Session, stream: int, put: Put) -> None:
                f"internal error storing {put.shown!r}: {type(e).__name__}: {e}")
         return
     store.commit(put.key, obj, path, put.reserved, s.tenant)
+    if s.server.hands_over:
+        handover.prepare(put.key, obj)
     seconds = time.perf_counter() - put.started
     log.info("put key=%r %s in %.3f s (%s)", put.shown, units.size(obj.nbytes), seconds,
              units.rate(obj.nbytes, seconds))

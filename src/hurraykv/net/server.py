@@ -150,6 +150,9 @@ class KVServer:
                               + f"cannot use it: {e.strerror or e}", field="persist",
                               value=c.persist, rule="a directory the server can create, "
                               "read and write") from None
+        # clients on this host's socket are handed segments (handover.py): each object
+        # is sealed into its memory file as it is stored, off the load's path
+        self.hands_over = isinstance(parse_address(c.listen), str) and self.ssl_context is None
         self.pool = ReceivePool(c.recycle_bytes, room=self.store.idle_room)
         self.store.pool = self.pool
         self.connections = 0

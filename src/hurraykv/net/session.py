@@ -35,6 +35,7 @@ class ServerState(Protocol):
     over_share: int  # of them, past their tenant's share (refused at CLIENT_HELLO)
     open_connections: set[Any]
     tenant_connections: Counter[str]
+    hands_over: bool  # on a Unix socket without TLS: objects sealed as stored (handover)
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """What ``hurraykv stat`` shows (a tenant's own part for ``tenant``)."""
