@@ -6,11 +6,33 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.support.structure import SRC, circles, imports, private_reaches
+from tests.support.structure import (
+    SRC,
+    circles,
+    floor_violations,
+    floors,
+    imports,
+    private_reaches,
+)
+
+ROOT = SRC.parent
+
+
+def listing() -> str:
+    """The module listing of docs/architecture.md (its code block under the heading)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    after = text[text.index("## The modules, floor by floor"):]
+    return after.split("```")[1]
 
 
 def test_no_import_circle_in_the_package():
     assert circles(imports(SRC)) == []
+
+
+def test_every_import_goes_down_the_floors_the_architecture_draws():
+    drawn = floors(listing())
+    assert drawn["wire"] == 0 and drawn["cli"] > drawn["integrations"]  # the listing read
+    assert floor_violations(imports(SRC), drawn, SRC) == []
 
 
 def test_no_module_uses_another_modules_private_names():
@@ -35,3 +57,27 @@ def test_the_checkers_find_a_planted_circle_and_reach(tmp_path):
     assert circles(imports(tmp_path)) == [["pkg.a", "pkg.b", "pkg.c"]]
     assert private_reaches(tmp_path) == ["pkg/b.py:5 x._hidden", "pkg/c.py:3 b._secret",
                                          "pkg/d.py:1 from .c import _private"]
+
+
+def test_the_floor_checker_finds_a_planted_upward_and_sideways_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("low", "side", "high"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tool.py").write_text("")
+    (pkg / "stray.py").write_text("")
+    (pkg / "low" / "a.py").write_text("from ..high import b\nfrom .. import tool\n")
+    (pkg / "side" / "c.py").write_text("from ..low import a\n")
+    (pkg / "high" / "b.py").write_text("from ..low import a\nfrom ..side import c\n")
+    drawn = floors(textwrap.dedent("""\
+        floor 2  high/                         the top
+        floor 1  low/                          two packages
+                   a.py                        a module of low
+                 side/, tool.py                one more, and a module
+        """))
+    assert drawn == {"high": 2, "low": 1, "side": 1, "tool": 1}  # a.py is inside low/
+    assert floor_violations(imports(tmp_path), drawn, tmp_path) == [
+        "pkg.stray: in no floor of the listing",
+        "pkg.low.a (floor 1) imports pkg.high.b (floor 2): upward",
+        "pkg.side.c imports pkg.low.a: across floor 1, package to package"]

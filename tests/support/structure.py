@@ -8,6 +8,7 @@ with the reason.  Used by ``tests/docs/test_structure.py`` and ``tests/net``."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -129,3 +130,54 @@ def _module_named(root: Path, node: ast.ImportFrom, name: str) -> bool:
     return any(p.stem == name for p in root.rglob(f"{name}.py"))
 
 
+
+
+NAMES_END = 39  # the listing's first column (floor, names) ends here; the description follows
+
+
+def floors(listing: str) -> dict[str, int]:
+    """Each unit of ``docs/architecture.md``'s module listing (a package directory or a
+    top-level module, by its name under ``hurraykv``) and its floor: a line ``floor N
+    names`` starts floor N, a line of names indented 9 spaces adds to it."""
+    out: dict[str, int] = {}
+    floor = None
+    for line in listing.splitlines():
+        head = line[:NAMES_END]
+        m = re.match(r"floor (\d+)\s+(\S.*)", head)
+        if m:
+            floor, names = int(m[1]), m[2]
+        elif re.match(r" {9}\S", head) and floor is not None:
+            names = head
+        else:
+            continue
+        for name in re.split(r"[,\s]+", names.strip()):
+            if name.endswith("/") or name.endswith(".py"):
+                out[name.removesuffix("/").removesuffix(".py")] = floor
+    return out
+
+
+def floor_violations(graph: dict[str, set[str]], floor_of: dict[str, int], root: Path
+                     ) -> list[str]:
+    """The imports that go up a floor, or across to another package of the importer's
+    floor (a package may import a single module of its floor, and a module any of its
+    floor); and the modules of no unit the listing names."""
+    package = next(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+
+    def unit(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    bad = [f"{m}: in no floor of the listing" for m in sorted(graph)
+           if unit(m) is not None and unit(m) not in floor_of]
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            ua, ub = unit(a), unit(b)
+            if None in (ua, ub) or ua == ub or ua not in floor_of or ub not in floor_of:
+                continue
+            fa, fb = floor_of[ua], floor_of[ub]
+            both_packages = (root / package / ua).is_dir() and (root / package / ub).is_dir()
+            if fb > fa:
+                bad.append(f"{a} (floor {fa}) imports {b} (floor {fb}): upward")
+            elif fb == fa and both_packages:
+                bad.append(f"{a} imports {b}: across floor {fa}, package to package")
+    return bad

@@ -1,4 +1,4 @@
-"""The private messages a ``hurraykv serve`` connection answers (floor 4): DELETE, HAS,
+"""The private messages a ``hurraykv serve`` connection answers (floor 5): DELETE, HAS,
 LINK, LOCATE, LIST, ALIASES, STAT and RETAIN (decisions H35, H62, H93).  Each handler
 takes the connection's :class:`~.session.Session`, the stream and the message's decoded
 value (``codecs.CODECS``); keys are scoped to the connection's tenant.

@@ -1,4 +1,4 @@
-"""The server's aliases (floor 4): alias -> target keys, what LINK records (H61, H62).
+"""The server's aliases (floor 5): alias -> target keys, what LINK records (H61, H62).
 
 Held in memory as two maps (alias -> target, target -> its aliases), so dropping a
 target's aliases costs what it drops; ``nbytes`` is what the table holds (the key strings

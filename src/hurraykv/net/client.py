@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import units
 from ..errors import HurrayError, LayoutError, RemoteError, TransportError
+from ..io.gather import send_gathered
 from ..paged import BlockPagedTensor, byte_view
 from ..snapshot import KVCacheSnapshot, SnapshotAssembler
 from ..wire.descriptor import TensorDescriptor
@@ -28,7 +29,6 @@ from ..wire.layouts import BlockPaged, Composite
 from . import tls
 from .codecs import decode, frame
 from .dataplane import POOL_MIN, DataAssembler, DataPlan
-from .gather import send_gathered
 from .memory import CLASS, ReceivePool
 from .messages import (
     HEADER,

@@ -1,4 +1,4 @@
-"""Message type -> codec: the one table of what each message's payload holds (floor 4).
+"""Message type -> codec: the one table of what each message's payload holds (floor 5).
 
 Every message type this implementation speaks has one :class:`Codec` here: ``encode``
 turns the message's value into payload bytes and ``decode`` turns payload bytes back

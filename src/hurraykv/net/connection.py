@@ -44,8 +44,8 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HurrayError
+from ..io.gather import IOV_MAX
 from .codecs import decode, frame
-from .gather import IOV_MAX
 from .handlers import HANDLERS, refusal, timed_as
 from .keystore import StoreFull
 from .messages import (

@@ -1,4 +1,4 @@
-"""The data plane of one tensor (floor 4; D10): where each byte of a tensor's data region
+"""The data plane of one tensor (floor 5; D10): where each byte of a tensor's data region
 comes from when sending (``DataPlan``) and where each received TENSOR_DATA frame goes
 (``DataAssembler``)."""
 

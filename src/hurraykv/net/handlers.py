@@ -1,5 +1,5 @@
 """Message type -> handler: what a ``hurraykv serve`` connection does with each message a
-client sends after the handshake (floor 4).
+client sends after the handshake (floor 5).
 
 ``Connection._dispatch`` decodes a payload with its codec (``codecs.CODECS``) and calls
 ``HANDLERS[type](session, stream, value)``, the session being the connection as its

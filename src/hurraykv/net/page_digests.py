@@ -1,4 +1,4 @@
-"""A verified pull's checksums, computed while the bytes arrive (floor 4).
+"""A verified pull's checksums, computed while the bytes arrive (floor 5).
 
 Hashing a 64 MiB segment after it has been received is a second pass over memory the
 transfer has long pushed out of the cache (5-7 ms on the critical path here, a fifth of

@@ -1,4 +1,4 @@
-"""The private messages' lists (floor 4): HAS, LINK, LOCATE and their replies, LIST_REPLY,
+"""The private messages' lists (floor 5): HAS, LINK, LOCATE and their replies, LIST_REPLY,
 ALIASES_REPLY (see the table in ``messages.py``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pulls on a ``hurraykv serve`` connection (floor 4): a TENSOR_REQUEST answered with the
+"""Pulls on a ``hurraykv serve`` connection (floor 5): a TENSOR_REQUEST answered with the
 stored object's descriptors and data frames, written from the stored buffers (read from
 the file a frame at a time for objects served from disk) under transport flow control.
 

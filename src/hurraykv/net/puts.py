@@ -1,4 +1,4 @@
-"""PUTs on a ``hurraykv serve`` connection (floor 4): a tensor, or a group head and its
+"""PUTs on a ``hurraykv serve`` connection (floor 5): a tensor, or a group head and its
 members, reserved against the memory budget member by member, assembled, validated and
 committed (decisions H39, H42, H52; issue 19 item 8 for groups and eviction)."""
 

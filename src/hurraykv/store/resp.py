@@ -25,7 +25,7 @@ from itertools import accumulate, pairwise
 from typing import Any
 
 from ..errors import StoreError, TransportError
-from ..net.gather import IOV_MAX, send_gathered
+from ..io.gather import IOV_MAX, send_gathered
 
 _READ = 1 << 16
 HEADER_READ = 64

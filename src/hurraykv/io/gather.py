@@ -1,4 +1,5 @@
-"""Gathered sends (floor 4): many buffers to a socket without joining them."""
+"""Gathered sends: many buffers to a socket without joining them (below both the page
+store and the server, which send so)."""
 
 from __future__ import annotations
 
