@@ -36,7 +36,8 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -127,77 +128,108 @@ class ServerCollector:
                 cumulative.append((_bound(bound), running))
             latency.add_metric([request], cumulative, total)
         yield latency
-        s = server.store.stats()
-        counts = server.counts
+        read = Reading(server.store.stats(), server.counts, server, server.metrics)
+        for m in METRICS:
+            value = m.value(read)
+            if value is None:
+                continue  # absent: unlimited, or a part not running
+            family = (GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily)(
+                PREFIX + m.name, m.doc, **({"labels": [m.label]} if m.label else
+                                           {"value": value}))
+            if m.label:
+                for label, n in value.items():
+                    family.add_metric([label], n)
+            yield family
 
-        def gauge(name: str, doc: str, value: float | None) -> Iterable[Any]:
-            return [] if value is None else [GaugeMetricFamily(PREFIX + name, doc, value=value)]
 
-        def counter(name: str, doc: str, value: float) -> Any:
-            return CounterMetricFamily(PREFIX + name, doc, value=value)
+@dataclass(frozen=True)
+class Reading:
+    """What one scrape reads of the server: its store's accounts (``KeyStore.stats``),
+    its counts, the server and its metrics endpoint."""
 
-        objects = GaugeMetricFamily(PREFIX + "objects", "Stored objects by tier (an object "
-                                    "both in memory and persisted counts in each)",
-                                    labels=["tier"])
-        objects.add_metric(["memory"], s["objects_in_memory"])
-        objects.add_metric(["disk"], s["persisted_objects"])
-        yield objects
-        yield from gauge("memory_bytes", "Bytes of committed objects held in memory",
-                         s["memory_bytes"])
-        yield from gauge("reserved_bytes", "Bytes reserved against the memory budget by "
-                         "pushes and payloads in flight", s["reserved_bytes"])
-        yield from gauge("idle_receive_bytes", "Idle receive buffers kept for the next "
-                         "pushes (held against the memory budget)", s["idle_receive_bytes"])
-        yield from gauge("alias_bytes", "Bytes the aliases hold against the memory budget",
-                         s["alias_bytes"])
-        yield from gauge("memory_budget_bytes", "--memory-budget (absent: unlimited)",
-                         s["memory_budget"])
-        yield from gauge("persisted_bytes", "Bytes of .hrry files in the --persist directory",
-                         s["persisted_bytes"] if s["persist"] else None)
-        yield from gauge("persist_reserved_bytes", "Bytes reserved under the persist budget "
-                         "by files being written",
-                         s["persist_reserved_bytes"] if s["persist"] else None)
-        yield from gauge("persist_budget_bytes", "--persist-budget (absent: unlimited)",
-                         s["persist_budget"])
-        evictions = CounterMetricFamily(PREFIX + "evictions", "Objects evicted to fit a "
-                                        "budget, by tier (memory: --memory-budget, disk: "
-                                        "--persist-budget)", labels=["tier"])
-        evictions.add_metric(["memory"], s["memory_evictions"])
-        evictions.add_metric(["disk"], s["disk_evictions"])
-        yield evictions
-        yield counter("pushes", "Pushes (PUTs) acknowledged", counts.pushes)
-        yield counter("pulls", "Objects sent whole to a client", counts.pulls)
-        yield counter("received_bytes", "Bytes received on every connection",
-                      counts.bytes_received)
-        yield counter("sent_bytes", "Bytes sent on every connection", counts.bytes_sent)
-        errors = CounterMetricFamily(PREFIX + "errors", "ERROR messages sent, by protocol "
-                                     "error code", labels=["code"])
-        seen = dict(counts.errors)  # one copy: the loop may add a code meanwhile
-        for code in ErrorCode:  # every code from the start: rate() needs the zero
-            errors.add_metric([code.name], seen.pop(code, 0))
-        for code, n in sorted(seen.items()):
-            errors.add_metric([f"0x{code:02x}"], n)
-        yield errors
-        yield from gauge("connections", "Open client connections", server.connections)
-        yield from gauge("max_connections", "--max-connections",
-                         server.config.max_connections)
-        endpoint = server.metrics
-        if endpoint is not None:
-            yield from gauge("metrics_connections", "Open connections to --metrics-listen "
-                             "(this scrape's included)", endpoint.open)
-            refused = CounterMetricFamily(PREFIX + "metrics_refused", "Connections to "
-                                          "--metrics-listen closed unserved, by reason (cap: "
-                                          f"{MAX_CONNECTIONS} open and past their request; "
-                                          "idle: the oldest without a request, for a newer "
-                                          "one; descriptors: fewer than the protocol port's "
-                                          "reserve left)", labels=["reason"])
-            seen = dict(endpoint.refused)
-            for reason in ("cap", "idle", "descriptors"):
-                refused.add_metric([reason], seen.get(reason, 0))
-            yield refused
-            yield counter("metrics_timeouts", "Connections to --metrics-listen closed for "
-                          f"not sending a request within {READ_TIMEOUT} s (or not taking "
-                          "the reply)", endpoint.timeouts)
+    s: dict[str, Any]
+    counts: Counts
+    server: Monitored
+    endpoint: MetricsEndpoint | None
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the table: ``hurraykv_server_NAME`` of ``kind`` (``gauge`` or
+    ``counter``), its help text, and its value read from a scrape's ``Reading``: a
+    number, None (the metric absent), or with ``label`` a dict of label value -> number."""
+
+    name: str
+    kind: str
+    doc: str
+    value: Callable[[Reading], Any]
+    label: str | None = None
+
+
+def _errors(r: Reading) -> dict[str, int]:
+    seen = dict(r.counts.errors)  # one copy: the loop may add a code meanwhile
+    out = {code.name: seen.pop(code, 0) for code in ErrorCode}  # rate() needs the zeros
+    out.update((f"0x{code:02x}", n) for code, n in sorted(seen.items()))
+    return out
+
+
+def _refused(r: Reading) -> dict[str, int] | None:
+    if r.endpoint is None:
+        return None
+    seen = dict(r.endpoint.refused)
+    return {reason: seen.get(reason, 0) for reason in ("cap", "idle", "descriptors")}
+
+
+def _persisted(key: str) -> Callable[[Reading], Any]:
+    return lambda r: r.s[key] if r.s["persist"] else None
+
+
+METRICS = (
+    Metric("objects", "gauge", "Stored objects by tier (an object both in memory and "
+           "persisted counts in each)", lambda r: {"memory": r.s["objects_in_memory"],
+                                                   "disk": r.s["persisted_objects"]},
+           "tier"),
+    Metric("memory_bytes", "gauge", "Bytes of committed objects held in memory",
+           lambda r: r.s["memory_bytes"]),
+    Metric("reserved_bytes", "gauge", "Bytes reserved against the memory budget by pushes "
+           "and payloads in flight", lambda r: r.s["reserved_bytes"]),
+    Metric("idle_receive_bytes", "gauge", "Idle receive buffers kept for the next pushes "
+           "(held against the memory budget)", lambda r: r.s["idle_receive_bytes"]),
+    Metric("alias_bytes", "gauge", "Bytes the aliases hold against the memory budget",
+           lambda r: r.s["alias_bytes"]),
+    Metric("memory_budget_bytes", "gauge", "--memory-budget (absent: unlimited)",
+           lambda r: r.s["memory_budget"]),
+    Metric("persisted_bytes", "gauge", "Bytes of .hrry files in the --persist directory",
+           _persisted("persisted_bytes")),
+    Metric("persist_reserved_bytes", "gauge", "Bytes reserved under the persist budget by "
+           "files being written", _persisted("persist_reserved_bytes")),
+    Metric("persist_budget_bytes", "gauge", "--persist-budget (absent: unlimited)",
+           lambda r: r.s["persist_budget"]),
+    Metric("evictions", "counter", "Objects evicted to fit a budget, by tier (memory: "
+           "--memory-budget, disk: --persist-budget)",
+           lambda r: {"memory": r.s["memory_evictions"], "disk": r.s["disk_evictions"]},
+           "tier"),
+    Metric("pushes", "counter", "Pushes (PUTs) acknowledged", lambda r: r.counts.pushes),
+    Metric("pulls", "counter", "Objects sent whole to a client", lambda r: r.counts.pulls),
+    Metric("received_bytes", "counter", "Bytes received on every connection",
+           lambda r: r.counts.bytes_received),
+    Metric("sent_bytes", "counter", "Bytes sent on every connection",
+           lambda r: r.counts.bytes_sent),
+    Metric("errors", "counter", "ERROR messages sent, by protocol error code", _errors,
+           "code"),
+    Metric("connections", "gauge", "Open client connections", lambda r: r.server.connections),
+    Metric("max_connections", "gauge", "--max-connections",
+           lambda r: r.server.config.max_connections),
+    Metric("metrics_connections", "gauge", "Open connections to --metrics-listen (this "
+           "scrape's included)", lambda r: None if r.endpoint is None else r.endpoint.open),
+    Metric("metrics_refused", "counter", "Connections to --metrics-listen closed unserved, "
+           f"by reason (cap: {MAX_CONNECTIONS} open and past their request; idle: the "
+           "oldest without a request, for a newer one; descriptors: fewer than the "
+           "protocol port's reserve left)", _refused, "reason"),
+    Metric("metrics_timeouts", "counter", "Connections to --metrics-listen closed for not "
+           f"sending a request within {READ_TIMEOUT} s (or not taking the reply)",
+           lambda r: None if r.endpoint is None else r.endpoint.timeouts),
+)
 
 
 def _bound(seconds: float) -> str:
