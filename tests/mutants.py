@@ -859,11 +859,11 @@ MUTANTS = [
            "            return self._into[0][:n]", "            return memoryview(bytearray(n))",
            ("tests/net/test_checked_pull.py::test_verified_pull_into_a_held_snapshot_checks_it_too",),
            "KVClient.pull: with into=, the caller's memory is what is hashed"),
-    Mutant("pull-frame-then-other-messages", "hurraykv/net/connection.py",
+    Mutant("pull-frame-then-other-messages", "hurraykv/net/output.py",
            "                if self._behind is not None:", "                if False:",
            ("tests/net/test_pull_frames.py::test_a_reply_sent_while_a_frame_waits_for_room_"
             "follows_the_frame",),
-           "Connection.send_data: messages sent meanwhile follow the frame"),
+           "Output.send_data: messages sent meanwhile follow the frame"),
     Mutant("redis-read-buffer-never-recycled", "hurraykv/store/buffers.py",
            "if len(buf) >= size and sys.getrefcount(owner) <= idle:",
            "if len(buf) >= size and sys.getrefcount(owner) < 0:",

@@ -33,18 +33,14 @@ Rules kept here (decisions H32-H42 and H52-H55 in docs/spec-decisions.md):
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
-import os
-import socket
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HurrayError
-from ..io.gather import IOV_MAX
 from .codecs import decode, frame
 from .handlers import HANDLERS, refusal, timed_as
 from .keystore import StoreFull
@@ -58,6 +54,7 @@ from .messages import (
     code_of,
     decode_header,
 )
+from .output import Output
 from .tenants import UnreadableIdentity, scoped_key, tenant_identity
 
 if TYPE_CHECKING:
@@ -101,17 +98,13 @@ class Connection(asyncio.BufferedProtocol):
         self._msg: tuple[int, int, int] = (0, 0, 0)
         self._discard = 0
         self._last = self.loop.time()
-        self._writable = asyncio.Event()
-        self._writable.set()
         self._watchdog: asyncio.TimerHandle | None = None
-        self._raw: socket.socket | None = None
-        self._frames = asyncio.Lock()  # one data frame written straight at a time
-        self._behind: list[bytes | memoryview] | None = None  # sent during such a frame
-        self._writer_fd: int | None = None
+        self.out = Output(self.loop, server.counts)  # the way out: writes, flow control
 
     # -- transport callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out.attach(transport)  # type: ignore[arg-type]
         self.server.connections += 1
         self.server.open_connections.add(self)
         if self.cfg.tls_ca:
@@ -134,17 +127,6 @@ class Connection(asyncio.BufferedProtocol):
                     log.info("tenant %s (%s) connected", self.tenant, readable)
                     self.over_share = (self.server.tenant_connections[self.tenant]
                                        > self.cfg.tenant_share())
-        elif transport.get_extra_info("sslcontext") is None:
-            # A duplicate of the plain socket lets buffer_updated keep reading while bytes
-            # are waiting, instead of one event-loop round per kernel-buffer's worth.
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                self._raw = socket.socket(sock.family, sock.type, sock.proto,
-                                          fileno=os.dup(sock.fileno()))
-                self._raw.setblocking(False)
-                # paused while the transport holds any byte: drain() returns once it
-                # holds none, when a data frame may go to the socket directly
-                transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
         # A connection past its tenant's share is refused at its hello and takes no slot
         # of --max-connections meanwhile: idle connections that never say hello cannot
         # crowd out another tenant (and are closed after --read-timeout, _check_timeouts).
@@ -165,23 +147,17 @@ class Connection(asyncio.BufferedProtocol):
         self.puts.clear()
         self._payload = bytearray()
         self._unhold_all()
-        if self._writer_fd is not None:  # before its descriptor closes (epoll keeps it)
-            self.loop.remove_writer(self._writer_fd)
-            self._writer_fd = None
-        if self._raw is not None:
-            self._raw.close()
-            self._raw = None
+        self.out.detach()
         for task in self.tasks:
             task.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
-        self._writable.set()
 
     def pause_writing(self) -> None:
-        self._writable.clear()
+        self.out.writable.clear()
 
     def resume_writing(self) -> None:
-        self._writable.set()
+        self.out.writable.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._got:]
@@ -189,9 +165,9 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._consume(nbytes)
         budget = PUMP_BYTES
-        while self._raw is not None and not self.closed and budget > 0:
+        while self.out.raw is not None and not self.closed and budget > 0:
             try:
-                n = self._raw.recv_into(self._target[self._got:])
+                n = self.out.raw.recv_into(self._target[self._got:])
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -375,122 +351,28 @@ class Connection(asyncio.BufferedProtocol):
         if len(self.dead) > CLOSED_STREAMS:
             self.dead.popitem(last=False)
 
-    # -- output ----------------------------------------------------------------------
+    # -- output (output.py) ----------------------------------------------------------
     def closing(self) -> bool:
         """The transport is closed or closing: whatever is written now is dropped (and
         asyncio would warn about each such write)."""
-        return self.closed or self.transport is None or self.transport.is_closing()
+        return self.closed or self.out.closing()
 
     def send(self, *parts: bytes | memoryview) -> None:
-        """Write ``parts`` (whole messages, or a frame's header and its data) in order;
-        dropped once the connection is closing.  During a data frame written straight
-        to the socket (``send_data``) they wait, in order, behind it."""
-        if not self.closing():
-            sent = 0
-            for p in parts:
-                if self._behind is not None:
-                    self._behind.append(p)
-                else:
-                    self.transport.write(p)
-                sent += len(p)  # parts are bytes or 1-D byte views
-            self.server.counts.bytes_sent += sent
+        if not self.closed:
+            self.out.send(*parts)
 
     async def drain(self) -> None:
-        """Return once the transport's buffer is below its high-water mark (empty, on a
-        plain socket)."""
-        if not self._writable.is_set():
-            await self._writable.wait()
+        await self.out.drain()
 
     async def send_data(self, parts: list[Any]) -> None:
-        """Whole messages (a pull's data frames: their headers, their data as byte
-        views), then ``drain``.  On a plain socket the data goes from its own memory to
-        the socket: the transport would copy every byte the socket does not take at once
-        into its buffer (most of a frame, when a pull outpaces its client), so once the
-        transport holds nothing the parts are written with ``sendmsg``, waiting for room
-        as the socket fills; messages sent meanwhile follow them."""
-        if self._raw is None:
-            self.send(*parts)
-            await self.drain()
-            return
-        async with self._frames:
-            await self.drain()
-            if self.closing():
-                return
-            self._behind = []
-            try:
-                sent = await self._write_direct(parts)
-                self.server.counts.bytes_sent += sent
-            finally:
-                behind, self._behind = self._behind, None
-                if not self.closing():
-                    for p in behind:
-                        self.transport.write(p)
+        if not self.closed:
+            await self.out.send_data(parts)
 
     def can_pass_fds(self) -> bool:
-        return self._raw is not None and self._raw.family == socket.AF_UNIX
+        return self.out.can_pass_fds()
 
     async def send_with_fds(self, message: bytes, fds: list[int]) -> None:
-        if not self.can_pass_fds():
-            raise RuntimeError("descriptors go over a plain Unix socket only")
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        async with self._frames:  # after every data frame before it, as send_data
-            await self.drain()
-            self._behind = []
-            try:
-                while not self.closing():
-                    try:
-                        n = self._raw.sendmsg([message], ancillary)  # type: ignore[union-attr]
-                    except (BlockingIOError, InterruptedError):
-                        await self._socket_writable()
-                        continue
-                    except OSError as e:
-                        log.info("connection lost while sending: %s", e)
-                        self.close()
-                        break
-                    self.server.counts.bytes_sent += n + await self._write_direct(
-                        [memoryview(message)[n:]])
-                    break
-            finally:
-                behind, self._behind = self._behind, None
-                if not self.closing():
-                    for p in behind:
-                        self.transport.write(p)
-
-    async def _write_direct(self, parts: list[Any]) -> int:
-        """Every byte of ``parts`` to the socket (none when it closes first): the bytes
-        written."""
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
-        sent = 0
-        while views and not self.closing():
-            try:
-                n = self._raw.sendmsg(views[:IOV_MAX])  # type: ignore[union-attr]
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as e:  # the client went away: what the transport would do
-                log.info("connection lost while sending: %s", e)
-                self.close()
-                break
-            sent += n
-            while n:
-                if n >= views[0].nbytes:
-                    n -= views.pop(0).nbytes
-                else:
-                    views[0], n = views[0][n:], 0
-            if views:
-                await self._socket_writable()
-        return sent
-
-    async def _socket_writable(self) -> None:
-        fd = self._raw.fileno()  # type: ignore[union-attr]
-        woken = self.loop.create_future()
-        self.loop.add_writer(fd, lambda: woken.done() or woken.set_result(None))
-        self._writer_fd = fd
-        try:
-            await woken
-        finally:
-            if self._writer_fd == fd:
-                self.loop.remove_writer(fd)
-                self._writer_fd = None
+        await self.out.send_with_fds(message, fds)
 
     def fail(self, stream: int, code: int, text: str) -> None:
         """Answer ``stream`` with ERROR ``code``, counted by code."""
