@@ -45,7 +45,8 @@ MODULES = [
     ("hurraykv.adapters.transformers", "Transformers caches (`[adapters]`)"),
     ("hurraykv.integrations.chunks", "chunk stores: the `ChunkStore` base a store class "
                                      "subclasses, its `Option`s, `open_store`, the registry"),
-    ("hurraykv.testing", "the chunk-store contract a store from any package runs (pytest)"),
+    ("hurraykv.testing", "the contracts a chunk store, quantization scheme or server "
+                         "operation from any package runs (pytest)"),
     ("hurraykv.net.extensions", "private server operations, by name (the EXTENSION "
                                 "envelope, H95)"),
 ]

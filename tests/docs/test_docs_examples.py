@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,7 +57,9 @@ RUNS = [("worked-example.md", "hk.BlockPagedTensor(pool"),
         ("adapters.md", "from hurraykv.adapters.flashinfer import"),
         ("adapters.md", "from hurraykv.adapters.sglang import"),
         ("adapters.md", "small = snap.compact()"),
-        ("adapters.md", "from hurraykv.adapters.transformers import")]
+        ("adapters.md", "from hurraykv.adapters.transformers import"),
+        ("architecture.md", "class TestPerTensor(QuantSchemeTests)"),
+        ("architecture.md", "class TestShout(ServerOperationTests)")]
 
 
 def test_every_python_block_in_the_docs_is_run():
@@ -197,6 +202,28 @@ def test_the_transformers_example_runs():
     assert torch.equal(env["mask"], mask)  # restored left-padded, with its mask
     assert env["snap"].seq_lens.tolist() == mask.sum(-1).tolist()
     assert env["next_out"].logits.shape[:2] == (ids.shape[0], 1)
+
+
+# ---- docs/architecture.md --------------------------------------------------------------
+def test_the_extension_contract_examples_pass_as_a_test_module(tmp_path):
+    """The two examples of "Extending hurraykv" (a scheme's and an operation's test class)
+    are a test module that pytest runs, every inherited test passing: ``acme_ops`` is the
+    operation of ``tests/support/plugins/server_ops``, on the path as if installed."""
+    code = "\n\n".join(block("architecture.md", marker) for marker in (
+        "class TestPerTensor(QuantSchemeTests)", "class TestShout(ServerOperationTests)"))
+    (tmp_path / "test_example.py").write_text(code)
+    plugin = ROOT / "tests" / "support" / "plugins" / "server_ops"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(plugin), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), "test_example.py"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from hurraykv.testing import QuantSchemeTests, ServerOperationTests
+
+    ran = sum(n.startswith("test_") for c in (QuantSchemeTests, ServerOperationTests)
+              for n in dir(c))
+    assert re.search(rf"\b{ran} passed\b", out.stdout), out.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DOCS.glob("*.md")

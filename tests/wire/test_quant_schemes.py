@@ -22,7 +22,7 @@ from hurraykv.wire.annotate import quantization_fields
 from hurraykv.wire.cursor import Cursor
 from hurraykv.wire.descriptor import decode_descriptor
 from hurraykv.wire.dtypes import BY_NAME
-from hurraykv.wire.quant_registry import BUILTIN
+from hurraykv.wire.quant_registry import BUILTIN, SchemeRegistrationError
 from hurraykv.wire.quantization import (
     MXFP,
     NF4,
@@ -106,11 +106,19 @@ def test_a_scheme_tag_must_be_assignable_and_free():
         cls = type("Bad", (Toy,), {"TAG": tag, "NAME": f"bad_{tag}"})
         with pytest.raises(ValueError):
             register(cls)
-    with pytest.raises(ValueError, match=r"takes the name 'per_tensor' of .*PerTensor"):
+    with pytest.raises(ValueError, match=r"takes the name 'per_tensor' of .*PerTensor") as e:
         register(type("Bad", (Toy,), {"NAME": "per_tensor"}))
+    # a HurrayError naming the field (and still the ValueError it was)
+    assert isinstance(e.value, SchemeRegistrationError)
+    assert isinstance(e.value, QuantizationError)
+    assert (e.value.field, e.value.value) == ("NAME", "per_tensor")
+    with pytest.raises(SchemeRegistrationError, match=r"takes the tag 0x03 of .*PerBlock") as e:
+        register(type("Bad", (Toy,), {"TAG": 0x03}))
+    assert (e.value.field, e.value.value) == ("TAG", 0x03)
     with pytest.raises(ValueError, match=r"0x60 is invalid or reserved; a scheme takes "
-                                         r"0x01-0x5F .* or 0xF0-0xFE"):
+                                         r"0x01-0x5F .* or 0xF0-0xFE") as e:
         register(type("Bad", (Toy,), {"TAG": 0x60, "NAME": "bad_0x60"}))
+    assert (e.value.field, e.value.value) == ("TAG", 0x60)
     with pytest.raises(TypeError, match="defines no decode_body or encode_body"):
         register(type("NoCodec", (QuantScheme,), {"TAG": 0x5D, "NAME": "no_codec"}))
 

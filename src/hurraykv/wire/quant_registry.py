@@ -46,6 +46,12 @@ class SchemePluginWarning(UserWarning):
     """An entry point of ``hurraykv.quant_schemes`` that was skipped, and why."""
 
 
+class SchemeRegistrationError(QuantizationError, ValueError):
+    """A scheme class ``register`` refuses: its ``TAG`` invalid, reserved or another
+    scheme's, or its ``NAME`` another scheme's (``field`` says which, ``value`` what it
+    holds).  Also a ``ValueError``, what ``register`` raised before."""
+
+
 def _load() -> None:
     """Register the built-in schemes, then the plugins, once (on the first lookup)."""
     global _loaded
@@ -88,25 +94,29 @@ def _assignable(tag: int) -> bool:
 
 def register(cls: type[QuantScheme]) -> type[QuantScheme]:
     """Class decorator: make ``cls`` the scheme of its ``TAG`` for every table, the
-    decoder, the validation and the reports."""
+    decoder, the validation and the reports.  A tag that is invalid, reserved or another
+    scheme's, or a name another scheme has, is a ``SchemeRegistrationError`` naming the
+    field (``TAG``, ``NAME``); a class without its codec a ``TypeError``."""
     if cls.__module__ != BUILTIN:
         _load()  # the built-ins and plugins first: a collision is this class's
     if not _assignable(cls.TAG):
-        raise ValueError(f"{cls.NAME}: scheme tag 0x{cls.TAG:02x} is invalid or reserved; a "
-                         "scheme takes 0x01-0x5F (assigned by the spec) or 0xF0-0xFE "
-                         "(private)")
+        rule = "a scheme takes 0x01-0x5F (assigned by the spec) or 0xF0-0xFE (private)"
+        raise SchemeRegistrationError(
+            f"{cls.NAME}: scheme tag 0x{cls.TAG:02x} is invalid or reserved; {rule}",
+            field="TAG", value=cls.TAG, rule=rule)
     missing = [m for m in ("decode_body", "encode_body") if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"scheme {cls.__name__} defines no {' or '.join(missing)}: a "
                         "registered scheme reads and writes its own payload")
     for other in _REGISTRY.values():
         if other.TAG == cls.TAG or other.NAME == cls.NAME:
-            what = (f"tag 0x{cls.TAG:02x}" if other.TAG == cls.TAG else
-                    f"name {cls.NAME!r}")
-            raise ValueError(f"{cls.__module__}.{cls.__qualname__} ({cls.NAME}, "
-                             f"0x{cls.TAG:02x}) takes the {what} of "
-                             f"{other.__module__}.{other.__qualname__} ({other.NAME}, "
-                             f"0x{other.TAG:02x}); tags and names are one scheme's each")
+            field, value = ("TAG", cls.TAG) if other.TAG == cls.TAG else ("NAME", cls.NAME)
+            what = f"tag 0x{cls.TAG:02x}" if field == "TAG" else f"name {cls.NAME!r}"
+            rule = "tags and names are one scheme's each"
+            raise SchemeRegistrationError(
+                f"{cls.__module__}.{cls.__qualname__} ({cls.NAME}, 0x{cls.TAG:02x}) takes "
+                f"the {what} of {other.__module__}.{other.__qualname__} ({other.NAME}, "
+                f"0x{other.TAG:02x}); {rule}", field=field, value=value, rule=rule)
     cls.STORAGE_TAGS = frozenset(BY_NAME[n].tag for n in cls.STORAGE)
     _REGISTRY[cls.TAG] = cls
     _changed()
@@ -339,6 +349,7 @@ __all__ = [
     "RawQuantization",
     "RegistryView",
     "SchemePluginWarning",
+    "SchemeRegistrationError",
     "as_written",
     "check_param_sizes",
     "decodes_finitely",
