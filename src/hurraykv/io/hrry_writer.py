@@ -76,7 +76,10 @@ class HrryWriter:
         self._f = os.fdopen(fd, "wb", buffering=0)
         self._pending = bytearray()
         try:
-            self._reserved = reserve >= RESERVE_FROM and hasattr(os, "posix_fallocate")
+            # a memory file (into) has no blocks to keep together: reserving would only
+            # zero every page before it is written
+            self._reserved = (into is None and reserve >= RESERVE_FROM
+                              and hasattr(os, "posix_fallocate"))
             if self._reserved:
                 # Reserve the blocks up front: the file system allocates once rather than on
                 # every write (finish() trims what was not used).
