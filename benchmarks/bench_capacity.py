@@ -48,10 +48,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hurraykv as hk  # noqa: E402
 from bench_paged import print_table  # noqa: E402
-from hurraykv.integrations import file_layouts  # noqa: E402
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest  # noqa: E402
-from hurraykv.integrations.file_capacity import Capacity, Reservation  # noqa: E402
-from hurraykv.integrations.file_store import FileChunks  # noqa: E402
+from hurraykv.chunks.file import layouts as file_layouts  # noqa: E402
+from hurraykv.chunks.file.capacity import Capacity, Reservation  # noqa: E402
+from hurraykv.chunks.file.store import FileChunks  # noqa: E402
+from hurraykv.chunks.keys import ChunkKeys, identity_digest  # noqa: E402
 from hurraykv.io import checksums  # noqa: E402
 from hurraykv.snapshot_members import member_name  # noqa: E402
 from hurraykv.store.buffers import ReadBuffers  # noqa: E402

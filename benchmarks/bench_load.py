@@ -78,8 +78,9 @@ def run_case(backend: str, layout: str, path: str, store: str, mode: str) -> dic
 def _run(backend: str, layout: str, path: str, url: str, mode: str) -> dict:
     import torch
 
-    from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
-    from hurraykv.integrations.guard import Guarded
+    from hurraykv.chunks.guard import Guarded
+    from hurraykv.chunks.keys import ChunkKeys, identity_digest
+    from hurraykv.chunks.urls import open_store
     from hurraykv.integrations.vllm.common import Context, Plan, Transfer
     from hurraykv.integrations.vllm.config import ConnectorConfig
     from hurraykv.integrations.vllm.worker import WorkerSide

@@ -32,7 +32,7 @@ import numpy as np
 import hurraykv as hk
 from bench_paged import best, print_table
 from bench_snapshot import DIM, HEADS, PAGE, make
-from hurraykv.integrations.server_store import ServerChunks
+from hurraykv.chunks.server import ServerChunks
 from hurraykv.io import checksums
 from hurraykv.net.client import KVClient
 from hurraykv.testing import keys

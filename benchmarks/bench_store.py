@@ -36,7 +36,8 @@ import redis
 
 import hurraykv as hk
 from bench_paged import best, print_table, verdict
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.io import checksums
 from hurraykv.store import PageStore
 

@@ -662,7 +662,7 @@ def _staleness_main(spec_path: str) -> int:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.inputs import TokensPrompt
 
-    from hurraykv.integrations.chunks import open_store
+    from hurraykv.chunks.urls import open_store
     from hurraykv.integrations.engine_run import engine_kwargs
 
     port = spec["events_port"]

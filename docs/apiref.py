@@ -43,8 +43,9 @@ MODULES = [
     ("hurraykv.adapters.flashinfer", "FlashInfer caches (`[adapters]`)"),
     ("hurraykv.adapters.sglang", "SGLang pools (`[adapters]`)"),
     ("hurraykv.adapters.transformers", "Transformers caches (`[adapters]`)"),
-    ("hurraykv.integrations.chunks", "chunk stores: the `ChunkStore` base a store class "
-                                     "subclasses, its `Option`s, `open_store`, the registry"),
+    ("hurraykv.chunks", "chunk stores: the `ChunkStore` base a store class subclasses, its "
+                        "`Option`s, `open_store`, the registry (until issue 48 "
+                        "`hurraykv.integrations.chunks`, which keeps working for one release)"),
     ("hurraykv.testing", "the contracts a chunk store, quantization scheme or server "
                          "operation from any package runs (pytest)"),
     ("hurraykv.net.extensions", "private server operations, by name (the EXTENSION "

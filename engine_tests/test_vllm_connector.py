@@ -130,8 +130,8 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
     """Bit for bit: after the load, the engine's blocks are the chunk files' pages."""
     from engine_tests.conftest import Engine
     from hurraykv.adapters import vllm as hv
-    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
-    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.chunks.file.store import FileChunks
+    from hurraykv.chunks.keys import ChunkKeys, identity_digest
 
     store = tmp_path / "kv"
     first, _ = prompts()

@@ -399,8 +399,8 @@ def _load_whole_cut_and_racing(spec_path: str) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    from hurraykv.integrations.chunks import ChunkKeys
-    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.chunks.file.store import FileChunks
+    from hurraykv.chunks.keys import ChunkKeys
 
     llm = LLM(**engine_run.engine_kwargs(spec))
     connector = get_kv_transfer_group()
@@ -722,7 +722,8 @@ def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path
     """Damage in a stored page pool, block table or scale, on every backend: the loading
     engine verifies the checksums written with the segment, recomputes, reports it once,
     takes the object out of the store and stores it again."""
-    from hurraykv.integrations.chunks import ChunkKeys, open_store
+    from hurraykv.chunks.keys import ChunkKeys
+    from hurraykv.chunks.urls import open_store
 
     dtype, kv_cache_dtype = ("bfloat16", "fp8") if where == "scale" else ("float32", "auto")
     if where == "scale":

@@ -188,8 +188,9 @@ def test_the_shipped_connectors_counts_reach_vllms_log_and_prometheus(tiny_llama
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     import hurraykv as hk
+    from hurraykv.chunks.keys import ChunkKeys
+    from hurraykv.chunks.urls import open_store
     from hurraykv.integrations import engine_run
-    from hurraykv.integrations.chunks import ChunkKeys, open_store
     from hurraykv.io import checksums
 
     url = (tmp_path / "kv").as_uri()

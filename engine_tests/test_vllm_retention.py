@@ -14,8 +14,9 @@ import hurraykv as hk
 from engine_tests.conftest import Engine
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts
 from engine_tests.test_vllm_faults import generate, store_url, want  # noqa: F401 - fixture
+from hurraykv.chunks.keys import ChunkKeys, identity_digest, identity_key
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations import engine_run
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, identity_key, open_store
 from hurraykv.io import checksums
 
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FC, FS = "hurraykv/integrations/file_capacity.py", "hurraykv/integrations/file_store.py"
-FL = "hurraykv/integrations/file_layouts.py"
-GUARD, KS = "hurraykv/integrations/guard.py", "hurraykv/net/keystore.py"
+FC, FS = "hurraykv/chunks/file/capacity.py", "hurraykv/chunks/file/store.py"
+FL = "hurraykv/chunks/file/layouts.py"
+GUARD, KS = "hurraykv/chunks/guard.py", "hurraykv/net/keystore.py"
 PT = "hurraykv/net/persisted.py"
 CAP = "tests/store/test_file_capacity.py"
 PAGES = "tests/store/test_file_pages.py"
@@ -107,7 +107,7 @@ MUTANTS = [
            "        handover.prepare(put.key, obj)\n", "        pass\n",
            (f"{HANDOVER}::test_a_server_on_a_unix_socket_seals_each_object_as_it_is_stored",),
            f"{SHARED}: objects are sealed as they are stored, off the load's path"),
-    Mutant("server-store-pulls-instead-of-handover", "hurraykv/integrations/server_store.py",
+    Mutant("server-store-pulls-instead-of-handover", "hurraykv/chunks/server.py",
            "if not self._share or not scatter.available():", "if True:",
            (f"{HANDOVER}::test_a_segment_is_handed_over_sealed_and_placed_bit_for_bit",
             "tests/integrations/vllm/test_vllm_direct_loads.py::test_a_server_on_this_"
@@ -118,11 +118,11 @@ MUTANTS = [
            (f"{CAP}::test_a_scan_past_the_cap_evicts_down_to_the_low_water_mark",),
            f"{CAPACITY}: the oldest are removed down to 90% of the cap"),
     Mutant("file-reservations-ignored-by-scans", FC,
-           "reserved = self._reserved(reservations)",
-           "reserved = 0 * self._reserved(reservations)",
+           "reserved = self.reservations.live_bytes(reservations)",
+           "reserved = 0 * self.reservations.live_bytes(reservations)",
            (f"{CAP}::test_a_write_in_progress_keeps_its_room_through_another_writers_rescan",),
            f"{CAPACITY}: a rescan counts the room reserved by writes in progress"),
-    Mutant("file-dead-reservation-kept", FC,
+    Mutant("file-dead-reservation-kept", "hurraykv/chunks/file/reservations.py",
            "                with contextlib.suppress(OSError):\n"
            "                    os.unlink(path)\n            finally:",
            "                total += nbytes\n            finally:",
@@ -138,18 +138,18 @@ MUTANTS = [
            "deadline = time.monotonic() + 30 * self.LOCK_SECONDS\n        pause = 0.005",
            (f"{CAP}::test_room_held_by_writes_in_progress_is_waited_for_then_refused",),
            f"{CAPACITY}: a save waits for writes in progress up to 5 s, then is dropped"),
-    Mutant("file-lock-wait-30x", FC,
-           "deadline = time.monotonic() + self.LOCK_SECONDS\n            mode =",
-           "deadline = time.monotonic() + 30 * self.LOCK_SECONDS\n            mode =",
+    Mutant("file-lock-wait-30x", "hurraykv/chunks/file/locking.py",
+           "deadline = time.monotonic() + seconds\n        mode =",
+           "deadline = time.monotonic() + 30 * seconds\n        mode =",
            (f"{CAP}::test_a_lock_held_elsewhere_is_an_error_naming_it_not_a_wait",),
            f"{CAPACITY}: a lock held elsewhere for 5 s is an error, not a wait"),
-    Mutant("file-evicts-a-segment-used-since-the-scan", FC,
+    Mutant("file-evicts-a-segment-used-since-the-scan", "hurraykv/chunks/file/eviction.py",
            "if (st.st_ino, st.st_mtime_ns) != (entry.inode, entry.used_ns):", "if False:",
            (f"{CAP}::test_a_segment_stored_again_after_the_scan_is_not_evicted",),
-           "integrations/file_capacity.py (docs/vllm.md points there): an engine never "
+           "chunks/file/eviction.py (docs/vllm.md points there): an engine never "
            "removes a segment it did not choose"),
-    Mutant("file-alias-log-never-compacted", FS,
-           "if self._log.lines <= 2 * len(keep) + self.COMPACT_SLACK:", "if True:",
+    Mutant("file-alias-log-never-compacted", "hurraykv/chunks/file/index.py",
+           "if self._log.lines <= 2 * len(keep) + slack:", "if True:",
            (f"{CAP}::test_the_alias_log_is_compacted_to_what_is_stored",),
            f"{CAPACITY}: aliases.log is compacted as segments go"),
     Mutant("file-quarantine-keeps-the-oldest", FS,
@@ -162,7 +162,7 @@ MUTANTS = [
            ("tests/io/test_checksums.py::"
             "test_file_segments_of_one_structure_keep_their_own_checksums",),
            "docs/vllm.md, Limits: a damaged object is quarantined (DIR/quarantine/)"),
-    Mutant("file-replaced-log-read-on", "hurraykv/integrations/file_tenants.py",
+    Mutant("file-replaced-log-read-on", "hurraykv/chunks/file/tenants.py",
            "restart = (st.st_dev, st.st_ino) != self._id or st.st_size < self._read_upto",
            "restart = st.st_size < self._read_upto",
            ("tests/store/test_chunks.py::test_a_log_replaced_by_a_longer_one_is_read_from_its_start",),
@@ -180,7 +180,7 @@ MUTANTS = [
             "test_damaged_values_are_refused_and_discarded",),
            "docs/vllm.md, Limits: checked before any byte reaches the engine on every "
            "backend (file://)"),
-    Mutant("server-load-unverified", "hurraykv/integrations/chunks.py",
+    Mutant("server-load-unverified", "hurraykv/chunks/registry.py",
            'checksums.verify(snap, f"segment {name}")', "None",
            ("tests/store/test_chunk_stores.py::TestServerStore::"
             "test_damaged_values_are_refused_and_discarded",),
@@ -560,21 +560,21 @@ MUTANTS = [
            ("tests/store/test_store_plugins.py::test_a_plugin_raising_systemexit_on_import_is_"
             "skipped_by_every_command",),
            "docs/architecture.md: a plugin raising SystemExit on import is skipped, warned of"),
-    Mutant("store-open-error-named", "hurraykv/integrations/chunks.py",
+    Mutant("store-open-error-named", "hurraykv/chunks/urls.py",
            "    except (Exception, SystemExit) as e:  # a plugin's own error: named, not a "
            "traceback",
            "    except SystemExit as e:  # a plugin's own error: named, not a traceback",
            ("tests/store/test_store_plugins.py::test_a_store_whose_open_raises_is_one_error_"
             "naming_the_store_and_the_cause",),
            "open_store: an open that raises is a ConfigError naming the store and the cause"),
-    Mutant("store-open-timeout", "hurraykv/integrations/chunks.py",
-           "        if timeout is None or _builtin(cls):  # the built-ins bound their sockets "
+    Mutant("store-open-timeout", "hurraykv/chunks/urls.py",
+           "        if timeout is None or is_builtin(cls):  # the built-ins bound their sockets "
            "by it",
            "        if True:  # the built-ins bound their sockets by it",
            ("tests/store/test_store_plugins.py::test_a_store_whose_open_never_returns_is_given_"
             "up_after_the_timeout",),
            "open_store: a store's open is given up after the timeout"),
-    Mutant("store-opened-late-closed", "hurraykv/integrations/chunks.py",
+    Mutant("store-opened-late-closed", "hurraykv/chunks/urls.py",
            "                    with contextlib.suppress(Exception):\n"
            "                        got[0].close()",
            "                    pass",
@@ -649,7 +649,7 @@ MUTANTS = [
             "digits_only",
             "tests/store/test_chunk_stores.py::test_a_numeric_option_is_ascii_digits_only"),
            "docs/vllm.md: sizes are ASCII digits"),
-    Mutant("option-int-unicode-digits", "hurraykv/integrations/chunks.py",
+    Mutant("option-int-unicode-digits", "hurraykv/chunks/settings.py",
            '"int": units.parse_int,', '"int": int,',
            ("tests/store/test_chunk_stores.py::test_a_numeric_option_is_ascii_digits_only",),
            "docs/vllm.md: a store option's number is ASCII digits"),
@@ -701,7 +701,7 @@ MUTANTS = [
            ("tests/store/test_redis_restarts.py::test_puts_after_script_flush_reload_the_"
             "scripts",),
            "store/pages.py docstring: a script call reloads its script on NOSCRIPT"),
-    Mutant("redis-chunks-transport", "hurraykv/integrations/redis_store.py",
+    Mutant("redis-chunks-transport", "hurraykv/chunks/redis.py",
            "from ..store.pages import reaching\n",
            "reaching = (lambda method: method)  # noqa: E731\n",
            ("tests/store/test_redis_restarts.py::test_chunk_store_survives_a_redis_restart",),
@@ -850,7 +850,7 @@ MUTANTS = [
            "            self._computed(snapshot)",
            ("tests/net/test_checked_pull.py::test_verified_pull_of_a_page_damaged_on_the_server_names_the_page",),
            "docs/vllm.md step 3: a damaged page is a ChecksumError naming it"),
-    Mutant("hurray-get-checked-verifies", "hurraykv/integrations/server_store.py",
+    Mutant("hurray-get-checked-verifies", "hurraykv/chunks/server.py",
            "return c.pull(self.prefix + check_name(name), verify=True)",
            "return c.pull(self.prefix + check_name(name))",
            ("tests/net/test_checked_pull.py::test_a_page_damaged_in_transit_is_a_checksum_error_of_the_hurray_store",),
@@ -883,7 +883,7 @@ MUTANTS = [
            "compiled(0, addresses[x:y], lengths[a + x:a + y],",
            ("tests/store/test_redis_reads.py::test_hashed_get_digests_are_the_checksum_entry",),
            "PageStore.get_hashed: the digests are the checksum entry's"),
-    Mutant("redis-get-checked-unverified", "hurraykv/integrations/redis_store.py",
+    Mutant("redis-get-checked-unverified", "hurraykv/chunks/redis.py",
            "        checksums.verify(snap, f\"segment {name}\", digests)\n", "",
            ("tests/store/test_redis_reads.py::test_a_damaged_page_is_caught_in_a_recycled_buffer",),
            "docs/vllm.md: a redis:// receive verifies every page"),

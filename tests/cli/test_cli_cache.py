@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.chunks.keys import ChunkKeys, identity_digest, identity_key
+from hurraykv.chunks.urls import open_store
 from hurraykv.cli import main
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, identity_key, open_store
 from hurraykv.io import checksums
 from tests.support import store_urls
 

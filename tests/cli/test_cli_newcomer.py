@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.cli import build_parser, main
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
 from hurraykv.io import checksums
 from hurraykv.net.server import KVServer
 from tests.support.snapshots import make_snapshot

@@ -91,11 +91,11 @@ def test_the_floor_picture_names_modules_that_exist():
     named = re.findall(r"floor \d\s+(\S+)|^\s{12}(\w+/|\w+\.py)\s", floors, re.M)
     paths = {a or b for a, b in named}
     assert {"wire/", "paged.py", "snapshot.py", "io/", "net/", "store/", "adapters/",
-            "integrations/", "cli/", "testing/"} <= paths
+            "chunks/", "integrations/", "cli/", "testing/"} <= paths
     for p in paths:
         assert (src / p.rstrip("/")).exists(), p
     order = [int(n) for n in re.findall(r"floor (\d)", floors)]
-    assert order == sorted(order, reverse=True) == list(range(8, -1, -1))
+    assert order == sorted(order, reverse=True) == list(range(9, -1, -1))
 
 
 def test_the_request_picture_names_the_connector_s_own_calls_and_settings():

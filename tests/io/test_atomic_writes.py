@@ -145,9 +145,9 @@ def test_a_server_starts_on_an_alias_log_holding_only_a_cut_line(tmp_path):
 
 def test_a_file_store_whose_alias_log_compacts_to_nothing_releases_its_lock(tmp_path,
                                                                                monkeypatch):
-    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
-    from hurraykv.integrations.file_capacity import Capacity
-    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.chunks.file.capacity import Capacity
+    from hurraykv.chunks.file.store import FileChunks
+    from hurraykv.chunks.keys import ChunkKeys, identity_digest
     from hurraykv.io import checksums
 
     monkeypatch.setattr(FileChunks, "COMPACT_SLACK", 2)
@@ -261,8 +261,8 @@ def test_a_file_store_alias_append_cut_short_is_an_error_and_never_glues(tmp_pat
     """On a full disk an append to aliases.log can be written in part: put() returned as
     if stored (its segment unnamed), and the next append glued onto the cut line, so its
     first key was lost for every engine."""
-    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
-    from hurraykv.integrations.file_store import FileChunks
+    from hurraykv.chunks.file.store import FileChunks
+    from hurraykv.chunks.keys import ChunkKeys, identity_digest
     from hurraykv.io import checksums
     from tests.support.disk_fixtures import fill, tmpfs
 

@@ -11,7 +11,8 @@ import pytest
 import xxhash
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.io import checksums
 from tests.support.snapshots import make_snapshot
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.server_store import ServerChunks
+from hurraykv.chunks.server import ServerChunks
 from hurraykv.io import checksums
 from hurraykv.io.checksums import ChecksumError
 from hurraykv.net.client import KVClient, receive_pool

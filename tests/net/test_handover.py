@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from hurraykv.chunks.server import ServerChunks
 from hurraykv.errors import HurrayError
-from hurraykv.integrations.server_store import ServerChunks
 from hurraykv.io import scatter
 from hurraykv.net import extensions, handover
 from hurraykv.net.client import KVClient

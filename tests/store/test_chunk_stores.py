@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from hurraykv import chunks
+from hurraykv.chunks import registry  # noqa: F401 - chunks.registry below
+from hurraykv.chunks.registry import schemes, store_class, url_forms
+from hurraykv.chunks.settings import Option
+from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError, HurrayError
-from hurraykv.integrations import chunks
-from hurraykv.integrations.chunks import Option, open_store, schemes, store_class, url_forms
 from hurraykv.net.server import KVServer
 from hurraykv.testing import ChunkStoreTests, segment
 from tests.support.redis_servers import free_port, redis_server_binary, start_redis
@@ -98,8 +101,8 @@ class TestRedisClusterStore(ChunkStoreTests):
 
 def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
     builtin = chunks.store_classes(plugins=False)
-    assert {c.__module__ for c in builtin} == {f"hurraykv.integrations.{m}"
-                                               for m in chunks.BUILTIN}
+    assert {c.__module__ for c in builtin} == {f"hurraykv.chunks.{m}"
+                                               for m in chunks.registry.BUILTIN}
     for cls in chunks.store_classes():
         assert cls.SCHEMES and cls.FORM
         assert all(store_class(s) is cls for s in cls.SCHEMES)
@@ -179,7 +182,7 @@ def test_a_segment_reads_back_through_every_scheme_alias(tmp_path):
 
 
 def test_a_store_class_naming_schemes_must_say_how_it_opens():
-    from hurraykv.integrations.chunks import ChunkStore
+    from hurraykv.chunks.registry import ChunkStore
 
     with pytest.raises(TypeError, match=r"defines no classmethod open"):
         type("NoOpen", (ChunkStore,), {"SCHEMES": ("noopen",), "FORM": "noopen://X"})

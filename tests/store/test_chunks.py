@@ -7,13 +7,8 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import (
-    ChunkKeys,
-    chain,
-    identity_digest,
-    open_store,
-    segment_first,
-)
+from hurraykv.chunks.keys import ChunkKeys, chain, identity_digest, segment_first
+from hurraykv.chunks.urls import open_store
 from hurraykv.net.client import KVClient
 from hurraykv.net.server import KVServer
 
@@ -229,7 +224,7 @@ def test_linked_segments_and_logs_are_not_followed(tmp_path):
 def test_a_segment_that_shrinks_while_read_is_an_error_not_a_signal(tmp_path, monkeypatch):
     import os
 
-    from hurraykv.integrations import file_store as chunks
+    from hurraykv.chunks.file import store as chunks
 
     url = (tmp_path / "kv").as_uri()
     keys = ChunkKeys(identity_digest("cut"), CHUNK).upto(list(range(8)), 2)

@@ -1,4 +1,4 @@
-"""file:// capacity (``max_bytes``, ``integrations/file_capacity.py``): least recently used
+"""file:// capacity (``max_bytes``, ``chunks/file/capacity.py``): least recently used
 segments evicted, safe with several engines on one directory, repaired after a crash."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest
-from hurraykv.integrations.file_capacity import Capacity
-from hurraykv.integrations.file_store import FileChunks
+from hurraykv.chunks.file import eviction
+from hurraykv.chunks.file.capacity import Capacity
+from hurraykv.chunks.file.store import FileChunks
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
 from hurraykv.io import checksums
 
 
@@ -192,7 +193,7 @@ def test_an_open_segment_keeps_its_bytes_when_evicted(tmp_path):
     fd = os.open(path, os.O_RDONLY)  # a reader in another engine, mid-load
     try:
         entry = next(e for e in store.capacity.scan() if e.name == name)
-        assert store.capacity._evict(entry)
+        assert eviction.evict(store.dir, entry)
         assert not path.exists()
         assert os.pread(fd, len(before), 0) == before
     finally:
@@ -207,7 +208,7 @@ def test_a_segment_stored_again_after_the_scan_is_not_evicted(tmp_path):
     other = FileChunks(tmp_path / "kv")  # another engine stores the same name again
     (tmp_path / "kv" / f"{name}.hrry").unlink()
     put(other, 4)
-    assert not store.capacity._evict(listed)  # not the file the scan chose
+    assert not eviction.evict(store.dir, listed)  # not the file the scan chose
     assert store.get_verified(name).equal(segment(4))
     assert [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith(".evict")] == []
 
@@ -242,7 +243,7 @@ def test_the_alias_log_is_compacted_to_what_is_stored(tmp_path, monkeypatch):
     live = len(list((tmp_path / "kv").glob("*.hrry")))
     assert live <= 3
     assert lines <= 2 * 2 * live + 4 + 2 * 2  # two keys a segment, one put since
-    assert len(store._aliases) <= lines
+    assert len(store.index.aliases) <= lines
     for seed in range(40):
         name = reader.locate(keys(seed))[0]
         assert (name is not None) == (tmp_path / "kv" / f"{store.locate(keys(seed))[0]}.hrry"
@@ -328,7 +329,7 @@ def test_a_planted_lock_link_is_an_error_and_leaves_no_segment(tmp_path):
 def _paused_writer(directory: str, cap: int, seed: int, admitted, go) -> None:
     """An engine whose second segment is admitted (counted, room reserved) and then
     waits, before a byte of it is written, until ``go``."""
-    from hurraykv.integrations import file_store
+    from hurraykv.chunks.file import store as file_store
 
     store = FileChunks(directory, max_bytes=cap)
     put(store, seed)  # the first of its structure: its layout learned
@@ -503,7 +504,7 @@ def test_a_contended_lock_is_retried_within_a_fraction_of_a_millisecond(tmp_path
     each other's saves milliseconds slower."""
     import fcntl
 
-    from hurraykv.integrations import file_capacity
+    from hurraykv.chunks.file import locking
 
     store = FileChunks(tmp_path / "kv", max_bytes=1 << 30)
     put(store, 1)
@@ -516,7 +517,7 @@ def test_a_contended_lock_is_retried_within_a_fraction_of_a_millisecond(tmp_path
         if len(pauses) == 3:
             fcntl.flock(fd, fcntl.LOCK_UN)  # its admission done
 
-    monkeypatch.setattr(file_capacity.time, "sleep", sleep)
+    monkeypatch.setattr(locking.time, "sleep", sleep)
     try:
         put(store, 2)
     finally:
@@ -533,14 +534,14 @@ def test_evicted_files_are_removed_off_the_saving_thread(tmp_path, monkeypatch):
 
     store, directory, _, cap = capped(tmp_path, 4, 4)
     release, threads = threading.Event(), set()
-    discard = Capacity._discard
+    discard = eviction.discard
 
     def slow(trash: Path) -> None:
         threads.add(threading.current_thread().name)
         assert release.wait(30)
         discard(trash)
 
-    monkeypatch.setattr(Capacity, "_discard", staticmethod(slow))
+    monkeypatch.setattr(eviction, "discard", slow)
     put(store, 4)  # returns while its evictions wait to be removed
     assert store.evictions >= 1 and stored_bytes(directory) <= cap
     assert [p for p in directory.iterdir() if p.name.startswith(".evict.")]
@@ -561,7 +562,7 @@ def test_a_released_reservation_file_is_reused_not_created_again(tmp_path, monke
     """Issue 30 item 4: every save created a reservation file and removed it (50 us of
     the 85 us a capacity added to a save on ext4).  Its file is now kept, locked, as the
     process's spare (0 bytes) and renamed into the next reservation."""
-    from hurraykv.integrations import file_capacity
+    from hurraykv.chunks.file import reservations
 
     store, directory, size, _ = capped(tmp_path, 50, 1)
     created = []
@@ -572,7 +573,7 @@ def test_a_released_reservation_file_is_reused_not_created_again(tmp_path, monke
             created.append(os.fspath(path))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(file_capacity.os, "open", counting)
+    monkeypatch.setattr(reservations.os, "open", counting)
     for seed in range(1, 5):
         put(store, seed)
     monkeypatch.undo()
@@ -598,7 +599,7 @@ def test_the_spare_of_a_process_gone_is_removed_by_the_next_scan(tmp_path, monke
     other.join(60)
     left = _spares(directory)
     assert other.exitcode == 0 and len(left) == 2  # its own and this store's
-    theirs = set(left) - {os.path.basename(store.capacity._spare[0])}
+    theirs = set(left) - {os.path.basename(store.capacity.reservations.spare[0])}
     assert len(theirs) == 1
     monkeypatch.setattr(Capacity, "RESCAN_SECONDS", 0.0)  # the next save scans
     put(store, 2)

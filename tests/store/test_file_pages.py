@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from hurraykv.integrations.file_store import FileChunks
+from hurraykv.chunks.file.store import FileChunks
 from hurraykv.io import checksums, page_hash, scatter
 from hurraykv.snapshot_members import member_name
 from tests.store.test_file_capacity import keys, later, put, segment

@@ -1,14 +1,14 @@
-"""``max_bytes_per_tenant`` on a ``file://`` directory (``integrations/file_tenants.py``):
+"""``max_bytes_per_tenant`` on a ``file://`` directory (``chunks/file/tenants.py``):
 a noisy tenant evicts its own segments, never another tenant's."""
 
 from __future__ import annotations
 
 import pytest
 
+from hurraykv.chunks.file.store import TENANT_KEY
+from hurraykv.chunks.file.tenants import LOG
+from hurraykv.chunks.urls import open_store
 from hurraykv.errors import HurrayError
-from hurraykv.integrations.chunks import open_store
-from hurraykv.integrations.file_store import TENANT_KEY
-from hurraykv.integrations.file_tenants import LOG
 from hurraykv.testing import keys, segment
 
 

@@ -1,4 +1,4 @@
-"""``integrations/guard.py``: deadlines, the circuit breaker and its log lines, over a
+"""``chunks/guard.py``: deadlines, the circuit breaker and its log lines, over a
 real ``file://`` chunk store whose calls the test slows down or breaks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from hurraykv.integrations.chunks import open_store
-from hurraykv.integrations.guard import Guarded
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.urls import open_store
 
 
 class Clock:

@@ -368,7 +368,7 @@ def test_a_put_refused_at_its_manifest_takes_back_its_references(redis_url, monk
 
 # ---------------------------------------------------------------- the connector's store
 def _chunk_segment(seed: int) -> tuple[list[str], KVCacheSnapshot]:
-    from hurraykv.integrations.chunks import ChunkKeys, identity_digest
+    from hurraykv.chunks.keys import ChunkKeys, identity_digest
     from hurraykv.io import checksums
 
     snap, _ = batch(seed)
@@ -379,7 +379,7 @@ def _chunk_segment(seed: int) -> tuple[list[str], KVCacheSnapshot]:
 def test_a_connector_segment_that_lost_a_page_is_a_miss_from_then_on(tmp_path):
     """RedisChunks opens its store with drop_damaged: the first failed load removes the
     segment, so later lookups miss and the recomputed chunks are stored again."""
-    from hurraykv.integrations.chunks import open_store
+    from hurraykv.chunks.urls import open_store
 
     with limited_redis(tmp_path, "allkeys-lru", "64mb") as url:
         store = open_store(url)
@@ -398,7 +398,7 @@ def test_a_connector_segment_that_lost_a_page_is_a_miss_from_then_on(tmp_path):
 
 
 def test_a_connector_segment_refused_for_memory_leaves_no_alias_or_segment(tmp_path):
-    from hurraykv.integrations.chunks import open_store
+    from hurraykv.chunks.urls import open_store
 
     with limited_redis(tmp_path, "noeviction", "3mb") as url:
         store = open_store(url)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import open_store
+from hurraykv.chunks.urls import open_store
 from hurraykv.io import checksums, page_hash
 from hurraykv.store import PageStore
 from hurraykv.store.capacity import MissingPagesError

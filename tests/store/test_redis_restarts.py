@@ -21,8 +21,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from hurraykv.chunks.redis import RedisChunks
 from hurraykv.errors import TransportError
-from hurraykv.integrations.redis_store import RedisChunks
 from hurraykv.store import PageStore
 from tests.support.redis_servers import (
     free_cluster_port,

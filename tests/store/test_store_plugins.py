@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from hurraykv import chunks
 from hurraykv.errors import ConfigError, HurrayError, TransportError
-from hurraykv.integrations import chunks
 from hurraykv.testing import ChunkStoreTests, keys, segment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +80,12 @@ def test_the_entry_point_registers_the_store_after_the_builtins(toy, tmp_path):
 
 
 def test_a_class_naming_a_taken_scheme_is_refused_and_the_builtin_keeps_it(toy):
-    from hurraykv.integrations.chunks import ChunkStore
+    from hurraykv.chunks.registry import ChunkStore
 
     def opener(cls, url, parsed, *, timeout, **options):
         raise AssertionError("never opened")
 
-    for scheme, owner in (("file", r"the built-in hurraykv\.integrations\.file_store\."
+    for scheme, owner in (("file", r"the built-in hurraykv\.chunks\.file\.store\."
                                    r"FileChunks"), ("toy", r"toy_store\.ToyChunks")):
         with pytest.raises(TypeError, match=rf"names scheme '{scheme}', which {owner} opens "
                                             "already"):
@@ -183,7 +183,7 @@ print(json.dumps({{
 def test_a_broken_plugin_is_skipped_with_a_warning_and_the_builtins_work(tmp_path):
     out = python(f"""
 import json, warnings
-from hurraykv.integrations import chunks
+from hurraykv import chunks
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -208,7 +208,7 @@ print(json.dumps({{"schemes": schemes, "file": chunks.store_class("file").__name
     assert clash_why.startswith("the hurraykv.chunk_stores entry point 'clash' = "
                                 "'clash_store' (distribution broken-store-plugins 0.1) is "
                                 "skipped: TypeError: clash_store.ClashChunks names scheme "
-                                "'file', which the built-in hurraykv.integrations.file_store."
+                                "'file', which the built-in hurraykv.chunks.file.store."
                                 "FileChunks opens already")
 
 
@@ -218,7 +218,7 @@ def test_nothing_in_the_package_imports_its_testing_module():
     importers = [p.relative_to(src) for p in src.rglob("*.py")
                  if "testing" not in p.parts and statement.search(p.read_text())]
     assert importers == []
-    out = python("import sys, hurraykv\nfrom hurraykv.integrations import chunks\n"
+    out = python("import sys, hurraykv\nfrom hurraykv import chunks\n"
                  "chunks.schemes()\nprint(sorted(m for m in sys.modules if m == 'pytest' or "
                  "m.startswith('hurraykv.testing')))")
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hurraykv.integrations import chunks
+from hurraykv import chunks
 
 
 def builtin() -> list[str]:

@@ -77,7 +77,9 @@ def add_parsers(sub: Any) -> None:
 def _open(args: argparse.Namespace) -> Any:
     from urllib.parse import unquote, urlparse
 
-    from ..integrations.chunks import Option, check_url, is_local, open_store, options
+    from ..chunks.registry import is_local, options
+    from ..chunks.settings import Option
+    from ..chunks.urls import check_url, open_store
 
     settings = {k: getattr(args, k) for k in TLS if getattr(args, k) is not None}
     for given in args.option:
@@ -164,7 +166,7 @@ UNRECORDED = ("-: not recorded by this store (file:// keeps each segment's last 
 def _identity(wanted: str, segments: list[Any]) -> str:
     """The identity key ``wanted`` names among those stored: the key, a prefix of only
     one, or the identity string (whose key is computed, stored or not)."""
-    from ..integrations.chunks import identity_key
+    from ..chunks.keys import identity_key
 
     keys = sorted({s.identity_key for s in segments if s.identity_key})
     if wanted in keys:
@@ -206,7 +208,8 @@ def _prefix_names(args: argparse.Namespace, store: Any) -> list[str]:
     import re
     from types import SimpleNamespace
 
-    from ..integrations.chunks import ChunkKeys, Suffixed, identity_digest
+    from ..chunks.keys import ChunkKeys, identity_digest
+    from ..chunks.suffixed import Suffixed
     from ..integrations.vllm.request_keys import request_seed
     from ..integrations.vllm.retention import rank_names
 

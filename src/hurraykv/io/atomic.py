@@ -252,7 +252,7 @@ def write_pieces(path: str | os.PathLike, pieces: Sequence[Any], size: int, *,
                  fsync: bool = False) -> Path:
     """Replace ``path`` with ``pieces`` back to back, atomically (temporary file, an
     fsync of it and its directory when ``fsync``, rename), in as few gathered writes as
-    the system allows (a .hrry file whose layout is already known: ``integrations.file_store``)."""
+    the system allows (a .hrry file whose layout is already known: ``chunks.file.store``)."""
     path = Path(path)
     views = [memoryview(p).cast("B") for p in pieces]
     with replacement(path, fsync=fsync) as out:

@@ -1,5 +1,5 @@
 """Pins and lifetimes of stored objects, as a record in a directory: ``retention.json``
-(a ``file://`` chunk store's, ``integrations/file_capacity.py``; a server's ``--persist``
+(a ``file://`` chunk store's, ``chunks/file/capacity.py``; a server's ``--persist``
 directory's, ``net/keystore.py``).
 
 A segment may be *pinned* (``Capacity`` never evicts it to make room) and may have an

@@ -1,4 +1,4 @@
-"""The contract every chunk store keeps (``hurraykv.integrations.chunks.ChunkStore``), as
+"""The contract every chunk store keeps (``hurraykv.chunks.ChunkStore``), as
 one pytest test class that each backend's test class inherits (as zarr's
 ``zarr.testing.StoreTests``): a store, the package's or a third party's, gets every test
 below by subclassing ``ChunkStoreTests`` and giving two fixtures,
@@ -37,8 +37,10 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, ChunkStore, identity_digest, identity_key
 from hurraykv.io import checksums
+
+from ..chunks.keys import ChunkKeys, identity_digest, identity_key
+from ..chunks.registry import ChunkStore
 
 CHUNK = 4
 _names = itertools.count()

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
-from hurraykv.integrations.file_store import FileChunks
-from hurraykv.integrations.guard import Guarded
+from hurraykv.chunks.file.store import FileChunks
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import HurrayKVEvents

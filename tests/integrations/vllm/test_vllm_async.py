@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hurraykv.integrations.chunks import ChunkKeys, open_store
+from hurraykv.chunks.keys import ChunkKeys
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.loads import STATES, LoadJob
 from hurraykv.integrations.vllm.scheduler import SchedulerSide

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import open_store
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.config import KEYS, ConnectorConfig
 
 
@@ -26,7 +26,7 @@ def test_a_stores_own_keys_come_from_its_class_parsed_by_their_kind():
     """``max_bytes`` and the TLS files are options their store classes declare
     (``ChunkStore.OPTIONS``), handed to ``open_store`` as ``store_options``; the config
     has no field of a store's own."""
-    from hurraykv.integrations import chunks
+    from hurraykv import chunks
 
     c = ConnectorConfig.from_extra({"url": "file:///kv", "max_bytes": "64G",
                                     "max_pinned_bytes": None, "chunk_size": 32})

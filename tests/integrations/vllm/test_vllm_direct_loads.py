@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Plan
 from hurraykv.integrations.vllm.worker import WorkerSide
 from hurraykv.io import scatter

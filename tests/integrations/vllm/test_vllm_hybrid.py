@@ -23,8 +23,9 @@ import torch
 
 import hurraykv as hk
 from hurraykv.adapters.vllm import StateView
+from hurraykv.chunks.keys import ChunkKeys, segment_name
+from hurraykv.chunks.urls import open_store
 from hurraykv.errors import HurrayError, LayoutError
-from hurraykv.integrations.chunks import ChunkKeys, open_store, segment_name
 from hurraykv.integrations.vllm import hybrid
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.context import build_context, identity_of, why_disabled

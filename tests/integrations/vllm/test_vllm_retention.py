@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import EventAPI, HurrayKVEvents, SavedSegments
 from hurraykv.integrations.vllm.retention import Keep, Watch, keep_of, rank_names

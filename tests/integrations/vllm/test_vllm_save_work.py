@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hurraykv.integrations.chunks import open_store
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Plan
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide

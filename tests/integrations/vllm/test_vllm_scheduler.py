@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
-from hurraykv.integrations.guard import Guarded
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import HurrayKVEvents, SavedSegments

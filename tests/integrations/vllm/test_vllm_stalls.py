@@ -21,8 +21,9 @@ import time
 import pytest
 import torch
 
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store
-from hurraykv.integrations.guard import Guarded
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Context, Plan
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import HurrayKVEvents

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from hurraykv.integrations.chunks import ChunkKeys, identity_digest, open_store, segment_first
-from hurraykv.integrations.guard import Guarded
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.keys import ChunkKeys, identity_digest, segment_first
+from hurraykv.chunks.urls import open_store
 from hurraykv.integrations.vllm.common import Context, Plan, Transfer
 from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.events import HurrayKVEvents

@@ -12,9 +12,9 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ...chunks.guard import Guarded
+from ...chunks.keys import identity_digest, segment_first
 from ...errors import HurrayError
-from ..chunks import identity_digest, segment_first
-from ..guard import Guarded
 from .config import ConnectorConfig
 
 # Under vLLM's "vllm" logger, so its handler and format apply (level, time, process,

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..chunks import is_local, store_class
+from ...chunks.registry import is_local, store_class
 from . import events as kv_events
 from . import metrics
 from .common import FP8_NAMES, Plan, log

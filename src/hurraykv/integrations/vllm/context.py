@@ -12,9 +12,10 @@ import json
 import re
 from typing import Any
 
+from ...chunks.guard import Guarded
+from ...chunks.keys import identity_digest
+from ...chunks.urls import open_store
 from ...errors import HurrayError
-from ..chunks import identity_digest, open_store
-from ..guard import Guarded
 from .common import Context, log
 from .config import ConnectorConfig
 from .groups import FULL, MAMBA, SLIDING, GroupLayout, layout_of

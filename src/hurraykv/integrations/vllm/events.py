@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..chunks import is_local
+from ...chunks.registry import is_local
 
 MEDIUM = "STORAGE"  # vllm.distributed.kv_events.MEDIUM_STORAGE
 OWNERSHIP = "hurraykv"

@@ -37,12 +37,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...chunks.keys import segment_first
 from ...errors import HurrayError, TransportError
 from ...io.checksums import DAMAGED, ChecksumError, Pending
 from ...io.scatter import Destination, PageSource
 from ...snapshot import KVCacheSnapshot
 from ...snapshot_members import member_name
-from ..chunks import segment_first
 from . import direct, hybrid
 from .common import Context, Transfer, log
 from .decode_buffers import DecodeBuffers

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from ..guard import Guarded
+from ...chunks.guard import Guarded
 from .common import Counters
 
 PENDING = object()  # no answer yet

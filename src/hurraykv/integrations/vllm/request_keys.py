@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..chunks import DIGEST
+from ...chunks.keys import DIGEST
 
 
 def passed_through(request: Any) -> str:

@@ -48,9 +48,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ...chunks.suffixed import suffixed
 from ...errors import HurrayError, did_you_mean
 from ...io.retention import ttl_seconds
-from ..chunks import suffixed
 from .common import log
 
 BATCH = 1000  # names per exists call

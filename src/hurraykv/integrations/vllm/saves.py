@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from ...adapters.vllm import LayerView, pages_to_numpy
+from ...chunks.keys import segment_name
 from ...errors import HurrayError
 from ...io import checksums
 from ...snapshot import KVCacheSnapshot
-from ..chunks import segment_name
 from . import hybrid
 from .common import Context, Plan, Transfer, log
 from .events import WorkerSegments

@@ -28,15 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...chunks.keys import ChunkKeys, identity_key, segment_ends_at, segment_first, segment_name
+from ...chunks.registry import is_local
 from ...errors import HurrayError
-from ..chunks import (
-    ChunkKeys,
-    identity_key,
-    is_local,
-    segment_ends_at,
-    segment_first,
-    segment_name,
-)
 from .admission import Admission
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records

@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
+from ...chunks.registry import store_class
 from ...io import checksums, scatter
-from ..chunks import store_class
 from .common import IDLE_WAIT, Context, Plan, log
 from .decode_buffers import warm as warm_formats
 from .events import WorkerSegments

@@ -1,6 +1,6 @@
 """A store plugin naming a scheme a built-in opens: refused, the built-in keeps it."""
 
-from hurraykv.integrations.chunks import ChunkStore
+from hurraykv.chunks.registry import ChunkStore
 
 
 class ClashChunks(ChunkStore):

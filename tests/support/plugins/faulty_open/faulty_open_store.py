@@ -7,7 +7,7 @@ import threading
 import time
 import types
 
-from hurraykv.integrations.chunks import ChunkStore
+from hurraykv.chunks.registry import ChunkStore
 
 FOREVER = threading.Event()  # never set
 LATE_CLOSED = threading.Event()  # set when the store slow:// opened late is closed

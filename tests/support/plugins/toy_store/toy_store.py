@@ -21,15 +21,9 @@ from typing import Any
 from urllib.parse import ParseResult, unquote
 
 import hurraykv as hk
-from hurraykv.integrations.chunks import (
-    ChunkStore,
-    Option,
-    Stored,
-    check_name,
-    identity_key,
-    segment_name,
-    valid_name,
-)
+from hurraykv.chunks.keys import check_name, identity_key, segment_name, valid_name
+from hurraykv.chunks.registry import ChunkStore, Stored
+from hurraykv.chunks.settings import Option
 from hurraykv.io import retention
 
 

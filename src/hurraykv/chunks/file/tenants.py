@@ -18,8 +18,8 @@ import os
 import re
 from pathlib import Path
 
-from ..io.atomic import append_lines, write_pieces
-from .chunks import KEY
+from ...io.atomic import append_lines, write_pieces
+from ..keys import KEY
 
 LOG = "tenants.log"
 TENANT = re.compile(r"[0-9a-f]{1,32}")

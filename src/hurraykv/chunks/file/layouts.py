@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .. import alloc
-from ..errors import HurrayError
-from ..info import PREFIX, info_member, is_info, text_offset
-from ..io import checksums
-from ..io.hrry import HrryFile, read_bands
-from ..io.hrry_format import kv_text_spans
-from ..io.scatter import PageSource
-from ..io.snapshots import member_names, snapshot_from_file
-from ..snapshot import KV_SCALES, KVCacheSnapshot
-from ..snapshot_members import is_kv_scales, member_name
-from ..wire.layouts import BlockPaged
+from ... import alloc
+from ...errors import HurrayError
+from ...info import PREFIX, info_member, is_info, text_offset
+from ...io import checksums
+from ...io.hrry import HrryFile, read_bands
+from ...io.hrry_format import kv_text_spans
+from ...io.scatter import PageSource
+from ...io.snapshots import member_names, snapshot_from_file
+from ...snapshot import KV_SCALES, KVCacheSnapshot
+from ...snapshot_members import is_kv_scales, member_name
+from ...wire.layouts import BlockPaged
 
 
 @dataclass

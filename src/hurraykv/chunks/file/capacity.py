@@ -29,7 +29,7 @@ the kernel dropped the lock) is removed, uncounted, by the next scan.  When the
 reservations leave no room even with every other segment evicted, the write waits for
 them up to ``LOCK_SECONDS``, then is refused (a ``HurrayError``: the save is dropped).
 The first segment of a new structure (its size known once written) is written as a
-writer's temporary file and admitted before it is renamed into place (``file_store``), so
+writer's temporary file and admitted before it is renamed into place (``store.py``), so
 it does not pass the budget either.  What is not counted: the alias log, ``quarantine/``
 (the newest 16 damaged segments) and a writer's temporary file.
 
@@ -52,69 +52,31 @@ the renamed files beside the budget.
 *Crashes.*  A writer's temporary file and an evictor's ``.evict.*`` name left by a crash
 are removed by the next start (``repair``), once older than ``io.atomic.STALE_SECONDS``;
 its reservation, by the next scan (above).
+
+The parts live beside this module: ``reservations.py``, ``eviction.py`` (the renames and
+the remover thread), ``locking.py`` and ``tenants.py``; this one keeps the budget, the
+record and the admission that ties them together.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
-import re
-import secrets
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HurrayError
-from ..io import retention
-from ..io.atomic import STALE_SECONDS, remove_stale, write_pieces
-from .file_tenants import TenantLog
+from ...errors import HurrayError
+from ...io import retention
+from ...io.atomic import remove_stale, write_pieces
+from . import eviction, locking
+from .eviction import SUFFIX, Entry
+from .reservations import RESERVATION, RESERVE, SPARE, SPARE_NAME, Reservation, Reservations
+from .tenants import TenantLog
 
-SUFFIX = ".hrry"
-LOCK = ".lock"
 USAGE = ".usage"
-TRASH = ".evict."
-RESERVE = ".reserve."
-RESERVATION = re.compile(r"\.reserve\..+\.([0-9]{1,20})\.[0-9a-f]{8}\Z", re.DOTALL)
-SPARE = ".reserve-spare."
-SPARE_NAME = re.compile(r"\.reserve-spare\.[0-9a-f]{8}\Z")
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str  # the segment's name, without SUFFIX
-    nbytes: int
-    used_ns: int  # modification time: last written or loaded
-    inode: int
-
-
-class Reservation:
-    """Room held for a segment being written (``Capacity.admit``), and the segments
-    evicted to make it."""
-
-    def __init__(self, path: str | None, fd: int | None, evicted: list[Entry],
-                 spare: Callable[[str, int], None] | None = None) -> None:
-        self.path, self._fd, self.evicted = path, fd, evicted
-        self._spare = spare  # takes the released file and its descriptor, to reuse them
-
-    def release(self) -> None:
-        """Give the room back; call it once the segment is in place (it then counts for
-        itself), under the shared lock: a scan (exclusive) that began before the rename
-        may have listed the directory without the segment, and must find the reservation
-        instead.  A second call does nothing."""
-        fd, self._fd = self._fd, None
-        if fd is None or self.path is None:
-            return
-        if self._spare is not None:
-            self._spare(self.path, fd)
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        os.close(fd)
 
 
 class Capacity:
@@ -135,61 +97,20 @@ class Capacity:
             max_bytes // 4 if max_bytes is not None else None)
         self.evictions = 0  # segments this process evicted
         self.evicted_bytes = 0
-        # a released reservation's file, still locked: (path, fd, the pid that holds it)
-        self._spare: tuple[str, int, int] | None = None
+        self.reservations = Reservations(directory)
         self._at = str(directory) + os.sep  # paths as strings: a Path costs 3 us to join
-        self._spare_lock = threading.Lock()
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool) -> Iterator[None]:
-        """``flock`` on ``DIR/.lock``: exclusive to scan and evict or compact, shared to
-        append.  Opened per use: flock belongs to an open file, and each use is its own
-        (read-only: engines of other users share the file)."""
-        path = self._at + LOCK
-        try:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o666)
-        except OSError as e:  # a link planted there, a read-only directory, ...
-            raise HurrayError(f"cannot open the lock {path}: {e.strerror}", field="lock",
-                              value=str(path), rule="a lock file the engines share") from None
-        try:
-            deadline = time.monotonic() + self.LOCK_SECONDS
-            mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-            pause = self.LOCK_PAUSE
-            while True:
-                try:
-                    fcntl.flock(fd, mode)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise HurrayError(
-                            f"the lock {path} was held by another process for "
-                            f"{self.LOCK_SECONDS:g} s (a stuck engine, or `flock` by hand)",
-                            field="lock", value=str(path),
-                            rule="the lock is held only while a store updates") from None
-                    # another writer's admission or append holds it for tens of
-                    # microseconds: a fixed 5 ms nap made a contended save 5 ms slower
-                    time.sleep(pause)
-                    pause = min(2 * pause, self.LOCK_PAUSE_MAX)
+        """``DIR/.lock`` (``locking.py``): exclusive to scan and evict or compact, shared
+        to append."""
+        with locking.held(self._at, exclusive, self.LOCK_SECONDS, self.LOCK_PAUSE,
+                          self.LOCK_PAUSE_MAX):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def repair(self) -> list[str]:
         """Remove what a crashed writer or evictor left (once stale); the names removed."""
-        removed = remove_stale(self.dir, fresh=True)
-        before = time.time() - STALE_SECONDS
-        with os.scandir(self.dir) as entries:
-            for entry in entries:
-                if entry.name.startswith(TRASH) and entry.is_file(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        if entry.stat(follow_symlinks=False).st_mtime < before:
-                            os.unlink(entry.path)
-                            removed.append(entry.name)
-        return removed
+        return remove_stale(self.dir, fresh=True) + eviction.remove_stale_trash(self.dir)
 
     def scan(self) -> list[Entry]:
         """The segments in the directory, oldest use first."""
@@ -232,7 +153,7 @@ class Capacity:
                         held, total, reserved = self._admit(nbytes, keep, written, then,
                                                             evicted, trash, tenant)
                 finally:
-                    self._remove(trash)  # out of the store already: removed after the lock
+                    eviction.remove_later(trash)  # out of the store already: removed after the lock
                 if held is not None:
                     return held
                 if time.monotonic() > deadline:
@@ -261,17 +182,17 @@ class Capacity:
         total, scanned = self._usage()
         if total + nbytes <= limit and time.time() - scanned < self.RESCAN_SECONDS and (
                 self.tenant_max is None):  # a quota counts its tenant's segments: a scan
-            held = self._reserve(nbytes, keep, written, evicted)
+            held = self.reservations.reserve(nbytes, keep, written, evicted)
             self._record(total + nbytes, scanned)
             return held, total + nbytes, 0
         entries, reservations = self._list()
-        reserved = self._reserved(reservations)
+        reserved = self.reservations.live_bytes(reservations)
         kept, now = self._kept(entries), time.time()
         done: list[Entry] = []
         for entry in entries:  # past their lifetime: removed whatever the total
             k = kept.get(entry.name)
             if k is not None and k.expired(now) and entry.name != keep:
-                gone = self._take(entry)
+                gone = eviction.take(self.dir, entry)
                 if gone is not None:
                     trash.append(gone)
                     done.append(entry)
@@ -291,13 +212,13 @@ class Capacity:
                 k = kept.get(entry.name)
                 if entry.name == keep or (k is not None and k.pinned):
                     continue  # pinned: never evicted to make room
-                gone = self._take(entry)
+                gone = eviction.take(self.dir, entry)
                 if gone is not None:
                     trash.append(gone)
                     total -= entry.nbytes
                     done.append(entry)
         evicted += done
-        held = self._reserve(nbytes, keep, written, evicted) \
+        held = self.reservations.reserve(nbytes, keep, written, evicted) \
             if total <= limit else None
         if held is not None and tenant and self.tenant_max is not None:
             # recorded before the segment is in place: no scan counts it as another's
@@ -308,78 +229,6 @@ class Capacity:
             gone = {e.name for e in done}
             then([e for e in entries if e.name not in gone])
         return held, total, reserved
-
-    def _reserve(self, nbytes: int, keep: str, written: bool, evicted: list[Entry]
-                 ) -> Reservation:
-        """A reservation file for a segment not yet written, locked until released: a
-        scan by another writer counts it, and once its writer dies (the kernel drops the
-        lock) the next scan reclaims it.  Created under the exclusive lock, so no scan
-        sees it before it is locked."""
-        if written:  # already in the directory: scans list the segment itself
-            return Reservation(None, None, evicted)
-        spare = self._take_spare()
-        for _ in range(100):
-            path = f"{self._at}{RESERVE}{keep}.{nbytes}.{secrets.token_hex(4)}"
-            if spare is not None:
-                try:
-                    os.link(spare[0], path)  # never over an existing name
-                except FileExistsError:
-                    continue
-                except OSError:  # removed by hand, ...: a new file instead
-                    os.close(spare[1])
-                    spare = None
-                else:
-                    with contextlib.suppress(OSError):
-                        os.unlink(spare[0])
-                    return Reservation(path, spare[1], evicted, self._keep_spare)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o666)
-            except FileExistsError:
-                continue  # taken, or a planted file or link
-            except OSError as e:
-                raise HurrayError(f"cannot reserve room for segment {keep} in {self.dir}: "
-                                  f"{e.strerror}", field="reservation", value=str(path),
-                                  rule="a writable store directory") from None
-            # a file system without flock: scans cannot tell it is live and count it
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return Reservation(path, fd, evicted, self._keep_spare)
-        if spare is not None:
-            os.close(spare[1])
-        raise HurrayError(f"no free reservation name for segment {keep} in {self.dir}",
-                          field="reservation", value=keep,
-                          rule="a free .reserve.NAME.BYTES.XXXXXXXX name")
-
-    def _take_spare(self) -> tuple[str, int, int] | None:
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and spare[2] != os.getpid():  # the parent's, before a fork
-            os.close(spare[1])
-            return None
-        return spare
-
-    def _keep_spare(self, path: str, fd: int) -> None:
-        """Release reservation ``path`` (under the shared lock) by renaming its file to
-        ``.reserve-spare.XXXXXXXX``, locked still, for this process's next reservation
-        to take by renaming it again: creating a file cost 50 us of the 85 us a capacity
-        added to a save.  A spare counts 0 bytes; one whose process died is removed by
-        the next scan, as a dead reservation is.  One spare a process: others go."""
-        spare: str | None = f"{self._at}{SPARE}{secrets.token_hex(4)}"
-        try:
-            os.link(path, spare)  # never over an existing name
-        except OSError:
-            spare = None
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        if spare is not None:
-            with self._spare_lock:
-                if self._spare is None:
-                    self._spare = (spare, fd, os.getpid())
-                    return
-            with contextlib.suppress(OSError):
-                os.unlink(spare)
-        os.close(fd)
 
     def _list(self) -> tuple[list[Entry], list[tuple[str, int]]]:
         """The segments, oldest use first, and the reservations (name, bytes) listed."""
@@ -408,38 +257,6 @@ class Capacity:
                                      st.st_ino))
         out.sort(key=lambda e: e.used_ns)
         return out, reservations
-
-    def _reserved(self, reservations: list[tuple[str, int]]) -> int:
-        """The bytes of the live reservations (under the exclusive lock); those whose
-        writer died are removed."""
-        total = 0
-        for name, nbytes in reservations:
-            path = self.dir / name
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-            except FileNotFoundError:
-                continue
-            except OSError:  # another user's: cannot tell, so never under-count
-                total += nbytes
-                continue
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    continue  # not a reservation (a planted FIFO, ...): left alone
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    total += nbytes  # its writer holds it
-                    continue
-                except OSError:  # no flock here: cannot tell, so never under-count
-                    total += nbytes
-                    continue
-                # nobody holds it (a writer killed before releasing it), and no writer
-                # can take it: new ones are created under the exclusive lock held here
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            finally:
-                os.close(fd)
-        return total
 
     def _usage(self) -> tuple[int, float]:
         """The shared record: bytes stored and when the directory was last scanned (0: a
@@ -508,7 +325,7 @@ class Capacity:
             k = kept.get(entry.name)
             if k is not None and k.pinned:
                 continue
-            gone = self._take(entry)
+            gone = eviction.take(self.dir, entry)
             if gone is not None:
                 trash.append(gone)
                 done.append(entry)
@@ -577,7 +394,7 @@ class Capacity:
                                   f"{e.strerror}", field="segment", value=name) from None
             if not stat.S_ISREG(st.st_mode):
                 return False
-            trash = self._take(Entry(name, st.st_size, st.st_mtime_ns, st.st_ino))
+            trash = eviction.take(self.dir, Entry(name, st.st_size, st.st_mtime_ns, st.st_ino))
             if trash is None:  # loaded or stored again this instant: a later one's
                 return False
             total, scanned = self._usage()
@@ -586,63 +403,17 @@ class Capacity:
             kept = retention.read(self.dir)
             if kept.pop(name, None) is not None:  # a segment stored again starts afresh
                 self._write_kept(kept)
-        self._discard(trash)
+        eviction.discard(trash)
         return True
-
-    def _evict(self, entry: Entry) -> bool:
-        """Remove segment ``entry`` if it is still the file the scan listed."""
-        trash = self._take(entry)
-        if trash is not None:
-            self._discard(trash)
-        return trash is not None
-
-    def _take(self, entry: Entry) -> Path | None:
-        """Rename segment ``entry`` out of the store (no reader finds it from now on); the
-        name to remove it by, or None when it was not the file the scan listed."""
-        path = self.dir / f"{entry.name}{SUFFIX}"
-        trash = self.dir / f"{TRASH}{entry.name}.{secrets.token_hex(4)}"
-        try:
-            os.rename(path, trash)
-        except OSError:  # gone already (another engine's eviction, an operator)
-            return None
-        chosen = False
-        try:
-            st = os.stat(trash, follow_symlinks=False)
-            if (st.st_ino, st.st_mtime_ns) != (entry.inode, entry.used_ns):
-                # stored again or loaded since the scan (an inode number alone may be
-                # reused): not the segment chosen, put it back
-                with contextlib.suppress(FileExistsError):
-                    os.link(trash, path)
-                return None
-            chosen = True
-            return trash
-        finally:
-            if not chosen:
-                with contextlib.suppress(OSError):
-                    os.unlink(trash)
-
-    @staticmethod
-    def _discard(trash: Path) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(trash)
-
-    def _remove(self, trash: list[Path]) -> None:
-        """Remove evicted segments (already out of the store) off the saving thread."""
-        if trash:
-            _REMOVER.remove(trash, self._discard)
 
     @staticmethod
     def settle() -> None:
         """Wait until the segments this process evicted are removed from the disk."""
-        _REMOVER.settle()
+        eviction.settle()
 
     def close(self) -> None:
         """Remove the spare reservation file and wait for the evicted files' removal."""
-        spare = self._take_spare()
-        if spare is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(spare[0])
-            os.close(spare[1])
+        self.reservations.close()
         self.settle()
 
     @staticmethod
@@ -651,67 +422,5 @@ class Capacity:
         with contextlib.suppress(OSError):  # another user's file: its age stays
             os.utime(fd)
 
-
-class _Remover:
-    """The thread that removes this process's evicted files: an unlink frees the file's
-    pages and blocks, 0.15-0.7 ms for 4 MiB on ext4, which was most of what a capacity
-    added to a save.  Not a daemon, so the interpreter waits for the files queued when
-    it exits; it ends once idle for ``IDLE`` seconds (so it never holds an exit up) and
-    starts again with the next eviction.  A child forked meanwhile starts its own."""
-
-    IDLE = 0.2
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._queue: list[tuple[Path, Callable[[Path], None]]] = []
-        self._running = False  # a thread serves the queue
-        self._busy = 0  # files taken off the queue, not yet removed
-
-    def remove(self, paths: list[Path], discard: Callable[[Path], None]) -> None:
-        with self._cond:
-            self._queue += [(p, discard) for p in paths]
-            if self._running:
-                self._cond.notify()
-                return
-            worker = threading.Thread(target=self._serve, name="hurraykv-evict")
-            try:
-                worker.start()
-            except RuntimeError:  # at interpreter exit, or out of threads: done here
-                work, self._queue = self._queue, []
-            else:
-                self._running = True
-                return
-        for path, discard in work:
-            discard(path)
-
-    def _serve(self) -> None:
-        with self._cond:
-            while True:
-                if not self._queue and not self._cond.wait_for(lambda: self._queue,
-                                                               self.IDLE):
-                    self._running = False
-                    self._cond.notify_all()
-                    return
-                work, self._queue = self._queue, []
-                self._busy = len(work)
-                self._cond.release()
-                try:
-                    for path, discard in work:
-                        discard(path)
-                finally:
-                    self._cond.acquire()
-                    self._busy = 0
-                    self._cond.notify_all()
-
-    def settle(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._queue and not self._busy)
-
-
-_REMOVER = _Remover()
 
 __all__ = ["Capacity", "Entry", "Reservation"]
