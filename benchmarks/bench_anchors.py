@@ -74,18 +74,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vllm import (
+from vllm_bench.engines import (
     LMCACHE_ENV,
     ROOT,
     free_port,
     lmcache_python,
-    pct,
-    print_grid,
-    scrape_metrics,
     start_hurray_server,
     start_redis_server,
     stop_group,
 )
+from vllm_bench.measurement import pct
+from vllm_bench.report import print_grid
+from vllm_bench.serve_server import scrape_metrics
 
 BLOCK = 32
 VOCAB = 1000  # token ids 1..999 of the tiny model's 1024, as bench_vllm draws them
@@ -224,7 +224,7 @@ class Workloads:
 # --------------------------------------------------------------------------- clients
 def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: send time, first token's arrival, the generated token
-    ids, prompt and cached token counts (bench_vllm's ``stream_completion`` keeps no
+    ids, prompt and cached token counts (vllm_bench's ``stream_completion`` keeps no
     token ids, which a growing chat history needs)."""
     import urllib.request
 
@@ -313,7 +313,7 @@ def transfer_config(name: str, extra: dict, module: str | None = None) -> dict:
 
 
 def start_server(stack: contextlib.ExitStack, model: Path, row: Row, log_path: Path) -> int:
-    """``vllm serve`` of ``model`` for ``row`` (as bench_vllm's ``start_vllm``, with any
+    """``vllm serve`` of ``model`` for ``row`` (as vllm_bench's ``start_vllm``, with any
     connector, interpreter and a model length for the long documents), healthy; its
     port."""
     port = free_port()
