@@ -87,6 +87,26 @@ class TestRedisStore(ChunkStoreTests):
             proc.wait(10)
 
 
+class TestMemoryStore(ChunkStoreTests):
+    SCHEME = 'mem'
+
+    @pytest.fixture
+    def pool(self, request):
+        """A pool of this test's own: every store opened on mem://NAME shares it."""
+        return f"t{abs(hash(request.node.nodeid)):x}"
+
+    @pytest.fixture
+    def make(self, pool):
+        return lambda: open_store(f"mem://{pool}", max_bytes=1 << 30)
+
+    @pytest.fixture
+    def capped(self, pool):
+        from hurraykv.chunks.memory import copied
+
+        size = copied(segment(16, 0).with_info(metadata={}))[1]  # the members' bytes
+        return open_store(f"mem://{pool}-capped", max_bytes=12 * size)
+
+
 class TestRedisClusterStore(ChunkStoreTests):
     SCHEME = 'redis+cluster'
     PINS = False
@@ -123,7 +143,7 @@ def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
     ("file:relative/dir", {}, "absolute directory"),
     ("redis://127.0.0.1:1", {"max_bytes": 10}, r"option 'max_bytes' is not one a redis:// "
                                                r"store takes \(its options: none\); "
-                                               r"file:///DIR takes it"),
+                                               r"file:///DIR and mem://\[NAME\] take it"),
     ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"hurray://HOST:PORT takes it"),
     ("file:///tmp/x", {"max_byte": 1}, r"did you mean 'max_bytes'\?"),
 ])

@@ -14,8 +14,10 @@ from hurraykv import chunks
 
 
 def builtin() -> list[str]:
-    """One scheme of each built-in store class (its first), for ``parametrize``."""
-    return [c.SCHEMES[0] for c in chunks.store_classes(plugins=False)]
+    """One scheme of each built-in store class (its first) that another process reaches
+    by its URL alone, for ``parametrize``: not ``mem://``, whose pool is its process's
+    (``tests/store/test_memory_store.py``)."""
+    return [c.SCHEMES[0] for c in chunks.store_classes(plugins=False) if not c.IN_PROCESS]
 
 
 @contextmanager

@@ -22,7 +22,9 @@ Stores, one class per URL scheme, registered by the schemes it declares (``SCHEM
 ``DIR/aliases.log``), ``server.ServerChunks`` (``hurray://HOST:PORT``: a ``hurraykv
 serve``; aliases with its LINK and LOCATE messages), ``redis.RedisChunks``
 (``redis://HOST:PORT``, ``rediss://``, ``redis+cluster://HOST:PORT``: the PageStore,
-identical pages of different segments stored once; aliases as small keys).  A new backend
+identical pages of different segments stored once; aliases as small keys),
+``memory.MemoryChunks`` (``mem://[NAME]``: this process's memory, under a required
+``max_bytes``).  A new backend
 is one ``ChunkStore`` subclass naming its schemes and the settings it takes besides its
 URL (``OPTIONS``: each an ``Option`` of a kind the connector's config parses), plus a test
 class that inherits the contract (``hurraykv.testing.ChunkStoreTests``); ``open_store``,
@@ -44,8 +46,8 @@ The package, one module per part: ``keys`` (the chain and segment names), ``sett
 ``urls`` (checking a URL, ``open_store``), ``suffixed`` (a tensor-parallel rank's view of
 a store), ``guard`` (every store call behind a deadline and a breaker), and the stores:
 ``file/`` (the store, its alias index, capacity, eviction, locking, tenants and the
-structure cache of one-pass loads), ``server``, ``redis``.  It sits on a floor of its own
-below the engine glue (``integrations/``) and above ``net/`` and ``store/``
+structure cache of one-pass loads), ``server``, ``redis``, ``memory``.  It sits on a floor
+of its own below the engine glue (``integrations/``) and above ``net/`` and ``store/``
 (``docs/architecture.md``).
 """
 

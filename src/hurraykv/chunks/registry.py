@@ -48,6 +48,7 @@ class ChunkStore(ABC):
     SCHEMES: ClassVar[tuple[str, ...]] = ()  # the URL schemes this class opens
     FORM: ClassVar[str] = ""  # the URL's form, for messages: "file:///DIR"
     LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
+    IN_PROCESS: ClassVar[bool] = False  # this process's memory: SCHEME://[NAME]
     SOCKET_PATHS: ClassVar[bool] = False  # also SCHEME:///path of a Unix socket
     # the open_store keywords (and connector config keys) it takes besides timeout, each
     # an Option (a plain name is an Option of kind "str")
@@ -201,7 +202,7 @@ class ChunkStore(ABC):
 
 
 _REGISTRY: dict[str, type[ChunkStore]] = {}
-BUILTIN = ("file.store", "server", "redis")  # modules whose classes register
+BUILTIN = ("file.store", "server", "redis", "memory")  # modules whose classes register
 GROUP = "hurraykv.chunk_stores"  # the entry point group of stores from outside the package
 RESERVED = ("url", "suffix", "timeout")  # open_store's own keywords: no option's name
 _LOCK = threading.RLock()

@@ -44,11 +44,13 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
     cls = store_class(parsed.scheme)
     if cls is None:
         return f"scheme {parsed.scheme!r} is not one of {', '.join(schemes())}"
-    if cls.LOCAL and parsed.netloc not in ("", "localhost"):
+    if cls.IN_PROCESS:  # a pool of this process, named by the host part (url_problem)
+        pass
+    elif cls.LOCAL and parsed.netloc not in ("", "localhost"):
         return f"a {parsed.scheme} URL names a local directory, {cls.FORM}"
-    if cls.LOCAL and not parsed.path.startswith("/"):  # not the engine's working directory
+    elif cls.LOCAL and not parsed.path.startswith("/"):  # not the engine's working directory
         return f"a {parsed.scheme} URL names an absolute directory, {cls.FORM}"
-    if not cls.LOCAL and not (cls.SOCKET_PATHS and not parsed.netloc
+    elif not cls.LOCAL and not (cls.SOCKET_PATHS and not parsed.netloc
                               and parsed.path.startswith("/")):
         try:
             port_ok = parsed.port is None or parsed.port > 0

@@ -77,7 +77,7 @@ def add_parsers(sub: Any) -> None:
 def _open(args: argparse.Namespace) -> Any:
     from urllib.parse import unquote, urlparse
 
-    from ..chunks.registry import is_local, options
+    from ..chunks.registry import is_local, options, store_class
     from ..chunks.settings import Option
     from ..chunks.urls import check_url, open_store
 
@@ -91,6 +91,12 @@ def _open(args: argparse.Namespace) -> Any:
     # before the directory check below: a URL of no store is said as such
     check_url(args.url, list(settings))
     parsed = urlparse(args.url)
+    cls = store_class(parsed.scheme)
+    if cls is not None and cls.IN_PROCESS:
+        raise ConfigError(f"{args.url}: a {parsed.scheme}:// pool lives in the memory of the "
+                          "engine process that holds it; hurraykv cache, another process, "
+                          "cannot reach it (reset_cache through the engine clears it)",
+                          field="url", value=args.url, rule="a store another process reaches")
     if is_local(args.url) and not os.path.isdir(
             unquote(parsed.path)):  # opening one makes it: not for a typo
         raise CannotRead(f"{args.url}: no such directory")

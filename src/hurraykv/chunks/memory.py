@@ -1,0 +1,280 @@
+"""``mem://[NAME]``: segments held in this process's own memory, under a byte cap.
+
+The fastest tier a connector can have: a hit never leaves the process.  Every store
+opened on the same URL in one process shares one pool (``mem://`` and ``mem://NAME`` are
+two pools), so the scheduler's lookups and the worker's loads of one engine process meet
+there; another process (another engine, a tensor-parallel worker of its own) has its
+own, empty, pool: nothing is shared between processes, nothing survives a restart.
+
+*What it holds.*  A segment is copied at ``put`` into one allocation of its own (the
+caller's buffers, a saver's recycled copy-out buffers, may change once ``put`` returns),
+as the members of a KVCacheSnapshot: every page pool, ``seq_lens``, ``kv_scales``, the
+info member (its identity and the put's metadata) and the checksums written with it.
+``get`` hands out zero-copy views of that allocation; ``get_verified`` checks them
+against the checksums, as every store does.
+
+*Capacity.*  ``max_bytes`` is required: a memory tier without a bound is a process that
+runs out of memory.  A segment's bytes are its members' (``KVCacheSnapshot.nbytes``).
+Past the cap the least recently used segments (a load is a use) go first; those past
+their lifetime go whatever the total; a pinned one never goes to make room, and pins hold
+at most ``max_pinned_bytes`` (default a quarter of ``max_bytes``).  A segment that cannot
+fit (larger than the cap, or the pins leave no room) is refused, a ``HurrayError`` naming
+``max_bytes``: the save is dropped, nothing stored is lost.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import ParseResult, unquote
+
+import numpy as np
+
+from ..errors import ConfigError, HurrayError
+from ..io import retention
+from ..snapshot import KVCacheSnapshot
+from .keys import check_name, identity_key, segment_name
+from .registry import ChunkStore, Stored
+from .settings import Option
+
+
+@dataclass
+class _Held:
+    snapshot: KVCacheSnapshot
+    keys: tuple[str, ...]
+    nbytes: int
+    created: float
+    used: float
+    version: int
+
+
+class _Pool:
+    """One URL's segments, shared by every store opened on it in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.segments: OrderedDict[str, _Held] = OrderedDict()  # oldest use first
+        self.aliases: dict[str, str] = {}  # chunk key -> segment name
+        self.kept: dict[str, retention.Kept] = {}
+        self.total = 0
+        self.versions = 0
+
+
+NAME = re.compile(r"[A-Za-z0-9._-]{0,64}")
+_POOLS: dict[str, _Pool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str) -> _Pool:
+    with _POOLS_LOCK:
+        return _POOLS.setdefault(name, _Pool())
+
+
+def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int]:
+    """``snapshot`` with every member's bytes copied into one allocation; its bytes."""
+    members = list(snapshot.members())
+    sizes = [[memoryview(b).nbytes for b in bufs] for _, _, bufs in members]
+    total = sum(map(sum, sizes))
+    arena = np.empty(max(total, 1), np.uint8)
+    at, items = 0, []
+    for (name, desc, bufs), lengths in zip(members, sizes, strict=True):
+        views = []
+        for b, n in zip(bufs, lengths, strict=True):
+            arena[at:at + n] = np.frombuffer(memoryview(b).cast("B"), np.uint8)
+            views.append(memoryview(arena[at:at + n]))
+            at += n
+        items.append((name, desc, views))
+    return KVCacheSnapshot.from_members(items, owner=arena), total
+
+
+class MemoryChunks(ChunkStore):
+    """``mem://[NAME]``: this process's memory (the module docstring)."""
+
+    SCHEMES = ("mem",)
+    FORM = "mem://[NAME]"
+    LOCAL = True
+    IN_PROCESS = True
+    OPTIONS = (
+        Option("max_bytes", "size", "Capacity of a ``mem://`` tier (``\"8G\"`` or bytes), "
+               "required: past it the least recently used segments are dropped."),
+        Option("max_pinned_bytes", "size", "Of a ``mem://`` tier's ``max_bytes``, the most "
+               "that pinned segments may hold.  Default: a quarter of ``max_bytes``."),
+    )
+    CAPACITY = "max_bytes"
+
+    def __init__(self, name: str = "", *, max_bytes: int,
+                 max_pinned_bytes: int | None = None) -> None:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+            raise HurrayError(f"a mem:// store's max_bytes is {max_bytes!r}; it is a "
+                              "positive number of bytes (a memory tier is bounded)",
+                              field="max_bytes", value=max_bytes, rule="max_bytes > 0")
+        self.url = f"mem://{name}"
+        self.max_bytes = max_bytes
+        self.max_pinned = max_pinned_bytes if max_pinned_bytes is not None \
+            else max_bytes // 4
+        self._pool = _pool(name)
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    @classmethod
+    def url_problem(cls, parsed: ParseResult) -> str:
+        if parsed.path not in ("", "/"):
+            return (f"a mem:// pool is named by its host part only (mem://NAME), not the "
+                    f"path {parsed.path!r}")
+        if NAME.fullmatch(parsed.netloc) is None:
+            return (f"its pool name {parsed.netloc[:80]!r} is not 0-64 letters, digits, "
+                    "'.', '_' or '-'")
+        return ""
+
+    @classmethod
+    def check_options(cls, options: Any, named: Callable[[str], str]) -> None:
+        if "max_bytes" not in options:
+            raise ConfigError(f"a mem:// store needs {named('max_bytes')}: a memory tier "
+                              "without a bound is a process that runs out of memory",
+                              field="max_bytes", rule="max_bytes is set for mem://")
+
+    @classmethod
+    def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
+             **options: Any) -> MemoryChunks:
+        return cls(unquote(parsed.netloc), **options)
+
+    # -- lookups and reads ---------------------------------------------------------------
+    def _live(self, name: str, now: float) -> _Held | None:
+        held = self._pool.segments.get(name)
+        k = self._pool.kept.get(name)
+        if held is None or (k is not None and k.expired(now)):
+            return None
+        return held
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        pool, now = self._pool, time.time()
+        with pool.lock:
+            out = []
+            for key in keys:
+                name = pool.aliases.get(key)
+                out.append(name if name is not None and self._live(name, now) else None)
+            return out
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        pool = self._pool
+        with pool.lock:
+            held = self._live(name, time.time())
+            if held is None:
+                raise HurrayError(f"segment {name} is not in {self.url}", field="segment",
+                                  value=name, rule="a stored segment")
+            held.used = time.time()
+            pool.segments.move_to_end(name)  # a load is a use
+            return held.snapshot
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        now = time.time()
+        with self._pool.lock:
+            return [self._live(n, now) is not None for n in names]
+
+    def catalog(self) -> list[Stored]:
+        pool, now = self._pool, time.time()
+        with pool.lock:
+            out = []
+            for name, held in pool.segments.items():
+                k = pool.kept.get(name)
+                if k is not None and k.expired(now):
+                    continue
+                model = held.snapshot.model
+                out.append(Stored(name, held.nbytes, identity_key(model) if model else None,
+                                  model, created=held.created, used=held.used,
+                                  pinned=bool(k and k.pinned),
+                                  expiry=k.expiry if k else None, version=held.version))
+            return out
+
+    # -- writes ---------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        name = check_name(segment_name(keys, first))
+        snap, nbytes = copied(snapshot.with_info(metadata=metadata))
+        if nbytes > self.max_bytes:
+            raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
+                              f"{self.max_bytes}: not stored", field="max_bytes",
+                              value=nbytes, rule="a segment fits in max_bytes")
+        pool, now = self._pool, time.time()
+        with pool.lock:
+            old = pool.kept.get(name)
+            if old is not None and old.expired(now):  # stored again: a new segment
+                del pool.kept[name]
+            self._make_room(nbytes, name, now)
+            self._drop(name)
+            pool.versions += 1
+            pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions)
+            pool.total += nbytes
+            pool.aliases.update((key, name) for key in keys)
+
+    def _make_room(self, nbytes: int, keep: str, now: float) -> None:
+        """Drop what is past its lifetime, then the least recently used unpinned
+        segments, until ``nbytes`` more fit (under the pool's lock)."""
+        pool = self._pool
+        for name in [n for n, k in pool.kept.items() if k.expired(now) and n != keep]:
+            self._drop(name)
+            del pool.kept[name]
+        replaced = pool.segments[keep].nbytes if keep in pool.segments else 0
+        need = pool.total - replaced + nbytes - self.max_bytes
+        if need <= 0:
+            return
+        victims, freed = [], 0
+        for name, held in pool.segments.items():  # oldest use first
+            k = pool.kept.get(name)
+            if name == keep or (k is not None and k.pinned):
+                continue  # pinned: never dropped to make room
+            victims.append(name)
+            freed += held.nbytes
+            if freed >= need:
+                break
+        if freed < need:
+            raise HurrayError(f"no room for segment {keep} of {nbytes} bytes in max_bytes "
+                              f"{self.max_bytes}: pinned segments hold the rest; not stored",
+                              field="max_bytes", value=nbytes,
+                              rule="pinned segments and a new one fit in max_bytes")
+        for name in victims:
+            self.evicted_bytes += pool.segments[name].nbytes
+            self._drop(name)
+            self.evictions += 1
+
+    def _drop(self, name: str) -> bool:
+        """Forget segment ``name`` (its aliases then reach nothing: a miss)."""
+        pool = self._pool
+        held = pool.segments.pop(name, None)
+        if held is None:
+            return False
+        pool.total -= held.nbytes
+        for key in held.keys:  # those another segment took over since stay its
+            if pool.aliases.get(key) == name:
+                del pool.aliases[key]
+        return True
+
+    def remove(self, name: str) -> bool:
+        with self._pool.lock:
+            self._pool.kept.pop(name, None)
+            return self._drop(name)
+
+    def discard(self, name: str) -> None:
+        self.remove(name)
+
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        pool, now = self._pool, time.time()
+        with pool.lock:
+            present = {}
+            for name in dict.fromkeys(names):
+                held = self._live(name, now)
+                if held is not None:
+                    present[name] = held.nbytes
+            pool.kept = retention.updated(pool.kept, present, pin=pin, ttl_s=ttl_s,
+                                          max_pinned=self.max_pinned, now=now,
+                                          extend=extend)
+            return list(present)
+
+
+__all__ = ["MemoryChunks"]

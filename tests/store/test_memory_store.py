@@ -1,0 +1,106 @@
+"""``mem://[NAME]`` beyond the contract (``test_chunk_stores.py::TestMemoryStore``): a
+bound is required, pools are per URL and per process, a segment is a copy, and what a
+pool forgets it forgets whole (aliases included)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hurraykv.chunks.memory import MemoryChunks, copied
+from hurraykv.chunks.urls import open_store
+from hurraykv.errors import ConfigError, HurrayError
+from hurraykv.testing import keys, segment
+
+_pools = itertools.count()
+
+
+def pool() -> str:
+    return f"mem://unit-{next(_pools)}"
+
+
+def test_a_pool_without_max_bytes_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="max_bytes") as e:
+        open_store(pool())
+    assert e.value.field == "max_bytes"
+    with pytest.raises(HurrayError, match="max_bytes"):
+        MemoryChunks("x", max_bytes=0)
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("mem://a/b", "path '/b'"),
+    ("mem://a b", "pool name 'a b'"),
+    ("mem://u@a", "userinfo"),
+    ("mem://a?max_bytes=1", "setting of its own"),
+])
+def test_a_url_that_is_not_a_pool_is_refused(url, why):
+    with pytest.raises(HurrayError, match=why):
+        open_store(url, max_bytes=1 << 20)
+
+
+def test_stores_on_one_url_share_a_pool_and_other_names_do_not():
+    url = pool()
+    a, b = open_store(url, max_bytes=1 << 24), open_store(url, max_bytes=1 << 24)
+    other = open_store(url + "x", max_bytes=1 << 24)
+    k, snap = keys(2), segment(2, 1)
+    a.put(k, 0, snap, {})
+    assert b.get_verified(b.locate(k)[0]).equal(snap)
+    assert other.locate(k) == [None, None]
+
+
+def test_a_segment_is_a_copy_of_what_was_put():
+    store = open_store(pool(), max_bytes=1 << 24)
+    k, snap = keys(2), segment(2, 2)
+    pool_bytes = np.frombuffer(memoryview(snap.tensor(0, "key").page_pool).cast("B"), np.uint8)
+    before = pool_bytes.copy()
+    store.put(k, 0, snap, {})
+    pool_bytes ^= 0xFF  # the saver reuses its copy-out buffer for the next request
+    back = store.get_verified(store.locate(k)[0])
+    got = np.frombuffer(memoryview(back.tensor(0, "key").page_pool).cast("B"), np.uint8)
+    assert np.array_equal(got, before)
+
+
+def test_eviction_forgets_the_segments_aliases_and_counts_its_bytes():
+    size = copied(segment(4, 0).with_info(metadata={}))[1]
+    store = MemoryChunks(f"unit-{next(_pools)}", max_bytes=3 * size)
+    stored = [keys(1) for _ in range(5)]
+    for i, k in enumerate(stored):
+        store.put(k, 0, segment(4, i), {})
+    assert [store.locate(k)[0] is not None for k in stored] == [False, False, True, True,
+                                                                  True]
+    assert store.evictions == 2 and store.evicted_bytes == 2 * size
+    assert sum(s.nbytes for s in store.catalog()) == 3 * size
+    assert len(store._pool.aliases) == 3  # the evicted segments' keys went with them
+
+
+def test_a_load_is_a_use():
+    size = copied(segment(4, 0).with_info(metadata={}))[1]
+    store = MemoryChunks(f"unit-{next(_pools)}", max_bytes=2 * size)
+    first, second, third = keys(1), keys(1), keys(1)
+    store.put(first, 0, segment(4, 1), {})
+    store.put(second, 0, segment(4, 2), {})
+    store.get(store.locate(first)[0])  # first is now the younger
+    store.put(third, 0, segment(4, 3), {})
+    assert store.locate(second) == [None] and store.locate(first)[0] is not None
+
+
+def test_a_segment_larger_than_the_pool_is_refused_and_nothing_is_lost():
+    size = copied(segment(4, 0).with_info(metadata={}))[1]
+    store = MemoryChunks(f"unit-{next(_pools)}", max_bytes=size + size // 2)
+    k = keys(1)
+    store.put(k, 0, segment(4, 1), {})
+    with pytest.raises(HurrayError, match="larger than max_bytes") as e:
+        store.put(keys(2), 0, segment(8, 2), {})
+    assert e.value.field == "max_bytes"
+    assert store.get_verified(store.locate(k)[0]).equal(segment(4, 1))
+
+
+def test_hurraykv_cache_says_it_cannot_reach_a_pool_of_another_process():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hurraykv", "cache", "ls", "mem://x",
+                          "-o", "max_bytes=1G"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot reach it" in out.stderr, out.stderr
