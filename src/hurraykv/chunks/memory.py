@@ -120,6 +120,9 @@ class MemoryChunks(ChunkStore):
         self._pool = _pool(name)
         self.evictions = 0
         self.evicted_bytes = 0
+        # told of each segment dropped to make room (a stack's write_back), after the
+        # pool's lock is released: (its keys, its first chunk, the segment)
+        self.on_evict: Callable[[tuple[str, ...], int, KVCacheSnapshot], None] | None = None
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -205,16 +208,20 @@ class MemoryChunks(ChunkStore):
             old = pool.kept.get(name)
             if old is not None and old.expired(now):  # stored again: a new segment
                 del pool.kept[name]
-            self._make_room(nbytes, name, now)
+            dropped = self._make_room(nbytes, name, now)
             self._drop(name)
             pool.versions += 1
             pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions)
             pool.total += nbytes
             pool.aliases.update((key, name) for key in keys)
+        if self.on_evict is not None:
+            for held, victim in dropped:
+                self.on_evict(held.keys, int(victim.rsplit("-", 1)[1]), held.snapshot)
 
-    def _make_room(self, nbytes: int, keep: str, now: float) -> None:
+    def _make_room(self, nbytes: int, keep: str, now: float) -> list[tuple[_Held, str]]:
         """Drop what is past its lifetime, then the least recently used unpinned
-        segments, until ``nbytes`` more fit (under the pool's lock)."""
+        segments, until ``nbytes`` more fit (under the pool's lock); those dropped to
+        make room."""
         pool = self._pool
         for name in [n for n, k in pool.kept.items() if k.expired(now) and n != keep]:
             self._drop(name)
@@ -222,7 +229,7 @@ class MemoryChunks(ChunkStore):
         replaced = pool.segments[keep].nbytes if keep in pool.segments else 0
         need = pool.total - replaced + nbytes - self.max_bytes
         if need <= 0:
-            return
+            return []
         victims, freed = [], 0
         for name, held in pool.segments.items():  # oldest use first
             k = pool.kept.get(name)
@@ -237,10 +244,13 @@ class MemoryChunks(ChunkStore):
                               f"{self.max_bytes}: pinned segments hold the rest; not stored",
                               field="max_bytes", value=nbytes,
                               rule="pinned segments and a new one fit in max_bytes")
+        dropped = []
         for name in victims:
+            dropped.append((pool.segments[name], name))
             self.evicted_bytes += pool.segments[name].nbytes
             self._drop(name)
             self.evictions += 1
+        return dropped
 
     def _drop(self, name: str) -> bool:
         """Forget segment ``name`` (its aliases then reach nothing: a miss)."""

@@ -1,0 +1,355 @@
+"""A stack of chunk stores, fastest first (``mem://`` over ``file://`` over ``s3://`` or a
+server): one ``ChunkStore`` to the connector, its tiers each a store of its own.
+
+*Lookups* ask the tiers in order, each only for the keys the tiers above it miss, so a
+prefix split across tiers is found whole (its first chunks in one tier, the rest in
+another) and loads from each.  A tier that fails (raises) answers misses: the others keep
+serving.
+
+*Reads* take a segment from the tier that the last lookup found it in, else from the
+first that has it.  A segment a lower tier served is *promoted*: copied into every tier
+above it, off the caller's path, through a bounded queue; when the queue is full the
+promotion is skipped and counted (``promotions_skipped``), never waited for.  A promotion
+needs the segment's chunk keys (a tier stores a segment under its keys): the caller that
+knows them (the connector's load, which has the request's keys) hands them to
+``promote``; a tier's refusal (no room: its pinned segments fill it) is counted, and no
+pinned segment is ever evicted for it, as the tier's own ``put`` guarantees.
+
+*Writes* follow ``write_policy``.  ``write_through`` (the default): the first tier is
+written before ``put`` returns, the tiers below asynchronously, through a bounded queue
+that drops a write when full (``writes_dropped``).  ``write_back``: only the first tier
+is written; the second receives a segment when the first drops it to make room (so the
+first tier must be one whose evictions the stack sees: a ``mem://`` pool).  A segment is
+present in a tier only once that tier's ``put`` returned.  ``queue_depth`` 0 makes every
+copy (writes and promotions) before the call returns, for a stack whose lower tiers must
+hold what it stored when ``put`` returns.
+
+The catalog is every tier's, each segment once (the first tier that holds it), and
+``remove``, ``retain`` and ``clear`` act on every tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import HurrayError
+from ..io import checksums
+from ..snapshot import KVCacheSnapshot
+from .keys import segment_ends_at, segment_first, segment_name
+from .registry import ChunkStore, Stored
+
+log = logging.getLogger("hurraykv.chunks")
+POLICIES = ("write_through", "write_back")
+
+
+class StackedChunks(ChunkStore):
+    """``tiers`` fastest first; ``names`` their URLs (for counters and messages)."""
+
+    REMEMBERED = 65536  # segments whose tier the stack remembers from lookups and reads
+
+    def __init__(self, tiers: Sequence[ChunkStore], *, write_policy: str = "write_through",
+                 queue_depth: int = 64) -> None:
+        if not tiers:
+            raise HurrayError("a stack of stores has no tier", field="tiers", value=[],
+                              rule="one tier or more")
+        if write_policy not in POLICIES:
+            raise HurrayError(f"write_policy is {write_policy!r}; it is one of "
+                              f"{', '.join(POLICIES)}", field="write_policy",
+                              value=write_policy, rule=" or ".join(POLICIES))
+        self.tiers = list(tiers)
+        self.url = " > ".join(t.url for t in self.tiers)
+        self.write_policy = write_policy
+        self._where: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counts = {f: [0] * len(self.tiers) for f in (
+            "hits", "promotions", "promotions_skipped", "promotions_refused", "writes",
+            "writes_dropped", "writes_failed", "outages")}
+        self.inline = queue_depth == 0  # the lower tiers written before put returns
+        self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], None]] | None] = \
+            queue.Queue(max(queue_depth, 1))
+        self._discarded: set[str] = set()  # damaged: queued copies of them are not made
+        self._worker: threading.Thread | None = None
+        if write_policy == "write_back" and len(self.tiers) > 1:
+            if not hasattr(self.tiers[0], "on_evict"):
+                raise HurrayError(f"write_policy write_back needs a first tier whose "
+                                  f"evictions the stack sees (mem://), not "
+                                  f"{self.tiers[0].url}", field="write_policy",
+                                  value=write_policy, rule="write_back over mem://")
+            self.tiers[0].on_evict = self._written_back  # type: ignore[attr-defined]
+
+    # -- lookups and reads ---------------------------------------------------------------
+    def _remember(self, name: str, tier: int) -> None:
+        with self._lock:
+            self._where[name] = tier
+            self._where.move_to_end(name)
+            while len(self._where) > self.REMEMBERED:
+                self._where.popitem(last=False)
+
+    def _outage(self, tier: int, op: str, e: BaseException) -> None:
+        self.counts["outages"][tier] += 1
+        log.warning("tier %d (%s) failed a %s: %s: %s; the other tiers serve", tier,
+                    self.tiers[tier].url, op, type(e).__name__, e)
+
+    def locate(self, keys: Sequence[str]) -> list[str | None]:
+        out: list[str | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for tier, store in enumerate(self.tiers):
+            if not missing:
+                break
+            try:
+                found = store.locate([keys[i] for i in missing])
+            except Exception as e:  # a tier down answers misses; the others serve
+                self._outage(tier, "lookup", e)
+                continue
+            for i, name in zip(missing, found, strict=True):
+                if name is not None:
+                    out[i] = name
+                    self._remember(name, tier)
+            missing = [i for i in missing if out[i] is None]
+        return out
+
+    def _order(self, name: str) -> list[int]:
+        with self._lock:
+            first = self._where.get(name)
+        rest = [t for t in range(len(self.tiers)) if t != first]
+        return ([first] if first is not None else []) + rest
+
+    def _read(self, name: str, read: Callable[[ChunkStore], Any]) -> Any:
+        """``read`` of the first tier (the remembered one first) that has ``name``."""
+        last: BaseException | None = None
+        for tier in self._order(name):
+            try:
+                got = read(self.tiers[tier])
+            except checksums.ChecksumError:
+                raise  # damaged in that tier: the caller discards it there
+            except HurrayError as e:  # not in this tier (or it failed): the next
+                last = e
+                continue
+            except Exception as e:
+                self._outage(tier, "read", e)
+                last = e
+                continue
+            self._remember(name, tier)
+            self.counts["hits"][tier] += 1
+            return got
+        if isinstance(last, HurrayError):
+            raise last
+        raise HurrayError(f"segment {name} is in no tier of {self.url}", field="segment",
+                          value=name, rule="a stored segment")
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self._read(name, lambda s: s.get(name))
+
+    def get_verified(self, name: str) -> KVCacheSnapshot:
+        return self.get_checked(name)[0]
+
+    def get_checked(self, name: str, later: frozenset[str] = frozenset()
+                    ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
+        def read(s: ChunkStore) -> Any:
+            before = s.verify_seconds
+            try:
+                return s.get_checked(name, later)
+            finally:
+                self.verify_seconds += s.verify_seconds - before
+
+        return self._read(name, read)
+
+    def get_pages(self, name: str, members: frozenset[str]) -> Any:
+        """The pages left in the tier's file where its store reads so (``file://``,
+        ``hurray://`` on this host); None: read the segment whole (``get_checked``)."""
+        for tier in self._order(name):
+            pages = getattr(self.tiers[tier], "get_pages", None)
+            if pages is None:
+                return None
+            try:
+                got = pages(name, members)
+            except checksums.ChecksumError:
+                raise
+            except HurrayError:
+                continue
+            except Exception as e:
+                self._outage(tier, "read", e)
+                continue
+            if got is not None:
+                self._remember(name, tier)
+                self.counts["hits"][tier] += 1
+            return got
+        return None
+
+    def served_by(self, name: str) -> int | None:
+        """The tier that last answered for ``name`` (0: the fastest)."""
+        with self._lock:
+            return self._where.get(name)
+
+    # -- promotion ------------------------------------------------------------------------
+    def promote(self, name: str, keys: Sequence[str], snapshot: KVCacheSnapshot,
+                metadata: dict[str, Any]) -> bool:
+        """Copy segment ``name`` (its chunk ``keys``, from its first) into the tiers above
+        the one that served it, off the caller's path; False when nothing was queued (it
+        came from the first tier, the keys are not the segment's, or the queue is full)."""
+        tier = self.served_by(name)
+        if not tier or not keys or not segment_ends_at(name, keys[-1]) or \
+                segment_name(keys, segment_first(name)) != name:
+            return False
+        first = segment_first(name)
+
+        def copy(store: ChunkStore) -> None:
+            if name not in self._discarded:
+                store.put(keys, first, snapshot, metadata)
+
+        queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]
+        return any(queued)
+
+    def _enqueue(self, tier: int, work: Callable[[ChunkStore], None], kind: str) -> bool:
+        if self.inline:
+            self._done(self.tiers[tier], work, kind, tier)
+            return True
+        self._start()
+        try:
+            self._queue.put_nowait((tier, lambda s, w=work, k=kind, t=tier: self._done(
+                s, w, k, t)))
+        except queue.Full:
+            self.counts["promotions_skipped" if kind == "promotions" else
+                        "writes_dropped"][tier] += 1
+            return False
+        return True
+
+    def _done(self, store: ChunkStore, work: Callable[[ChunkStore], None], kind: str,
+              tier: int) -> None:
+        try:
+            work(store)
+        except HurrayError as e:  # no room (pins fill it), refused: counted
+            self.counts["promotions_refused" if kind == "promotions" else
+                        "writes_failed"][tier] += 1
+            log.info("tier %d (%s) refused a %s: %s", tier, store.url, kind[:-1], e)
+        except Exception as e:
+            self.counts["promotions_refused" if kind == "promotions" else
+                        "writes_failed"][tier] += 1
+            self._outage(tier, kind[:-1], e)
+        else:
+            self.counts[kind][tier] += 1
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, daemon=True,
+                                                name="hurraykv-tiers")
+                self._worker.start()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                tier, run = item
+                run(self.tiers[tier])
+            finally:
+                self._queue.task_done()
+
+    def settle(self) -> None:
+        """Wait until the queued promotions and writes are done."""
+        if self._worker is not None:
+            self._queue.join()
+
+    # -- writes ---------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
+            metadata: dict[str, Any]) -> None:
+        name = segment_name(keys, first)
+        self._discarded.discard(name)  # computed again: stored again
+        self.tiers[0].put(keys, first, snapshot, metadata)
+        self.counts["writes"][0] += 1
+        self._remember(name, 0)
+        if self.write_policy == "write_through":
+            keys, metadata = list(keys), dict(metadata)
+
+            def copy(store: ChunkStore) -> None:
+                if name not in self._discarded:
+                    store.put(keys, first, snapshot, metadata)
+
+            for tier in range(1, len(self.tiers)):
+                self._enqueue(tier, copy, "writes")
+
+    def _written_back(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot
+                      ) -> None:
+        """The first tier dropped a segment: it goes down to the second."""
+        keys, metadata = list(keys), dict(snapshot.metadata)
+
+        def copy(store: ChunkStore) -> None:
+            store.put(keys, first, snapshot, metadata)
+
+        self._enqueue(1, copy, "writes")
+
+    # -- what is stored -------------------------------------------------------------------
+    def catalog(self) -> list[Stored]:
+        seen: dict[str, Stored] = {}
+        for tier, store in enumerate(self.tiers):
+            try:
+                listed = store.catalog()
+            except Exception as e:
+                self._outage(tier, "catalog", e)
+                continue
+            for s in listed:
+                seen.setdefault(s.name, s)
+        return list(seen.values())
+
+    def catalogs(self) -> list[list[Stored]]:
+        """Each tier's catalog (``hurraykv cache ls`` per tier)."""
+        return [t.catalog() for t in self.tiers]
+
+    def remove(self, name: str) -> bool:
+        removed = False
+        for store in self.tiers:
+            removed = store.remove(name) or removed
+        return removed
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        out = [False] * len(names)
+        for tier, store in enumerate(self.tiers):
+            try:
+                there = store.exists(names)
+            except Exception as e:
+                self._outage(tier, "exists", e)
+                continue
+            out = [a or b for a, b in zip(out, there, strict=True)]
+        return out
+
+    def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
+               extend: bool = False) -> list[str]:
+        """Every tier's; the first tier's refusal is the caller's (a pin past its
+        budget), a lower tier's is logged (Redis keeps no pins)."""
+        done: set[str] = set()
+        for tier, store in enumerate(self.tiers):
+            try:
+                done.update(store.retain(names, pin=pin, ttl_s=ttl_s, extend=extend))
+            except HurrayError as e:
+                if tier == 0:
+                    raise
+                log.info("tier %d (%s) did not retain: %s", tier, store.url, e)
+        return [n for n in dict.fromkeys(names) if n in done]
+
+    def discard(self, name: str) -> None:
+        """Out of every tier (its copies are the same bytes), and no queued copy of it
+        made."""
+        self._discarded.add(name)
+        for store in self.tiers:
+            store.discard(name)
+
+    def connect(self) -> None:
+        for store in self.tiers:
+            store.connect()
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(30)
+        for store in self.tiers:
+            store.close()
+
+
+__all__ = ["POLICIES", "StackedChunks"]

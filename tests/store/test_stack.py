@@ -1,0 +1,188 @@
+"""A stack of stores (``chunks/stack.py``): the contract, then what a stack adds: a prefix
+split across tiers, promotion on a lower tier's hit, write-through and write-back, and a
+tier that fails while the others serve.  Real stores throughout: ``mem://`` pools over
+``file://`` directories."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from hurraykv.chunks.keys import segment_name
+from hurraykv.chunks.memory import MemoryChunks, copied
+from hurraykv.chunks.registry import ChunkStore
+from hurraykv.chunks.stack import StackedChunks
+from hurraykv.chunks.urls import open_store
+from hurraykv.errors import HurrayError
+from hurraykv.testing import ChunkStoreTests, keys, segment
+
+_pools = itertools.count()
+
+
+def mem(max_bytes: int = 1 << 30, name: str | None = None) -> MemoryChunks:
+    return MemoryChunks(name or f"stack-{next(_pools)}", max_bytes=max_bytes)
+
+
+class TestStackedStore(ChunkStoreTests):
+    """Every copy made before the call returns (``queue_depth`` 0), so another client
+    sees each tier as the contract expects."""
+
+    @pytest.fixture
+    def make(self, tmp_path):
+        name = f"stack-{next(_pools)}"
+        return lambda: StackedChunks([mem(name=name), open_store((tmp_path / "kv").as_uri())],
+                                     queue_depth=0)
+
+    @pytest.fixture
+    def capped(self, tmp_path):
+        probe = open_store((tmp_path / "probe").as_uri())
+        probe.put(["0" * 32], 0, segment(16, 0), {})
+        size = (tmp_path / "probe" / f"{'0' * 32}-0.hrry").stat().st_size
+        in_memory = copied(segment(16, 0).with_info(metadata={}))[1]
+        return StackedChunks([mem(12 * in_memory),
+                              open_store((tmp_path / "capped").as_uri(), max_bytes=12 * size)],
+                             queue_depth=0)
+
+
+def two_tiers(tmp_path, **kw) -> tuple[StackedChunks, ChunkStore, ChunkStore]:
+    top, below = mem(), open_store((tmp_path / "kv").as_uri())
+    return StackedChunks([top, below], **kw), top, below
+
+
+def test_a_prefix_split_across_tiers_is_found_whole(tmp_path):
+    stack, top, below = two_tiers(tmp_path)
+    k = keys(4)
+    below.put(k[:2], 0, segment(2, 1), {})  # the older chunks, only further away
+    top.put(k[2:], 2, segment(2, 2), {})
+    a, b = segment_name(k[:2], 0), segment_name(k[2:], 2)
+    assert stack.locate(k) == [a, a, b, b]
+    assert stack.get_verified(a).equal(segment(2, 1)) and stack.served_by(a) == 1
+    assert stack.get_verified(b).equal(segment(2, 2)) and stack.served_by(b) == 0
+    stack.close()
+
+
+def test_a_lower_tiers_hit_is_promoted_and_the_next_comes_from_the_top(tmp_path):
+    stack, top, below = two_tiers(tmp_path)
+    k, snap = keys(3), segment(3, 3)
+    below.put(k, 0, snap, {"vllm.first_chunk": 0})
+    name = stack.locate(k)[0]
+    got = stack.get_verified(name)
+    assert stack.served_by(name) == 1 and top.locate(k) == [None] * 3
+    assert stack.promote(name, k, got, dict(got.metadata)) is True
+    stack.settle()
+    assert top.get_verified(top.locate(k)[0]).equal(snap)
+    assert stack.counts["promotions"] == [1, 0]
+    stack.locate(k)
+    assert stack.get_verified(name).equal(snap) and stack.served_by(name) == 0
+    assert stack.counts["hits"] == [1, 1]
+    # a segment whose keys the caller does not have whole is not promoted
+    assert stack.promote(name, k[:2], got, {}) is False
+    stack.close()
+
+
+class Gate(MemoryChunks):
+    """A memory tier whose writes wait for ``gate`` (a slow tier)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def put(self, *a, **kw) -> None:
+        assert self.gate.wait(30)
+        super().put(*a, **kw)
+
+
+def test_promotions_past_the_queue_are_skipped_and_counted(tmp_path):
+    top = Gate(f"stack-{next(_pools)}", max_bytes=1 << 30)
+    below = open_store((tmp_path / "kv").as_uri())
+    stack = StackedChunks([top, below], queue_depth=1)
+    stored = [(keys(1), segment(1, i)) for i in range(4)]
+    for k, snap in stored:
+        below.put(k, 0, snap, {})
+    outcomes = []
+    for k, _ in stored:
+        name = stack.locate(k)[0]
+        outcomes.append(stack.promote(name, k, stack.get(name), {}))
+    # one on the worker (waiting for the slow tier), one queued, the rest skipped
+    assert outcomes[:2] == [True, True] and outcomes[2:] == [False, False]
+    assert stack.counts["promotions_skipped"] == [2, 0]
+    top.gate.set()
+    stack.settle()
+    assert stack.counts["promotions"] == [2, 0]
+    stack.close()
+
+
+def test_write_through_writes_the_first_tier_at_once_and_the_others_after(tmp_path):
+    top, below = mem(), Gate(f"stack-{next(_pools)}", max_bytes=1 << 30)
+    stack = StackedChunks([top, below])
+    k, snap = keys(2), segment(2, 5)
+    stack.put(k, 0, snap, {})  # returns while the lower tier's copy waits
+    assert top.locate(k)[0] is not None and below.locate(k) == [None, None]
+    below.gate.set()
+    stack.settle()
+    assert below.get_verified(below.locate(k)[0]).equal(snap)
+    assert stack.counts["writes"] == [1, 1]
+    stack.close()
+
+
+class Down(ChunkStore):
+    """A tier that is down: every call fails as a lost connection does."""
+
+    url = "down://"
+
+    def locate(self, keys):
+        raise ConnectionError("connection refused")
+
+    def put(self, keys, first, snapshot, metadata):
+        raise ConnectionError("connection refused")
+
+    def get(self, name):
+        raise ConnectionError("connection refused")
+
+    def catalog(self):
+        raise ConnectionError("connection refused")
+
+
+def test_a_tier_down_never_fails_the_stack_the_others_serve(tmp_path):
+    top, below = mem(), open_store((tmp_path / "kv").as_uri())
+    stack = StackedChunks([Down(), top, below])
+    k, snap = keys(2), segment(2, 6)
+    below.put(k, 0, snap, {})
+    name = stack.locate(k)[0]
+    assert name is not None and stack.get_verified(name).equal(snap)
+    assert stack.counts["outages"][0] >= 1
+    assert [s.name for s in stack.catalog()] == [name]
+    with pytest.raises(ConnectionError):  # the first tier is the one a save must reach
+        stack.put(keys(1), 0, segment(1, 7), {})
+    stack.close()
+
+
+def test_a_lower_tiers_failed_write_is_counted_and_the_put_stands(tmp_path):
+    top = mem()
+    stack = StackedChunks([top, Down()], queue_depth=0)
+    k = keys(1)
+    stack.put(k, 0, segment(1, 8), {})
+    assert top.locate(k)[0] is not None
+    assert stack.counts["writes"] == [1, 0] and stack.counts["writes_failed"] == [0, 1]
+    stack.close()
+
+
+def test_write_back_sends_what_the_memory_tier_drops_down(tmp_path):
+    size = copied(segment(2, 0).with_info(metadata={}))[1]
+    top, below = mem(2 * size), open_store((tmp_path / "kv").as_uri())
+    stack = StackedChunks([top, below], write_policy="write_back")
+    stored = [(keys(2), segment(2, 10 + i)) for i in range(3)]
+    for k, snap in stored:
+        stack.put(k, 0, snap, {})
+    stack.settle()
+    k0, snap0 = stored[0]
+    assert top.locate(k0) == [None, None]  # dropped to make room ...
+    assert below.get_verified(below.locate(k0)[0]).equal(snap0)  # ... and kept below
+    assert below.locate(stored[2][0]) == [None, None]  # the others only in memory
+    with pytest.raises(HurrayError, match="write_back needs a first tier"):
+        StackedChunks([below, top], write_policy="write_back")
+    with pytest.raises(HurrayError, match="write_policy is 'write_around'"):
+        StackedChunks([top, below], write_policy="write_around")
+    stack.close()
