@@ -278,7 +278,7 @@ MUTANTS = [
             "test_an_object_larger_than_the_whole_budget_is_refused",),
            "net/persisted.py: PersistFull before anything is written or evicted"),
     # --- the connector's counters ------------------------------------------------------
-    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/loads.py",
+    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/load_job.py",
            "chunks_corrupt=self.corrupt,", "chunks_corrupt=0,",
            ("tests/integrations/vllm/test_vllm_worker.py::test_failed_and_corrupt_chunks_are_counted_per_chunk"
             "_and_loaded_ones_only_if_loaded",),
@@ -292,7 +292,7 @@ MUTANTS = [
            "docs/vllm.md: a hit's tokens are loaded into the blocks vLLM allocated, "
            "preempted requests included"),
     # --- loads across steps (issue 30) --------------------------------------------------
-    Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/loads.py",
+    Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/load_job.py",
            "            if self.cancelled or not self.ok:\n                return 0",
            "            if not self.ok:\n                return 0",
            ("tests/integrations/vllm/test_vllm_stalls.py::test_a_request_aborted_while_its_load_hangs_is_"
