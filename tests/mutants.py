@@ -321,13 +321,13 @@ MUTANTS = [
            "                del self._queued[next(iter(batch))]",
            ("tests/integrations/vllm/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
            "docs/vllm.md, How a request flows: one round trip per batch of requests"),
-    Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/save_plans.py",
            "                self.planned.pop(key, None)", "                pass",
            ("tests/integrations/vllm/test_vllm_async.py::test_a_chunk_is_planned_again_once_its_save_is_"
             "reported_written_or_dropped",),
            "docs/vllm.md, How a request flows: chunks another request is storing are not "
            "copied out again only until that segment is reported written or dropped"),
-    Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/save_plans.py",
            "boundary = rewrite and c < len(st.located)", "boundary = False and c < len(st.located)",
            ("tests/integrations/vllm/test_vllm_async.py::test_chunks_that_failed_to_load_are_stored_again_under_"
             "their_segments_names",),
@@ -664,7 +664,7 @@ MUTANTS = [
             "in_one_counted_outcome_at_every_scrape",),
            "docs/vllm.md, Metrics: attempted = stored + present + dropped + deduplicated + "
            "pending at every scrape"),
-    Mutant("saves-dedup-uncounted", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("saves-dedup-uncounted", "hurraykv/integrations/vllm/save_plans.py",
            "ctx.stats.add(saves_attempted=deduplicated, saves_deduplicated=deduplicated)",
            "ctx.stats.add()",
            ("tests/integrations/vllm/test_vllm_save_counts.py::test_every_save_attempted_lands_"
