@@ -435,7 +435,7 @@ MUTANTS = [
             "outage_later",),
            "docs/vllm.md, the config table: TLS files are checked at start"),
     # --- issue 34: decoding on the tensor's floor, schemes from outside the package ----
-    Mutant("decode-channel-columns-swapped", "hurraykv/quant.py",
+    Mutant("decode-channel-columns-swapped", "hurraykv/quant/decode.py",
            "cols = np.tile(scales, heads) if q.axis == 2 else np.repeat(scales, dim)",
            "cols = np.repeat(scales, dim) if q.axis == 2 else np.tile(scales, heads)",
            ("tests/paged/test_decode_pages.py::test_pages_decode_by_the_spec_formula_into_"
@@ -612,7 +612,7 @@ MUTANTS = [
            ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
             "and_decode",),
            "docs/spec-decisions.md H74: the refusal names layers.L.role"),
-    Mutant("quantize-counts-lowest-code", "hurraykv/quant.py",
+    Mutant("quantize-counts-lowest-code", "hurraykv/quant/params.py",
            "    steps = int(farthest_code(qmin, qmax, 0 if symmetric else qmin))",
            "    steps = span",
            ("tests/paged/test_quant.py::test_quantize_refuses_a_symmetric_scale_whose_lowest_"
@@ -629,7 +629,7 @@ MUTANTS = [
            ("tests/paged/test_quant.py::test_per_tensor_and_per_channel_scales_that_overflow_"
             "are_refused_on_load",),
            "docs/spec-decisions.md H74: a per-tensor scale checked by the decoder"),
-    Mutant("scale-rule-own-zero-point", "hurraykv/quant.py",
+    Mutant("scale-rule-own-zero-point", "hurraykv/quant/params.py",
            "    steps = farthest_code(qmin, qmax, 0 if zps is None else zps)",
            "    steps = farthest_code(qmin, qmax, 0)",
            ("tests/paged/test_quant.py::test_a_scale_just_under_the_limit_decodes_finitely_and_"
