@@ -909,7 +909,7 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_save_work.py::test_a_step_that_loads_and_saves_nothing_builds_no_plan_and_counts_"
             "nothing",),
            "docs/vllm.md step 4: a step with nothing to do gets one shared empty plan"),
-    Mutant("pool-digests-every-page-the-first", "hurraykv/io/checksums.py",
+    Mutant("pool-digests-every-page-the-first", "hurraykv/io/checksum_digests.py",
            "compiled(0, bases[self._pool_of] + self._offsets, self._lengths, out)",
            "compiled(0, bases[self._pool_of], self._lengths, out)",
            ("tests/io/test_checksums.py::test_pool_digests_are_the_entry_of_the_snapshot_"
