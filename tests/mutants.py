@@ -493,7 +493,7 @@ MUTANTS = [
            ("tests/net/test_server_retention.py::test_an_overwrite_of_a_pinned_key_is_held_to_"
             "max_pinned_bytes",),
            "docs/spec-decisions.md H93: a pinned key pushed again stays pinned at its new size"),
-    Mutant("serve-tenant-share-ignored", "hurraykv/net/connection.py",
+    Mutant("serve-tenant-share-ignored", "hurraykv/net/server_session.py",
            "                                       > self.cfg.tenant_share())",
            "                                       > self.cfg.max_connections)",
            ("tests/net/test_server_connections.py::test_one_tenant_cannot_hold_every_connection",),
@@ -826,7 +826,7 @@ MUTANTS = [
            ("tests/store/test_redis_restarts.py::test_a_server_over_a_stopped_redis_answers_"
             "busy_then_serves_once_it_is_back",),
            "docs/spec-decisions.md H36: a push the backing --store cannot take is SERVER_BUSY"),
-    Mutant("serve-silent-handshakes-hold-slots", "hurraykv/net/connection.py",
+    Mutant("serve-silent-handshakes-hold-slots", "hurraykv/net/server_session.py",
            "        self.busy = not self.over_share and admitted > self.cfg.max_connections",
            "        self.busy = self.server.connections > self.cfg.max_connections",
            ("tests/net/test_server_connections.py::test_connections_that_never_say_hello_hold_"
