@@ -28,10 +28,8 @@ from .client_connection import ClientConnection
 from .dataplane import POOL_MIN, DataAssembler, DataPlan
 from .memory import CLASS, ReceivePool
 from .messages import (
-    OPERATION_RULE,
     Delete,
     ErrorCode,
-    Extension,
     MessageType,
     ProtocolError,
     Put,
@@ -42,9 +40,9 @@ from .messages import (
     message,
     remote_error,
     total_data_bytes,
-    valid_operation,
 )
 from .page_digests import PullDigests
+from .private import OPERATION_RULE, Extension, valid_operation
 
 Progress = Callable[[int, int], None]
 
