@@ -706,7 +706,7 @@ MUTANTS = [
            "reaching = (lambda method: method)  # noqa: E731\n",
            ("tests/store/test_redis_restarts.py::test_chunk_store_survives_a_redis_restart",),
            "README: redis:// calls raise TransportError while Redis is away"),
-    Mutant("store-not-serving", "hurraykv/store/pages.py",
+    Mutant("store-not-serving", "hurraykv/store/reach.py",
            '_NOT_SERVING = ("ClusterDownError", "TryAgainError", "ReadOnlyError", '
            '"NoScriptError")',
            "_NOT_SERVING = ()",
