@@ -99,6 +99,12 @@ class ClientConnection:
         return TransportError(f"{doing} {self.address}: {why}", field="address",
                               value=self.address, rule="a reachable hurraykv server")
 
+    def _cut_short(self, got: int, size: int) -> TransportError:
+        """The server closed the connection ``got`` of ``size`` bytes into a message."""
+        return TransportError(f"{self.address} closed the connection ({got} of {size} "
+                              "bytes of a message received)", field="address",
+                              value=self.address)
+
     def _next_stream(self) -> int:
         self._stream = self._stream % 0xFFFFFFFF + 1
         return self._stream
@@ -117,9 +123,7 @@ class ClientConnection:
             except OSError as e:
                 raise self._transport(e) from None
             if not n:
-                raise TransportError(f"{self.address} closed the connection ({got} of "
-                                     f"{len(view)} bytes of a message received)",
-                                     field="address", value=self.address)
+                raise self._cut_short(got, len(view))
             got += n
 
     def _recv_hashing(self, view: memoryview, hashes: PoolHashes) -> None:
@@ -133,9 +137,7 @@ class ClientConnection:
             except OSError as e:
                 raise self._transport(e) from None
             if not n:
-                raise TransportError(f"{self.address} closed the connection ({got} of "
-                                     f"{size} bytes of a message received)",
-                                     field="address", value=self.address)
+                raise self._cut_short(got, size)
             got += n
             hashes.advance(n)
 
@@ -173,9 +175,7 @@ class ClientConnection:
                                     "with one message", field="descriptors",
                                     rule=f"at most {MAX_FDS} descriptors a message")
             if not n:
-                raise TransportError(f"{self.address} closed the connection ({got} of "
-                                     f"{len(view)} bytes of a message received)",
-                                     field="address", value=self.address)
+                raise self._cut_short(got, len(view))
             got += n
 
     def _payload(self, length: int) -> memoryview:
