@@ -278,7 +278,7 @@ MUTANTS = [
             "test_an_object_larger_than_the_whole_budget_is_refused",),
            "net/persisted.py: PersistFull before anything is written or evicted"),
     # --- the connector's counters ------------------------------------------------------
-    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/loads.py",
+    Mutant("damaged-chunks-not-counted", "hurraykv/integrations/vllm/load_job.py",
            "chunks_corrupt=self.corrupt,", "chunks_corrupt=0,",
            ("tests/integrations/vllm/test_vllm_worker.py::test_failed_and_corrupt_chunks_are_counted_per_chunk"
             "_and_loaded_ones_only_if_loaded",),
@@ -292,7 +292,7 @@ MUTANTS = [
            "docs/vllm.md: a hit's tokens are loaded into the blocks vLLM allocated, "
            "preempted requests included"),
     # --- loads across steps (issue 30) --------------------------------------------------
-    Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/loads.py",
+    Mutant("cancelled-load-still-written", "hurraykv/integrations/vllm/load_job.py",
            "            if self.cancelled or not self.ok:\n                return 0",
            "            if not self.ok:\n                return 0",
            ("tests/integrations/vllm/test_vllm_stalls.py::test_a_request_aborted_while_its_load_hangs_is_"
@@ -321,13 +321,13 @@ MUTANTS = [
            "                del self._queued[next(iter(batch))]",
            ("tests/integrations/vllm/test_vllm_async.py::test_lookups_asked_in_one_step_are_one_round_trip",),
            "docs/vllm.md, How a request flows: one round trip per batch of requests"),
-    Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("planned-chunks-never-freed", "hurraykv/integrations/vllm/save_plans.py",
            "                self.planned.pop(key, None)", "                pass",
            ("tests/integrations/vllm/test_vllm_async.py::test_a_chunk_is_planned_again_once_its_save_is_"
             "reported_written_or_dropped",),
            "docs/vllm.md, How a request flows: chunks another request is storing are not "
            "copied out again only until that segment is reported written or dropped"),
-    Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("damaged-segment-stored-under-a-new-name", "hurraykv/integrations/vllm/save_plans.py",
            "boundary = rewrite and c < len(st.located)", "boundary = False and c < len(st.located)",
            ("tests/integrations/vllm/test_vllm_async.py::test_chunks_that_failed_to_load_are_stored_again_under_"
             "their_segments_names",),
@@ -435,7 +435,7 @@ MUTANTS = [
             "outage_later",),
            "docs/vllm.md, the config table: TLS files are checked at start"),
     # --- issue 34: decoding on the tensor's floor, schemes from outside the package ----
-    Mutant("decode-channel-columns-swapped", "hurraykv/quant.py",
+    Mutant("decode-channel-columns-swapped", "hurraykv/quant/decode.py",
            "cols = np.tile(scales, heads) if q.axis == 2 else np.repeat(scales, dim)",
            "cols = np.repeat(scales, dim) if q.axis == 2 else np.tile(scales, heads)",
            ("tests/paged/test_decode_pages.py::test_pages_decode_by_the_spec_formula_into_"
@@ -493,7 +493,7 @@ MUTANTS = [
            ("tests/net/test_server_retention.py::test_an_overwrite_of_a_pinned_key_is_held_to_"
             "max_pinned_bytes",),
            "docs/spec-decisions.md H93: a pinned key pushed again stays pinned at its new size"),
-    Mutant("serve-tenant-share-ignored", "hurraykv/net/connection.py",
+    Mutant("serve-tenant-share-ignored", "hurraykv/net/server_session.py",
            "                                       > self.cfg.tenant_share())",
            "                                       > self.cfg.max_connections)",
            ("tests/net/test_server_connections.py::test_one_tenant_cannot_hold_every_connection",),
@@ -612,7 +612,7 @@ MUTANTS = [
            ("tests/paged/test_quant.py::test_a_huge_finite_scale_is_refused_by_validate_load_"
             "and_decode",),
            "docs/spec-decisions.md H74: the refusal names layers.L.role"),
-    Mutant("quantize-counts-lowest-code", "hurraykv/quant.py",
+    Mutant("quantize-counts-lowest-code", "hurraykv/quant/params.py",
            "    steps = int(farthest_code(qmin, qmax, 0 if symmetric else qmin))",
            "    steps = span",
            ("tests/paged/test_quant.py::test_quantize_refuses_a_symmetric_scale_whose_lowest_"
@@ -629,7 +629,7 @@ MUTANTS = [
            ("tests/paged/test_quant.py::test_per_tensor_and_per_channel_scales_that_overflow_"
             "are_refused_on_load",),
            "docs/spec-decisions.md H74: a per-tensor scale checked by the decoder"),
-    Mutant("scale-rule-own-zero-point", "hurraykv/quant.py",
+    Mutant("scale-rule-own-zero-point", "hurraykv/quant/params.py",
            "    steps = farthest_code(qmin, qmax, 0 if zps is None else zps)",
            "    steps = farthest_code(qmin, qmax, 0)",
            ("tests/paged/test_quant.py::test_a_scale_just_under_the_limit_decodes_finitely_and_"
@@ -664,7 +664,7 @@ MUTANTS = [
             "in_one_counted_outcome_at_every_scrape",),
            "docs/vllm.md, Metrics: attempted = stored + present + dropped + deduplicated + "
            "pending at every scrape"),
-    Mutant("saves-dedup-uncounted", "hurraykv/integrations/vllm/scheduler.py",
+    Mutant("saves-dedup-uncounted", "hurraykv/integrations/vllm/save_plans.py",
            "ctx.stats.add(saves_attempted=deduplicated, saves_deduplicated=deduplicated)",
            "ctx.stats.add()",
            ("tests/integrations/vllm/test_vllm_save_counts.py::test_every_save_attempted_lands_"
@@ -706,7 +706,7 @@ MUTANTS = [
            "reaching = (lambda method: method)  # noqa: E731\n",
            ("tests/store/test_redis_restarts.py::test_chunk_store_survives_a_redis_restart",),
            "README: redis:// calls raise TransportError while Redis is away"),
-    Mutant("store-not-serving", "hurraykv/store/pages.py",
+    Mutant("store-not-serving", "hurraykv/store/reach.py",
            '_NOT_SERVING = ("ClusterDownError", "TryAgainError", "ReadOnlyError", '
            '"NoScriptError")',
            "_NOT_SERVING = ()",
@@ -826,7 +826,7 @@ MUTANTS = [
            ("tests/store/test_redis_restarts.py::test_a_server_over_a_stopped_redis_answers_"
             "busy_then_serves_once_it_is_back",),
            "docs/spec-decisions.md H36: a push the backing --store cannot take is SERVER_BUSY"),
-    Mutant("serve-silent-handshakes-hold-slots", "hurraykv/net/connection.py",
+    Mutant("serve-silent-handshakes-hold-slots", "hurraykv/net/server_session.py",
            "        self.busy = not self.over_share and admitted > self.cfg.max_connections",
            "        self.busy = self.server.connections > self.cfg.max_connections",
            ("tests/net/test_server_connections.py::test_connections_that_never_say_hello_hold_"
@@ -909,7 +909,7 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_save_work.py::test_a_step_that_loads_and_saves_nothing_builds_no_plan_and_counts_"
             "nothing",),
            "docs/vllm.md step 4: a step with nothing to do gets one shared empty plan"),
-    Mutant("pool-digests-every-page-the-first", "hurraykv/io/checksums.py",
+    Mutant("pool-digests-every-page-the-first", "hurraykv/io/checksum_digests.py",
            "compiled(0, bases[self._pool_of] + self._offsets, self._lengths, out)",
            "compiled(0, bases[self._pool_of], self._lengths, out)",
            ("tests/io/test_checksums.py::test_pool_digests_are_the_entry_of_the_snapshot_"

@@ -1,6 +1,6 @@
 """The numba kernels behind ``kernels.py`` (imported on first use: numba costs ~0.2 s).
 
-Each function is the NumPy arithmetic of ``quant.py`` written per slot row; see the
+Each function is the NumPy arithmetic of ``quant/`` written per slot row; see the
 ``kernels`` module docstring for the contract.
 """
 
@@ -75,7 +75,7 @@ def _row_range(x, i, kind):
 
 @_jit
 def _encode_row(x, i, kind, inv, zp, qmin, qmax, symmetric, codes):
-    # clipped in every case, as quant._encode: a float -> int conversion out of range
+    # clipped in every case, as quant/encode.py: a float -> int conversion out of range
     # is undefined and gives different codes on different instruction sets (H74)
     fz = np.float32(0.0) if symmetric else np.float32(zp)
     lo, hi = np.float32(qmin), np.float32(qmax)
@@ -109,7 +109,7 @@ def block_affine_quantize(x, kind, used, qmin, qmax, symmetric, codes, scales, z
             scale = (hi - lo) / span
         # the code farthest from the zero-point: -qmin for a symmetric signed type
         reach = np.float32(max(qmax, -qmin) if symmetric else qmax - qmin)
-        if not np.isfinite(scale * reach):  # quant._check_scales refuses it
+        if not np.isfinite(scale * reach):  # quant/params.py refuses it
             return False
         tiny = np.float32(1.1754943508222875e-38)  # quant.TINY
         scale = max(scale, tiny) if scale > 0 else np.float32(1.0)

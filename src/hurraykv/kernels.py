@@ -10,13 +10,13 @@ kernels are the same arithmetic in one.  Symmetric per-channel quantization take
 (``integrations/vllm/store_format.py``: float -> e4m3, and codes times scales written
 straight as the cache's bfloat16 or float32 bits).
 
-**Results are bit-identical to the NumPy code in ``quant.py``** (tested on both): the
+**Results are bit-identical to the NumPy code in ``quant/``** (tested on both): the
 same float32 operations in the same order, with ``rint`` rounding half to even.  Input
 rows holding Inf or NaN make a kernel report failure, and the caller takes the NumPy
 path for the whole call, which refuses them naming the slot (decision H72).
 
 Installed with ``pip install 'hurraykv[fast]'``; without numba, or with
-``HURRAYKV_KERNELS=numpy``, ``ENABLED`` is False and ``quant.py`` uses NumPy alone.
+``HURRAYKV_KERNELS=numpy``, ``ENABLED`` is False and ``quant/`` uses NumPy alone.
 Kernels release the GIL, so ``threads.run_bands`` spreads them over the cores.
 """
 

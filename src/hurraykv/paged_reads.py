@@ -6,7 +6,7 @@ A mixin of ``BlockPagedTensor`` (``paged.py``): it uses the tensor's low-level s
 rows, one per page slot (``H*D`` elements), and moves them with ``np.take(...,
 out=...)`` in bands (``threads.run_bands``); the slot of every valid token is worked out
 vectorised over tokens.  Sub-byte pools are unpacked page by page (D11).  Dequantizing reads follow
-the spec formula (``quant.py``), fused with the gather for per-block-affine pools.
+the spec formula (``quant/``), fused with the gather for per-block-affine pools.
 """
 
 from __future__ import annotations

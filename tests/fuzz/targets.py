@@ -44,6 +44,7 @@ from hurraykv.io.hrry import HrryFile, read_hrry_sequential
 from hurraykv.io.snapshots import snapshot_from_file
 from hurraykv.io.stream import TensorStreamReader
 from hurraykv.net import messages as m
+from hurraykv.net import private
 from hurraykv.net.codecs import CODECS, frame
 from hurraykv.net.messages import MessageType as T
 
@@ -268,7 +269,7 @@ def seeds(target: str) -> list[bytes]:
                    frame(T.RETAIN, 25, json.dumps({"keys": [key], "pin": True,
                                                    "ttl_s": 60})),
                    frame(T.RETAIN, 27, json.dumps({"prefix": "fuzz-"})),
-                   frame(T.EXTENSION, 29, m.Extension("fuzz.unknown", b"x")),  # H95
+                   frame(T.EXTENSION, 29, private.Extension("fuzz.unknown", b"x")),  # H95
                    frame(T.ERROR, 23, m.ErrorMessage(int(m.ErrorCode.TIMEOUT), "gave up")),
                    frame(T.DELETE, 7, m.Delete(key)),
                    frame(T.PING, 9, b"ping")]

@@ -13,7 +13,7 @@ import xxhash
 import hurraykv as hk
 from hurraykv.chunks.keys import ChunkKeys, identity_digest
 from hurraykv.chunks.urls import open_store
-from hurraykv.io import checksums
+from hurraykv.io import checksum_digests, checksums
 from tests.support.snapshots import make_snapshot
 
 
@@ -355,12 +355,12 @@ def test_the_digests_are_xxh3_of_every_piece_in_order(dtype, compile_worth, monk
 
     from hurraykv.io import page_hash
 
-    monkeypatch.setattr(checksums, "COMPILE_WORTH", compile_worth)
+    monkeypatch.setattr(checksum_digests, "COMPILE_WORTH", compile_worth)
     monkeypatch.setattr(page_hash, "_built", page_hash._UNSET if compile_worth else
                         page_hash._built)
     snap = make_snapshot(dtype)
     assert checksums.digests(snap) == "".join(
-        f"{xxhash.xxh3_64_intdigest(v):016x}" for *_, v in checksums._pieces(snap))
+        f"{xxhash.xxh3_64_intdigest(v):016x}" for *_, v in checksum_digests.piece_views(snap))
     assert page_hash.built() == (compile_worth == 0)  # small bytes compile nothing
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from hurraykv.errors import HurrayError, RemoteError
-from hurraykv.net import extensions
+from hurraykv.net import extensions, private
 from hurraykv.net import messages as m
 from hurraykv.net.client import KVClient
 from hurraykv.net.codecs import decode, encode, frame
 from hurraykv.net.messages import ErrorCode as E
-from hurraykv.net.messages import Extension
 from hurraykv.net.messages import MessageType as T
+from hurraykv.net.private import Extension
 from hurraykv.net.server import KVServer
 from hurraykv.net.session import Session
 from tests.support.snapshots import make_snapshot
@@ -47,7 +47,7 @@ def test_the_envelope_bytes(value, payload):
     assert encode(T.EXTENSION, value) == raw
     assert frame(T.EXTENSION, 5, value) == struct.pack("<III", 0xFE, 5, len(raw)) + raw
     assert decode(T.EXTENSION, raw) == value
-    assert m.EXTENSION_MARK == 0xFFFFFFFF
+    assert private.EXTENSION_MARK == 0xFFFFFFFF
 
 
 def test_retain_text_and_the_envelope_never_read_as_each_other():
@@ -55,7 +55,7 @@ def test_retain_text_and_the_envelope_never_read_as_each_other():
     assert decode(T.RETAIN, encode(T.RETAIN, text)) == text
     assert isinstance(decode(T.RETAIN, encode(T.RETAIN, text)), str)
     # a RETAIN text's u32 length would have to be 0xFFFFFFFF: more than any payload holds
-    assert not m.is_extension(encode(T.RETAIN, "x" * 1000))
+    assert not private.is_extension(encode(T.RETAIN, "x" * 1000))
 
 
 _I = E.INVALID_MESSAGE

@@ -87,9 +87,10 @@ class Gate(MemoryChunks):
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.gate = threading.Event()
+        self.gate, self.entered = threading.Event(), threading.Event()
 
     def put(self, *a, **kw) -> None:
+        self.entered.set()
         assert self.gate.wait(30)
         super().put(*a, **kw)
 
@@ -102,9 +103,11 @@ def test_promotions_past_the_queue_are_skipped_and_counted(tmp_path):
     for k, snap in stored:
         below.put(k, 0, snap, {})
     outcomes = []
-    for k, _ in stored:
+    for i, (k, _) in enumerate(stored):
         name = stack.locate(k)[0]
         outcomes.append(stack.promote(name, k, stack.get(name), {}))
+        if i == 0:
+            assert top.entered.wait(30)  # the worker holds the first
     # one on the worker (waiting for the slow tier), one queued, the rest skipped
     assert outcomes[:2] == [True, True] and outcomes[2:] == [False, False]
     assert stack.counts["promotions_skipped"] == [2, 0]

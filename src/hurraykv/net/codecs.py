@@ -54,11 +54,9 @@ from .messages import (
     decode_empty,
     decode_error,
     decode_hello,
-    decode_private,
     decode_put,
     decode_request,
     decode_text,
-    encode_private,
     encode_text,
     message,
 )
@@ -68,11 +66,13 @@ from .private import (
     decode_keys,
     decode_listing,
     decode_pairs,
+    decode_private,
     encode_alias_listing,
     encode_flags,
     encode_keys,
     encode_listing,
     encode_pairs,
+    encode_private,
 )
 
 T = MessageType

@@ -49,14 +49,12 @@ from ..errors import HurrayError
 from .codecs import frame
 from .messages import (
     HEADER,
-    OPERATION_RULE,
     ErrorCode,
-    Extension,
     MessageType,
     ProtocolError,
     code_of,
-    valid_operation,
 )
+from .private import OPERATION_RULE, Extension, valid_operation
 
 if TYPE_CHECKING:
     from .session import Session

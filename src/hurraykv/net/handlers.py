@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import admin, extensions, pulls, puts
 from .codecs import frame
-from .messages import ErrorMessage, Extension, MessageType
+from .messages import ErrorMessage, MessageType
+from .private import Extension
 
 if TYPE_CHECKING:
     from .session import Session

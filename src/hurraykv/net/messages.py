@@ -62,7 +62,6 @@ The data of one tensor is its buffers concatenated in table order without paddin
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -448,58 +447,3 @@ def decode_text(payload: bytes | memoryview, what: str) -> str:
     text = r.text("text")
     r.end()
     return text
-
-
-# ---------------------------------------------------------------------------- extension
-EXTENSION_MARK = 0xFFFFFFFF  # the first u32 of an envelope: no RETAIN text is that long
-OPERATION_RULE = ("an operation name is 1 to 128 ASCII letters, digits, '.', '_' or '-' "
-                  "(vendor.name by convention)")
-_OPERATION = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
-
-def valid_operation(name: str) -> bool:
-    """Whether ``name`` may name a private operation (``OPERATION_RULE``)."""
-    return isinstance(name, str) and _OPERATION.fullmatch(name) is not None
-
-
-@dataclass(frozen=True)
-class Extension:
-    """The EXTENSION envelope (0xFE, H95): a private operation's name and its payload,
-    a request's or, from a server, the reply's (which names the same operation)."""
-
-    operation: str
-    payload: bytes = b""
-
-    def encode(self) -> bytes:
-        raw = self.operation.encode("utf-8")
-        return struct.pack("<II", EXTENSION_MARK, len(raw)) + raw + bytes(self.payload)
-
-
-def is_extension(payload: bytes | memoryview) -> bool:
-    """Whether a 0xFE payload is the envelope (else it is RETAIN's text)."""
-    return len(payload) >= 4 and bytes(payload[:4]) == EXTENSION_MARK.to_bytes(4, "little")
-
-
-def decode_extension(payload: bytes | memoryview) -> Extension:
-    r = payload_reader(payload, "extension")
-    mark = r.u32("mark")
-    if mark != EXTENSION_MARK:
-        raise r.fail("mark", 0, mark, f"an EXTENSION envelope starts with 0x{EXTENSION_MARK:x}")
-    at = r.pos + 4
-    name = r.text("operation")
-    if not valid_operation(name):
-        raise r.fail("operation", at, name[:200], OPERATION_RULE)
-    return Extension(name, bytes(r.take(r.left, "payload")))
-
-
-def encode_private(value: str | Extension) -> bytes:
-    """0xFE's payload: the envelope for an :class:`Extension`, RETAIN's text for a str."""
-    return value.encode() if isinstance(value, Extension) else encode_text(value)
-
-
-def decode_private(payload: bytes | memoryview) -> str | Extension:
-    """0xFE's value: an :class:`Extension` when the payload starts with
-    ``EXTENSION_MARK``, else RETAIN's JSON text (H93, H95)."""
-    if is_extension(payload):
-        return decode_extension(payload)
-    return decode_text(payload, "retain")

@@ -1,11 +1,14 @@
 """The private messages' lists (floor 5): HAS, LINK, LOCATE and their replies, LIST_REPLY,
-ALIASES_REPLY (see the table in ``messages.py``)."""
+ALIASES_REPLY; and 0xFE's payloads, RETAIN's text or the EXTENSION envelope of a private
+operation by name (H95; see the table in ``messages.py``)."""
 
 from __future__ import annotations
 
+import re
 import struct
+from dataclasses import dataclass
 
-from .messages import encode_text, payload_reader, protocol_error
+from .messages import decode_text, encode_text, payload_reader, protocol_error
 
 MAX_KEYS = 65536  # keys one HAS may ask about
 
@@ -79,3 +82,58 @@ def encode_alias_listing(entries: list[tuple[str, str]]) -> bytes:
 def decode_alias_listing(payload: bytes | memoryview) -> list[tuple[str, str]]:
     return _decode_pairs(payload, "aliases_reply", 8,
                          lambda r: (r.text("alias"), r.text("target")))
+
+
+# --------------------------------------------------------------------------- EXTENSION
+EXTENSION_MARK = 0xFFFFFFFF  # the first u32 of an envelope: no RETAIN text is that long
+OPERATION_RULE = ("an operation name is 1 to 128 ASCII letters, digits, '.', '_' or '-' "
+                  "(vendor.name by convention)")
+_OPERATION = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def valid_operation(name: str) -> bool:
+    """Whether ``name`` may name a private operation (``OPERATION_RULE``)."""
+    return isinstance(name, str) and _OPERATION.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The EXTENSION envelope (0xFE, H95): a private operation's name and its payload,
+    a request's or, from a server, the reply's (which names the same operation)."""
+
+    operation: str
+    payload: bytes = b""
+
+    def encode(self) -> bytes:
+        raw = self.operation.encode("utf-8")
+        return struct.pack("<II", EXTENSION_MARK, len(raw)) + raw + bytes(self.payload)
+
+
+def is_extension(payload: bytes | memoryview) -> bool:
+    """Whether a 0xFE payload is the envelope (else it is RETAIN's text)."""
+    return len(payload) >= 4 and bytes(payload[:4]) == EXTENSION_MARK.to_bytes(4, "little")
+
+
+def decode_extension(payload: bytes | memoryview) -> Extension:
+    r = payload_reader(payload, "extension")
+    mark = r.u32("mark")
+    if mark != EXTENSION_MARK:
+        raise r.fail("mark", 0, mark, f"an EXTENSION envelope starts with 0x{EXTENSION_MARK:x}")
+    at = r.pos + 4
+    name = r.text("operation")
+    if not valid_operation(name):
+        raise r.fail("operation", at, name[:200], OPERATION_RULE)
+    return Extension(name, bytes(r.take(r.left, "payload")))
+
+
+def encode_private(value: str | Extension) -> bytes:
+    """0xFE's payload: the envelope for an :class:`Extension`, RETAIN's text for a str."""
+    return value.encode() if isinstance(value, Extension) else encode_text(value)
+
+
+def decode_private(payload: bytes | memoryview) -> str | Extension:
+    """0xFE's value: an :class:`Extension` when the payload starts with
+    ``EXTENSION_MARK``, else RETAIN's JSON text (H93, H95)."""
+    if is_extension(payload):
+        return decode_extension(payload)
+    return decode_text(payload, "retain")

@@ -2,11 +2,11 @@
 connection uses of its server: two ``typing.Protocol`` classes, below both sides.
 
 ``handlers.HANDLERS`` (and ``admin.py``, ``puts.py``, ``pulls.py``, ``extensions.py``)
-take a :class:`Session`; ``connection.Connection`` is one.  A connection takes a
-:class:`ServerState`; ``server.KVServer`` is one.  So handlers never import the
-connection, nor the connection the server: the imports of ``net/`` run one way
-(``server`` -> ``connection`` -> ``handlers`` -> ``admin``/``puts``/``pulls``/``extensions``
--> ``session``), and this module imports nothing of theirs.
+take a :class:`Session`; a connection's ``server_session.ServerSession`` is one.  A
+connection takes a :class:`ServerState`; ``server.KVServer`` is one.  So handlers never
+import the connection, nor the connection the server: the imports of ``net/`` run one
+way (``server`` -> ``connection`` -> ``handlers`` -> ``admin``/``puts``/``pulls``/
+``extensions`` -> ``session``), and this module imports nothing of theirs.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from hurraykv.integrations.vllm.store_format import (
     reconstruction_error,
     scheme_names,
 )
-from hurraykv.io import checksums
+from hurraykv.io import checksum_digests, checksums
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match
 
 # every scheme the registry offers the connector (a scheme registered later is tested too)
@@ -157,7 +157,7 @@ def test_a_segment_is_a_checksummed_hrry_file_anyone_reads(fmt, tmp_path):
     fmt.check(back, "float32")
     checksums.verify(back)  # raises on a mismatch
     # every stored buffer is covered: pages, tables, and the scales (or kv_scales)
-    names = {(m, b) for m, b, _, _ in checksums._pieces(back)}
+    names = {(m, b) for m, b, _, _ in checksum_digests.piece_views(back)}
     for name, _desc, bufs in back.members():
         if name != "info":
             assert all((name, b) in names for b in range(len(bufs))), name

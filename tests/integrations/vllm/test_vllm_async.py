@@ -247,7 +247,7 @@ def test_a_chunk_planned_by_another_request_is_planned_again_once_the_window_pas
 
     assert saves_of("a", range(1, 8)) == [(0, 3)]
     assert saves_of("b", range(10, 17)) == []  # a stores them
-    sched.PLANNED_SECONDS = 0.0
+    sched.save_planner.PLANNED_SECONDS = 0.0
     assert saves_of("c", range(20, 27)) == [(0, 3)]
 
 

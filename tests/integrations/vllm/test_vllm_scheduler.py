@@ -243,7 +243,7 @@ def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(side):
     sched, _ = side
     sched.ctx.config = dataclasses.replace(sched.ctx.config, store_threshold=2,
                                           max_tracker_size=4)
-    sched.admission = type(sched.admission)(2, 4)
+    sched.save_planner.admission = type(sched.save_planner.admission)(2, 4)
 
     def computed(req_id: str, tokens: list[int]) -> list[tuple[int, int]]:
         req = request(req_id, tokens)
@@ -258,11 +258,11 @@ def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(side):
     assert computed("b", PROMPT) == [(0, 3)]  # the second time
     other = PROMPT[:40] + [999] * 60  # shares chunk 0 (tokens 0..31) only
     assert computed("c", other) == []  # chunk 0: its third time, but planned by b (2 s)
-    sched.planned.clear()
+    sched.save_planner.planned.clear()
     assert computed("d", other) == [(0, 3)]  # chunk 0 again, chunks 1, 2: their second
     # four keys tracked: PROMPT's chunk 1 left the table and is counted anew, so chunk 2
     # (admitted: its third time) waits too (a hit is a prefix: no use without chunk 1)
-    sched.planned.clear()
+    sched.save_planner.planned.clear()
     assert computed("e", PROMPT) == [(0, 1)]
     assert computed("f", PROMPT) == [(1, 2)]
 

@@ -9,7 +9,7 @@ the stage sits in the core's L2 cache, and placed into their blocks by the strid
 the engine's view (a row copy, or CPU_ATTN's key transpose), in one compiled call per
 core.  A page that does not match its checksum is never written: its segment is
 reported damaged at that layer, as a segment read whole and checked by layer is
-(``loads.py``).  Anything else (another store, a quantized format, a hybrid model,
+(``load_job.py``).  Anything else (another store, a quantized format, a hybrid model,
 AMX tiles, a GPU cache) reads the segment whole first.
 """
 
@@ -36,7 +36,7 @@ def destinations(layers: list[tuple[str, Any]]) -> list[list[Destination]] | Non
 def scatter_layer(job: Any, target: Any, layer: int
                   ) -> tuple[int, dict[str, ChecksumError]]:
     """Read, verify and place layer ``layer`` of every run of ``job`` (a ``LoadJob``
-    of ``target``, loads.py) whose segment is a ``PageSource``: the bytes placed, and
+    of ``target``, load_job.py) whose segment is a ``PageSource``: the bytes placed, and
     the segments with a page that was not (damaged, or cut short in the file)."""
     dests = target.destinations[layer]
     scatter = Scatter()

@@ -10,9 +10,10 @@ workers' loader fetches it, ``loads.py``) or, for a small ``file://`` hit under
 ``load_mode`` auto (or always under sync), before the forward pass of the step that
 schedules it.  ``plan`` turns a step's ``SchedulerOutput`` into a ``Plan``: the chunks to
 load into the blocks vLLM allocated, and the newly computed chunks not known to be
-stored, one segment per run of consecutive chunks (the writer skips a segment the store
-already holds).  A failed load (reported back by the workers) makes the chunks from it
-on stored again once recomputed, and the request is never offered a load again.
+stored, one segment per run of consecutive chunks (``save_plans.py``; the writer skips a
+segment the store already holds).  A failed load (reported back by the workers) makes the
+chunks from it on stored again once recomputed, and the request is never offered a load
+again.
 
 ``tokens_hit`` counts the tokens a load actually put into the engine's cache, when the
 workers report the step that ran it (``output``): vLLM counts a load in its
@@ -22,56 +23,24 @@ tokens of a failed load, which vLLM recomputes, are ``tokens_failed``.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ...chunks.keys import ChunkKeys, identity_key, segment_ends_at, segment_first, segment_name
+from ...chunks.keys import ChunkKeys, identity_key, segment_ends_at, segment_first
 from ...chunks.registry import is_local
 from ...errors import HurrayError
-from .admission import Admission
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
 from .events import HurrayKVEvents, split_records
 from .lookups import PENDING, Lookups
-from .request_keys import passed_through, request_seed, tenant_of
+from .request_keys import passed_through, request_seed
+from .request_state import RequestState
 from .retention import Retainer, Watch, keep_of
-
-
-@dataclass
-class RequestState:
-    request: Any
-    keys: ChunkKeys
-    local: int = 0  # tokens vLLM had cached itself when matching
-    matched: int = 0  # tokens the store holds for this prompt
-    load: int = 0  # tokens to load (0: none)
-    located: list[str] = field(default_factory=list)  # segment of each matched chunk
-    # per chunk its lookup asked about (this engine's keys): whether the store lacked it,
-    # believed by the plan of the step that asked (``absent_plan``) and no later one
-    absent: list[bool] = field(default_factory=list)
-    absent_plan: int = 0
-    blocks: list[int] = field(default_factory=list)  # of the (first) full-attention group
-    groups: list[list[int]] = field(default_factory=list)  # every group's (hybrid models)
-    computed: int = 0
-    stored: int = 0  # chunks known to be in the store
-    rewrite: bool = False  # a load from the store failed: store again, present or not
-    # keys of the accepted store formats other than this engine's own (accept_store_dtypes)
-    others: list[ChunkKeys] = field(default_factory=list)
-    foreign: bool = False  # matched in another format: nothing of it is stored as ours
-    asked: list[str] | None = None  # the keys of its lookup (hashed once)
-    counted: bool = False  # its lookup's outcome is counted
-    async_load: bool = False  # the tokens matched are loaded across steps
-    load_failed: bool = False  # a load of it failed: it is not offered one again
-    keep: Any = None  # retention.Keep: its kv_transfer_params' pin and ttl_s
+from .save_plans import SavePlanner
 
 
 class SchedulerSide:
     MAX_LOADING = 100_000  # loads whose step was never reported (aborted) are forgotten
-    # chunk keys planned for storing lately (their writes may not have landed yet); the
-    # writer itself skips a segment the store holds
-    MAX_PLANNED = 4096
-    PLANNED_SECONDS = 2.0
 
     def __init__(self, ctx: Context, events: HurrayKVEvents,
                  new_plan: Callable[[], Plan] = Plan) -> None:
@@ -82,17 +51,13 @@ class SchedulerSide:
         # hands the connector the output of the step that loaded it
         self.loading: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self.lookups = Lookups(ctx.lookups, ctx.stats)
-        self.admission = Admission(ctx.config.store_threshold, ctx.config.max_tracker_size)
         self.async_loads: list[Transfer] = []  # allocated, for the next plan
         self.async_pending: set[str] = set()  # async loads not reported finished yet
-        # chunk key -> (step, time) it was planned for storing, oldest first
-        self.planned: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self.save_planner = SavePlanner(ctx, events)  # what each step stores
         self.steps = 0  # plans made
         # the plan of a step with nothing to load or store (idle or not), made once and
         # never changed: most decode steps, which need no plan of their own
         self._nothing: dict[bool, Plan] = {}
-        # segment id -> (its first chunk, its chunk keys), until written or dropped
-        self.saving: dict[str, tuple[int, list[str]]] = {}
         # segment id -> name of segments planned before a reset (retention.py)
         self.stale: OrderedDict[str, str] = OrderedDict()
         self.watch = Watch(ctx.open or (lambda: None), ctx.config.removal_check_s
@@ -243,7 +208,7 @@ class SchedulerSide:
             for st in scheduled:
                 n = tokens.get(st.request.request_id, 0)
                 if (st.computed + n) // size > st.stored:  # a chunk may be complete
-                    saves += self._saves(st, n)
+                    saves += self.save_planner.plan(st, n, self.steps)
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         async_loads, self.async_loads = self.async_loads, []
@@ -324,101 +289,6 @@ class SchedulerSide:
             out.first_block = first_block
             out.groups = [g[first_block:last_block] for g in st.groups]
         return out
-
-    def _saves(self, st: RequestState, scheduled: int) -> list[Transfer]:
-        """Segments of the chunks this step completes that the store lacks (one per run
-        of consecutive chunks)."""
-        ctx, request = self.ctx, st.request
-        if passed_through(request) or st.foreign:
-            return []
-        upto = st.computed + scheduled
-        if not ctx.config.save_decode:
-            upto = min(upto, len(request.prompt_token_ids or []))
-        known = len(request.all_token_ids)  # async scheduling runs ahead of the tokens
-        chunks = min(upto, len(st.blocks) * ctx.block_size, known) // ctx.chunk_size
-        if chunks <= st.stored:
-            return []
-        per = ctx.per
-        # Mamba layers: a segment ends where every state layer holds a state (where a step
-        # ended, or a prefill checkpoint), whole (a hit ends at a segment's end: matched);
-        # without one, its chunks wait for a later segment that ends on a state
-        mamba = ctx.hybrid and ctx.layout.mamba
-        if mamba and not ctx.layout.states_at(st.groups, chunks, per):
-            return []
-        keys = st.keys.upto(request.all_token_ids, chunks)
-        rewrite, first, st.stored, st.rewrite = st.rewrite, st.stored, chunks, False
-        if ctx.hybrid:  # not the chunks whose window pages vLLM never computed
-            first = ctx.layout.first_storable(st.groups, first, chunks, per)
-        admitted = self._admitted(keys, first, chunks, rewrite, mamba)
-        out: list[Transfer] = []
-        now = time.monotonic()
-        deduplicated, last = 0, -2  # runs of chunks another request is storing
-        for c in range(first, chunks):
-            if not admitted[c - first]:
-                continue
-            if (not mamba or not out) and self._planned_elsewhere(keys[c], rewrite, now):
-                deduplicated += last != c - 1
-                last = c
-                continue
-            self.planned[keys[c]] = (self.steps, now)
-            self.planned.move_to_end(keys[c])
-            # a new segment where the run breaks, and (storing again what failed to load)
-            # where a segment it was found in began: a damaged segment is replaced under
-            # its own name, not left beside its replacement
-            boundary = rewrite and c < len(st.located) and segment_first(
-                st.located[c]) == c and not mamba
-            if not out or out[-1].first_chunk + len(out[-1].keys) != c or boundary:
-                out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite))
-            out[-1].keys.append(keys[c])
-            out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
-        if ctx.hybrid:
-            for t in out:
-                t.first_block, t.state = t.first_chunk * per, mamba
-                end = (t.first_chunk + len(t.keys)) * per
-                t.groups = [g[t.first_block:end] for g in st.groups]
-        if deduplicated:  # attempted, and landed at once: counted with the segments saved
-            ctx.stats.add(saves_attempted=deduplicated, saves_deduplicated=deduplicated)
-        while len(self.planned) > self.MAX_PLANNED:
-            self.planned.popitem(last=False)
-        while len(self.saving) > self.MAX_PLANNED:
-            self.saving.pop(next(iter(self.saving)))
-        absent = st.absent if st.absent_plan == self.steps and not rewrite else []
-        for t in out:  # announced to routers once the workers say it is stored
-            t.keep, t.tenant = st.keep, tenant_of(request)
-            t.absent = any(absent[t.first_chunk:t.first_chunk + len(t.keys)])
-            self.saving[t.segment_id] = (t.first_chunk, list(t.keys))
-            self.events.expect(t.segment_id, request, t.first_chunk, len(t.keys),
-                               segment_name(t.keys, t.first_chunk))
-        return out
-
-    def _admitted(self, keys: list[str], first: int, chunks: int, rewrite: bool,
-                  mamba: bool) -> list[bool]:
-        """Which of chunks ``[first, chunks)`` ``store_threshold`` lets in (all, when
-        storing again what failed to load).  A hit is a prefix: after a refused chunk,
-        none of this step's is stored (a later chunk is no use without it); a Mamba
-        segment ends on the step's last chunk (its state), so it is stored whole or not."""
-        offered = self.admission.offer(keys[first:chunks])
-        if rewrite:
-            return [True] * len(offered)
-        refused = offered.index(False) if False in offered else len(offered)
-        if mamba and refused < len(offered):
-            refused = 0
-        self.ctx.stats.add(chunks_unadmitted=len(offered) - refused)
-        return [i < refused for i in range(len(offered))]
-
-    def _planned_elsewhere(self, key: str, rewrite: bool, now: float) -> bool:
-        """Another request of this engine is storing chunk ``key`` (a burst sharing a new
-        prefix): not copied out again.  Only until the workers report that segment
-        written or dropped, and at most ``PLANNED_SECONDS`` (a report lost with a
-        request): the store may lose a chunk (a restart, an operator, a dropped save),
-        and the next request computing it must store it; storing again what failed to
-        load, only another such request of the same step counts."""
-        seen = self.planned.get(key)
-        if seen is None:
-            return False
-        step, when = seen
-        return step == self.steps if rewrite else now - when < self.PLANNED_SECONDS
-
     def output(self, connector_output: Any) -> None:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
@@ -431,9 +301,7 @@ class SchedulerSide:
             self.stale.pop(sid, None)
         if segments:
             self.watch.watch(self.events.confirm(segments))
-        for done in (*segments, *dropped):  # their chunks may be planned again
-            for key in self.saving.pop(done, (0, ()))[1]:
-                self.planned.pop(key, None)
+        self.save_planner.done((*segments, *dropped))  # their chunks may be planned again
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         self._loads_done(loaded, invalid or set(), failed)
@@ -493,12 +361,9 @@ class SchedulerSide:
                 store.close()
         except Exception as e:  # forgotten all the same: part may have been removed
             failed = f"{type(e).__name__}: {e}"
-        for sid, (first, keys) in self.saving.items():  # written after the reset: stale
-            self.stale[sid] = segment_name(keys, first)
-        while len(self.stale) > self.MAX_PLANNED:
+        self.stale.update(self.save_planner.forget())  # written after the reset: stale
+        while len(self.stale) > self.save_planner.MAX_PLANNED:
             self.stale.popitem(last=False)
-        self.saving.clear()
-        self.planned.clear()
         self.lookups.forget_all()
         for st in self.requests.values():
             # what it found is gone; what it holds was computed before the reset
