@@ -132,6 +132,16 @@ def _module_named(root: Path, node: ast.ImportFrom, name: str) -> bool:
 
 
 
+def long_modules(root: Path, limit: int) -> dict[str, int]:
+    """Each module of more than ``limit`` lines (its path under ``root``) and its length."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            out[str(path.relative_to(root))] = lines
+    return out
+
+
 NAMES_END = 39  # the listing's first column (floor, names) ends here; the description follows
 
 
