@@ -241,3 +241,19 @@ def test_a_read_buffer_is_never_reused_while_a_snapshot_over_it_lives(tmp_path):
     reader.get_verified(names[0])
     reader.get_verified(names[1])
     assert len(reader._buffers._free) == 3  # freed buffers are reused, not added
+
+
+def test_the_old_import_paths_give_the_same_objects_for_one_release():
+    """Issue 48 moved the stores to hurraykv.chunks; CHANGELOG promises the old paths for
+    one release: the same objects, so a plugin subclassing the old ChunkStore registers."""
+    import hurraykv.chunks.file
+    import hurraykv.chunks.redis
+    import hurraykv.chunks.server
+    from hurraykv.integrations import chunks as old
+    from hurraykv.integrations import file_store, redis_store, server_store
+
+    assert old.ChunkStore is chunks.ChunkStore and old.open_store is chunks.open_store
+    assert all(getattr(old, n) is getattr(chunks, n) for n in chunks.__all__)
+    assert file_store.FileChunks is hurraykv.chunks.file.FileChunks
+    assert redis_store.RedisChunks is hurraykv.chunks.redis.RedisChunks
+    assert server_store.ServerChunks is hurraykv.chunks.server.ServerChunks

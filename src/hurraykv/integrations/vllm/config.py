@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from ... import units
+from ... import chunks, units
 from ...errors import ConfigError, did_you_mean
-from .. import chunks
 from . import store_format
 
 Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
