@@ -68,9 +68,9 @@ def test_a_lower_tiers_hit_is_promoted_and_the_next_comes_from_the_top(tmp_path)
     k, snap = keys(3), segment(3, 3)
     below.put(k, 0, snap, {"vllm.first_chunk": 0})
     name = stack.locate(k)[0]
-    got = stack.get_verified(name)
+    stack.get_verified(name)
     assert stack.served_by(name) == 1 and top.locate(k) == [None] * 3
-    assert stack.promote(name, k, got, dict(got.metadata)) is True
+    assert stack.promote(name, k) is True
     stack.settle()
     assert top.get_verified(top.locate(k)[0]).equal(snap)
     assert stack.counts["promotions"] == [1, 0]
@@ -78,7 +78,7 @@ def test_a_lower_tiers_hit_is_promoted_and_the_next_comes_from_the_top(tmp_path)
     assert stack.get_verified(name).equal(snap) and stack.served_by(name) == 0
     assert stack.counts["hits"] == [1, 1]
     # a segment whose keys the caller does not have whole is not promoted
-    assert stack.promote(name, k[:2], got, {}) is False
+    assert stack.promote(name, k[:2]) is False
     stack.close()
 
 
@@ -105,7 +105,8 @@ def test_promotions_past_the_queue_are_skipped_and_counted(tmp_path):
     outcomes = []
     for i, (k, _) in enumerate(stored):
         name = stack.locate(k)[0]
-        outcomes.append(stack.promote(name, k, stack.get(name), {}))
+        stack.get(name)
+        outcomes.append(stack.promote(name, k))
         if i == 0:
             assert top.entered.wait(30)  # the worker holds the first
     # one on the worker (waiting for the slow tier), one queued, the rest skipped

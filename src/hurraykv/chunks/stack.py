@@ -11,9 +11,10 @@ first that has it.  A segment a lower tier served is *promoted*: copied into eve
 above it, off the caller's path, through a bounded queue; when the queue is full the
 promotion is skipped and counted (``promotions_skipped``), never waited for.  A promotion
 needs the segment's chunk keys (a tier stores a segment under its keys): the caller that
-knows them (the connector's load, which has the request's keys) hands them to
-``promote``; a tier's refusal (no room: its pinned segments fill it) is counted, and no
-pinned segment is ever evicted for it, as the tier's own ``put`` guarantees.
+knows them (the connector's load: its scheduler has the request's keys) hands them to
+``promote``, and the segment is read again from its tier, verified, off the path.  A
+tier's refusal (no room: its pinned segments fill it) is counted, and no pinned segment
+is ever evicted for it, as the tier's own ``put`` guarantees.
 
 *Writes* follow ``write_policy``.  ``write_through`` (the default): the first tier is
 written before ``put`` returns, the tiers below asynchronously, through a bounded queue
@@ -40,7 +41,7 @@ from typing import Any
 from ..errors import HurrayError
 from ..io import checksums
 from ..snapshot import KVCacheSnapshot
-from .keys import segment_ends_at, segment_first, segment_name
+from .keys import segment_first, segment_name
 from .registry import ChunkStore, Stored
 
 log = logging.getLogger("hurraykv.chunks")
@@ -187,20 +188,25 @@ class StackedChunks(ChunkStore):
             return self._where.get(name)
 
     # -- promotion ------------------------------------------------------------------------
-    def promote(self, name: str, keys: Sequence[str], snapshot: KVCacheSnapshot,
-                metadata: dict[str, Any]) -> bool:
-        """Copy segment ``name`` (its chunk ``keys``, from its first) into the tiers above
-        the one that served it, off the caller's path; False when nothing was queued (it
-        came from the first tier, the keys are not the segment's, or the queue is full)."""
+    def promote(self, name: str, keys: Sequence[str]) -> bool:
+        """Copy segment ``name`` (``keys``: its chunk keys, from its first) from the tier
+        that served it into the tiers above, off the caller's path: read again there,
+        verified (a caller may hold only the pages it placed), then stored.  False when
+        nothing was queued: it came from the first tier, ``keys`` are not the segment's,
+        or the queue is full."""
         tier = self.served_by(name)
-        if not tier or not keys or not segment_ends_at(name, keys[-1]) or \
-                segment_name(keys, segment_first(name)) != name:
+        if not tier or not keys or segment_name(keys, segment_first(name)) != name:
             return False
-        first = segment_first(name)
+        first, keys = segment_first(name), list(keys)
+        source = self.tiers[tier]
+        got: list[KVCacheSnapshot] = []  # read once for all the tiers above
 
         def copy(store: ChunkStore) -> None:
-            if name not in self._discarded:
-                store.put(keys, first, snapshot, metadata)
+            if name in self._discarded:
+                return
+            if not got:
+                got.append(source.get_verified(name))
+            store.put(keys, first, got[0], dict(got[0].metadata))
 
         queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]
         return any(queued)
