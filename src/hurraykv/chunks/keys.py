@@ -63,6 +63,10 @@ class ChunkKeys:
             self._digests += chain(prev, tokens[start:count * self.chunk_size], self.chunk_size)
         return [d.hex() for d in self._digests[:count]]
 
+    def known(self) -> list[str]:
+        """The keys computed so far (of the chunks looked up)."""
+        return [d.hex() for d in self._digests]
+
 
 def valid_name(name: str | None) -> str | None:
     """A name a store returned, or None (a miss) when it is not a segment name."""
@@ -76,6 +80,20 @@ def segment_name(keys: Sequence[str], first: int) -> str:
 def segment_ends_at(name: str, key: str) -> bool:
     """Segment ``name`` ends with chunk ``key`` (its name is its last key and first index)."""
     return name.rpartition("-")[0] == key
+
+
+def segment_keys(name: str, keys: Sequence[str]) -> list[str]:
+    """The chunk keys of segment ``name``, out of a sequence's ``keys`` (chunk 0 first):
+    from its first chunk through its last; [] when ``keys`` are not its sequence's or do
+    not reach its end."""
+    first = segment_first(name)
+    last = name.rpartition("-")[0]
+    keys = list(keys)
+    try:
+        end = keys.index(last, first)
+    except ValueError:
+        return []
+    return list(keys[first:end + 1])
 
 
 def segment_first(name: str) -> int:

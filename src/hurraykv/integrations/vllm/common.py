@@ -50,6 +50,9 @@ class Transfer:
     state: bool = False  # a save of a model with Mamba layers: it holds their end states
     keep: Any = None  # retention.Keep: what the request asked of its segments' retention
     tenant: str = ""  # a save's: its request's cache_salt, as a digest (request_keys.py)
+    # a load's, with tiers: each segment's chunk keys, from its first, where the request's
+    # lookup had them all (a lower tier's hit is promoted under them: chunks/stack.py)
+    promote: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def segment_id(self) -> str:

@@ -20,8 +20,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ... import chunks, units
+from ...chunks.stack import POLICIES
 from ...errors import ConfigError, did_you_mean
 from . import store_format
+from .tiers import Tier, parse_tiers
 
 Size = int  # a byte count; in the config also "64G"-style text (units.parse_size)
 
@@ -89,6 +91,16 @@ class ConnectorConfig:
     accept_store_dtypes: tuple[str, ...] | None = None
     """Other store formats this engine also looks up and loads (``"int4"``,
     ``"int8:per_channel"``, ``"auto"``, ...).  Default: its own only."""
+    tiers: tuple[Tier, ...] | None = None
+    """Stores, fastest first, instead of ``url``: a list of objects, each a store URL and
+    that store's own options (``[{"url": "mem://", "max_bytes": "8G"}, {"url":
+    "file:///nvme/kv", "max_bytes": "500G"}]``).  A lookup takes the longest prefix any
+    tier holds; a lower tier's hit is promoted into the tiers above, off the request's
+    path (``chunks/stack.py``)."""
+    write_policy: str = "write_through"
+    """With ``tiers``: ``"write_through"`` (the first tier before the save is done, the
+    others behind a bounded queue that drops under pressure) or ``"write_back"`` (a
+    segment goes down when a ``mem://`` first tier drops it)."""
     store_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The settings of the URL's store given, parsed: the keys its class declares
     (``ChunkStore.OPTIONS``; ``file://``'s ``max_bytes``, ``max_pinned_bytes``,
@@ -112,6 +124,16 @@ class ConnectorConfig:
                               f"{did_you_mean(unknown[0], known)}; known: "
                               f"{', '.join(known)}", field="kv_connector_extra_config",
                               value=unknown, rule="a key the connector reads")
+        tiers = None
+        if extra.get("tiers") is not None:
+            mixed = sorted(k for k in extra if k == "url" or k not in own)
+            if mixed:
+                raise ConfigError(f"kv_connector_extra_config has 'tiers' and {mixed}: a "
+                                  "store's URL and options go in its tier's entry",
+                                  field="tiers", value=mixed, rule="tiers or url, not both")
+            tiers = parse_tiers(extra.pop("tiers"), _parse, KIND_TYPES)
+            extra["url"] = tiers[0].url
+        extra.pop("tiers", None)
         if not extra.get("url"):
             raise ConfigError("HurrayConnector needs kv_connector_extra_config {'url': ...}: "
                               f"{chunks.url_forms()}", field="url",
@@ -123,13 +145,19 @@ class ConnectorConfig:
         parsed = {k: _parse(k, own[k].type if k in own else KIND_TYPES[
             declared.get(k, stores[k]).kind], v) for k, v in extra.items()}
         config = cls(**{k: v for k, v in parsed.items() if k in own},
-                     store_options={k: v for k, v in parsed.items()
-                                    if k not in own and v is not None})
+                     store_options=dict(tiers[0].options) if tiers else {
+                         k: v for k, v in parsed.items() if k not in own and v is not None},
+                     tiers=tiers)
         if config.load_mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config['load_mode'] is "
                               f"{config.load_mode!r}; it is one of {', '.join(LOAD_MODES)}",
                               field="load_mode", value=config.load_mode,
                               rule=f"one of {', '.join(LOAD_MODES)}")
+        if config.write_policy not in POLICIES:
+            raise ConfigError(f"kv_connector_extra_config['write_policy'] is "
+                              f"{config.write_policy!r}; it is one of {', '.join(POLICIES)}",
+                              field="write_policy", value=config.write_policy,
+                              rule=f"one of {', '.join(POLICIES)}")
         config._check_url()
         config._check_store_options()
         config.accepted_formats()  # every store format now, not at the first request

@@ -14,6 +14,7 @@ from typing import Any
 
 from ...chunks.guard import Guarded
 from ...chunks.keys import identity_digest
+from ...chunks.stack import StackedChunks
 from ...chunks.urls import open_store
 from ...errors import HurrayError
 from .common import Context, log
@@ -45,9 +46,15 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
 
     def open_one(ranked: bool = True) -> Any:
-        """A new connection; ``ranked``: to this rank's objects, else to every rank's."""
-        return open_store(conf.url, suffix=f".tp{rank}" if tp > 1 and ranked else "",
-                          timeout=conf.load_timeout_ms / 1000 + 5, **conf.store_options)
+        """A new connection; ``ranked``: to this rank's objects, else to every rank's;
+        with ``tiers``, a stack of one connection to each (``chunks/stack.py``)."""
+        suffix = f".tp{rank}" if tp > 1 and ranked else ""
+        timeout = conf.load_timeout_ms / 1000 + 5
+        if conf.tiers:
+            return StackedChunks([open_store(t.url, suffix=suffix, timeout=timeout,
+                                             **t.options) for t in conf.tiers],
+                                 write_policy=conf.write_policy)
+        return open_store(conf.url, suffix=suffix, timeout=timeout, **conf.store_options)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
     # unreachable store at start is a miss, not an engine that fails to start.

@@ -330,8 +330,14 @@ class LoadJob:
             direct.close(self.sources)
 
     def count(self, ctx: Context) -> None:
-        """The job's chunks counted loaded or failed, per chunk."""
+        """The job's chunks counted loaded or failed, per chunk; the segments it loaded
+        from a lower tier promoted (``Transfer.promote``)."""
         t = self.transfer
+        for name in dict.fromkeys(t.names[:self.ok]):
+            keys = t.promote.get(name)
+            if keys:
+                ctx.loads.call("promote", lambda s, n=name, k=keys: getattr(
+                    s, "promote", lambda *_: False)(n, k), False)
         ctx.stats.add(chunks_loaded=self.ok, chunks_failed=len(t.names) - self.ok,
                       chunks_corrupt=self.corrupt,
                       tokens_loaded=ctx.block_size * sum(map(len, t.blocks[:self.ok])),

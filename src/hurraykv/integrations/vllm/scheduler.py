@@ -27,7 +27,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ...chunks.keys import ChunkKeys, identity_key, segment_ends_at, segment_first
+from ...chunks.keys import (
+    ChunkKeys,
+    identity_key,
+    segment_ends_at,
+    segment_first,
+    segment_keys,
+)
 from ...chunks.registry import is_local
 from ...errors import HurrayError
 from .common import IDLE_WAIT, Context, Plan, Transfer, holds, log
@@ -285,6 +291,10 @@ class SchedulerSide:
             out.names.append(name)
             out.blocks.append(st.blocks[lo:hi])
             out.pages.append((c - segment_first(name)) * per + lo - c * per)
+            if self.ctx.config.tiers and not st.foreign and name not in out.promote:
+                keys = segment_keys(name, st.keys.known())
+                if keys:
+                    out.promote[name] = keys
         if self.ctx.hybrid:
             out.first_block = first_block
             out.groups = [g[first_block:last_block] for g in st.groups]

@@ -1,0 +1,133 @@
+"""The connector over a stack of tiers (``kv_connector_extra_config['tiers']``), without
+an engine: the config read once, a lower tier's hit loaded and promoted into the tier
+above, so that the next hit comes from there.  Real ``mem://`` and ``file://`` stores;
+the engine's cache as vLLM's CPU backend hands it (``test_vllm_worker.py``)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hurraykv.chunks.guard import Guarded
+from hurraykv.chunks.keys import ChunkKeys, identity_digest
+from hurraykv.chunks.memory import MemoryChunks
+from hurraykv.chunks.urls import open_store
+from hurraykv.errors import ConfigError
+from hurraykv.integrations.vllm.common import Context
+from hurraykv.integrations.vllm.config import ConnectorConfig
+from hurraykv.integrations.vllm.context import build_context  # noqa: F401 - the opener's home
+from hurraykv.integrations.vllm.events import HurrayKVEvents
+from hurraykv.integrations.vllm.scheduler import SchedulerSide
+from tests.integrations.vllm.test_vllm_scheduler import alloc, match, request, step
+from tests.integrations.vllm.test_vllm_worker import (
+    BLOCK,
+    CHUNK,
+    IDENTITY,
+    LAYER_NAMES,
+    Side,
+    fill,
+    run_step,
+    save,
+)
+
+_pools = itertools.count()
+
+
+class Tiers(Side):
+    """``Side`` whose contexts read ``tiers`` (given where ``Side`` takes a URL) and open
+    a stack, as ``context.build_context``'s opener does."""
+
+    def context(self, tiers, open_one=None, **extra) -> Context:
+        from hurraykv.chunks.stack import StackedChunks
+
+        conf = ConnectorConfig.from_extra({"tiers": tiers, **extra})
+
+        def opener():
+            return StackedChunks([open_store(t.url, **t.options) for t in conf.tiers],
+                                 write_policy=conf.write_policy)
+
+        guards = [Guarded(opener, url=conf.url, what=what, timeout=5.0,
+                          log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
+        self.guards += guards
+        return Context(conf, BLOCK, CHUNK, IDENTITY, identity_digest(IDENTITY),
+                       can_load=True, can_save=True, lookups=guards[0], loads=guards[1],
+                       saves=guards[2])
+
+
+@pytest.fixture
+def tiers():
+    s = Tiers()
+    yield s
+    s.close()
+
+
+def until(check, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
+        tiers, tmp_path):
+    pool = f"tiers-{next(_pools)}"
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M"},
+             {"url": (tmp_path / "kv").as_uri(), "max_bytes": "1G"}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack), HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+    prompt = list(range(1, 101))  # 3 whole chunks before the last token
+    keys = ChunkKeys(sched.ctx.seed, CHUNK).upto(prompt, 2)
+    fill(w, [1, 2, 3, 4], 7.0)
+    save(w, "s", keys, 0, [1, 2, 3, 4])
+    below = open_store((tmp_path / "kv").as_uri())
+    assert until(lambda: below.locate(keys)[0] is not None)  # written through
+    memory = MemoryChunks(pool, max_bytes=1 << 26)
+    name = memory.locate(keys)[0]
+    assert name is not None and memory.remove(name)  # only the lower tier holds it now
+
+    req = request("a", prompt)
+    assert match(sched, req, 0) == (64, False)
+    alloc(sched, req, 64)
+    plan = sched.plan(step(new=[("a", range(10, 17), 0)], scheduled={"a": 100}))
+    assert [t.promote for t in plan.loads] == [{name: keys}]
+    assert run_step(w, plan) == set()
+    for layer, layer_name in enumerate(LAYER_NAMES):  # the pages, bit for bit
+        assert torch.equal(w.caches[layer_name][10:14],
+                           torch.full_like(w.caches[layer_name][10:14], 7.0 + layer))
+    sched.output(SimpleNamespace(invalid_block_ids=set(), kv_cache_events=w.saved.take()))
+    w.get_finished(set())  # the job counted: its segment promoted, off the path
+    assert until(lambda: memory.locate(keys)[0] == name)
+    assert memory.get_verified(name).equal(below.get_verified(name))
+
+
+def test_tiers_are_read_once_and_a_wrong_one_is_refused_naming_it(tmp_path):
+    kv = (tmp_path / "kv").as_uri()
+    conf = ConnectorConfig.from_extra({"tiers": [{"url": "mem://", "max_bytes": "8G"},
+                                                 {"url": kv, "max_bytes": "500G"}],
+                                       "write_policy": "write_back"})
+    assert conf.url == "mem://" and conf.store_options == {"max_bytes": 8 << 30}
+    assert [t.options for t in conf.tiers] == [{"max_bytes": 8 << 30},
+                                               {"max_bytes": 500 << 30}]
+    for extra, field, why in [
+        ({"url": kv, "tiers": [{"url": kv}]}, "tiers", r"has .tiers. and \[.url.\]"),
+        ({"tiers": [{"url": kv}], "max_bytes": "1G"}, "tiers", "go in its tier.s entry"),
+        ({"tiers": []}, "tiers", "non-empty list"),
+        ({"tiers": [kv]}, "tiers[0]", "a tier is an object"),
+        ({"tiers": [{"url": "mem://"}]}, "max_bytes", r"needs kv_connector_extra_config"
+                                                      r"\['tiers'\]\[0\]\['max_bytes'\]"),
+        ({"tiers": [{"url": kv, "tls_ca": "x"}]}, "tiers[0].url", "not one a file:// store"),
+        ({"tiers": [{"url": kv}, {"url": kv}]}, "tiers[1].url", "an earlier tier's"),
+        ({"tiers": [{"url": kv, "max_bytes": "lots"}]}, "tiers[0].max_bytes", "a size"),
+        ({"tiers": [{"url": kv}], "write_policy": "write_around"}, "write_policy",
+         "one of write_through, write_back"),
+    ]:
+        with pytest.raises(ConfigError, match=why) as e:
+            ConnectorConfig.from_extra(extra)
+        assert e.value.field == field, (extra, e.value)
