@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 CONSEQUENCE = {"lookup": "requests compute instead of loading",
-               "load": "matched chunks are recomputed", "save": "new chunks are not stored"}
+               "load": "matched chunks are recomputed", "save": "new chunks are not stored",
+               "tier": "the other tiers serve"}
 
 
 class Guarded:

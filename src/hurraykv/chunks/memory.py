@@ -120,9 +120,7 @@ class MemoryChunks(ChunkStore):
         self._pool = _pool(name)
         self.evictions = 0
         self.evicted_bytes = 0
-        # told of each segment dropped to make room (a stack's write_back), after the
-        # pool's lock is released: (its keys, its first chunk, the segment)
-        self.on_evict: Callable[[tuple[str, ...], int, KVCacheSnapshot], None] | None = None
+        self._evicted: Callable[[tuple[str, ...], int, KVCacheSnapshot], None] | None = None
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -145,6 +143,13 @@ class MemoryChunks(ChunkStore):
     def open(cls, url: str, parsed: ParseResult, *, timeout: float | None,
              **options: Any) -> MemoryChunks:
         return cls(unquote(parsed.netloc), **options)
+
+    def watch_evictions(self, callback: Callable[[tuple[str, ...], int, KVCacheSnapshot],
+                                                  None]) -> bool:
+        """Tell ``callback`` of each segment this store drops to make room (its keys, its
+        first chunk, the segment: a stack's ``write_back`` sends it down a tier)."""
+        self._evicted = callback
+        return True
 
     # -- lookups and reads ---------------------------------------------------------------
     def _live(self, name: str, now: float) -> _Held | None:
@@ -214,9 +219,9 @@ class MemoryChunks(ChunkStore):
             pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions)
             pool.total += nbytes
             pool.aliases.update((key, name) for key in keys)
-        if self.on_evict is not None:
+        if self._evicted is not None:  # outside the pool's lock
             for held, victim in dropped:
-                self.on_evict(held.keys, int(victim.rsplit("-", 1)[1]), held.snapshot)
+                self._evicted(held.keys, int(victim.rsplit("-", 1)[1]), held.snapshot)
 
     def _make_room(self, nbytes: int, keep: str, now: float) -> list[tuple[_Held, str]]:
         """Drop what is past its lifetime, then the least recently used unpinned

@@ -75,13 +75,12 @@ class StackedChunks(ChunkStore):
             queue.Queue(max(queue_depth, 1))
         self._discarded: set[str] = set()  # damaged: queued copies of them are not made
         self._worker: threading.Thread | None = None
-        if write_policy == "write_back" and len(self.tiers) > 1:
-            if not hasattr(self.tiers[0], "on_evict"):
-                raise HurrayError(f"write_policy write_back needs a first tier whose "
-                                  f"evictions the stack sees (mem://), not "
-                                  f"{self.tiers[0].url}", field="write_policy",
-                                  value=write_policy, rule="write_back over mem://")
-            self.tiers[0].on_evict = self._written_back  # type: ignore[attr-defined]
+        if write_policy == "write_back" and len(self.tiers) > 1 and not getattr(
+                self.tiers[0], "watch_evictions", lambda _: False)(self._written_back):
+            raise HurrayError(f"write_policy write_back needs a first tier whose evictions "
+                              f"the stack sees (mem://), not {self.tiers[0].url}",
+                              field="write_policy", value=write_policy,
+                              rule="write_back over mem://")
 
     # -- lookups and reads ---------------------------------------------------------------
     def _remember(self, name: str, tier: int) -> None:

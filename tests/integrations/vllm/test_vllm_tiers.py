@@ -20,7 +20,7 @@ from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError
 from hurraykv.integrations.vllm.common import Context
 from hurraykv.integrations.vllm.config import ConnectorConfig
-from hurraykv.integrations.vllm.context import build_context  # noqa: F401 - the opener's home
+from hurraykv.integrations.vllm.context import open_stack
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match, request, step
@@ -40,18 +40,11 @@ _pools = itertools.count()
 
 class Tiers(Side):
     """``Side`` whose contexts read ``tiers`` (given where ``Side`` takes a URL) and open
-    a stack, as ``context.build_context``'s opener does."""
+    the stack ``context.build_context``'s opener opens (``open_stack``)."""
 
     def context(self, tiers, open_one=None, **extra) -> Context:
-        from hurraykv.chunks.stack import StackedChunks
-
         conf = ConnectorConfig.from_extra({"tiers": tiers, **extra})
-
-        def opener():
-            return StackedChunks([open_store(t.url, **t.options) for t in conf.tiers],
-                                 write_policy=conf.write_policy)
-
-        guards = [Guarded(opener, url=conf.url, what=what, timeout=5.0,
+        guards = [Guarded(lambda: open_stack(conf), url=conf.url, what=what, timeout=5.0,
                           log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
         self.guards += guards
         return Context(conf, BLOCK, CHUNK, IDENTITY, identity_digest(IDENTITY),

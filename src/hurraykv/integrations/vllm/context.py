@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from ...chunks.guard import Guarded
+from ...chunks.guarded_tier import GuardedTier
 from ...chunks.keys import identity_digest
 from ...chunks.stack import StackedChunks
 from ...chunks.urls import open_store
@@ -51,9 +52,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         suffix = f".tp{rank}" if tp > 1 and ranked else ""
         timeout = conf.load_timeout_ms / 1000 + 5
         if conf.tiers:
-            return StackedChunks([open_store(t.url, suffix=suffix, timeout=timeout,
-                                             **t.options) for t in conf.tiers],
-                                 write_policy=conf.write_policy)
+            return open_stack(conf, suffix, timeout)
         return open_store(conf.url, suffix=suffix, timeout=timeout, **conf.store_options)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
@@ -79,6 +78,22 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
         disabled=disabled, formats=identities, layout=layout, open=open_one)
+
+
+def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = None
+               ) -> StackedChunks:
+    """A stack of ``conf.tiers``, each tier behind its own deadline and breaker
+    (``chunks/guarded_tier.py``): a call asks the tiers in turn, so each gets a share of
+    the connector's deadline (saves excepted: the first tier's is the save's)."""
+    share = len(conf.tiers or ()) + 1
+    deadlines = {"lookup": conf.lookup_timeout_ms / 1000 / share,
+                 "load": conf.load_timeout_ms / 1000 / share,
+                 "save": conf.save_timeout_ms / 1000}
+    return StackedChunks([GuardedTier(
+        lambda t=t: open_store(t.url, suffix=suffix, timeout=timeout, **t.options),
+        url=t.url, timeouts=deadlines, log=log, failures=conf.failures_before_down,
+        max_backoff=conf.max_backoff_s) for t in conf.tiers or ()],
+        write_policy=conf.write_policy)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,
