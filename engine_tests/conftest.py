@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 from tests.support.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
+from tests.support.s3_fixtures import s3_server, s3_url  # noqa: F401 - fixtures
 
 from hurraykv.integrations import engine_run, tiny_models
 

@@ -70,9 +70,14 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
         return (f"option {', '.join(map(repr, extra))} is not one a {parsed.scheme}:// "
                 f"store takes (its options: {', '.join(takes) or 'none'})"
                 + (f"; did you mean {close[0]!r}?" if close else "")
-                + (f"; {' and '.join(owners)} take{'s' if len(owners) == 1 else ''} it"
+                + (f"; {_listed(owners)} take{'s' if len(owners) == 1 else ''} it"
                    if owners else ""))
     return _unread_part(parsed, cls) or cls.url_problem(parsed)
+
+
+def _listed(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
 
 
 def _host_problem(host: str) -> str:
