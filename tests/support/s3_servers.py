@@ -71,7 +71,7 @@ def signed(method: str, endpoint: str, path: str, body: bytes = b"",
     """One AWS Signature V4 request (what the store's client does not do: make a
     bucket); its HTTP status."""
     host = endpoint.split("://", 1)[1]
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     digest = hashlib.sha256(body).hexdigest()
     headers = {"host": host, "x-amz-content-sha256": digest, "x-amz-date": stamp}
@@ -113,7 +113,9 @@ class SeaweedS3:
         self.start_seconds = 0.0
 
     def start(self, bucket: str, timeout: float = 60.0) -> None:
-        """Start it and make ``bucket`` (the first request that works: it is up)."""
+        """Start it (again) and make ``bucket``: up once an object there is written and read
+    back (a bucket is made, and a restarted one answers 500, before its volumes are
+    back)."""
         started = time.monotonic()
         log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - the process's
         self.proc = subprocess.Popen(
@@ -121,6 +123,7 @@ class SeaweedS3:
              "-ip.bind=127.0.0.1", "-s3", *(f"-{k}={v}" for k, v in self.ports.items()),
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=100",
              "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0", "-metricsPort=0",
+             "-master.electionTimeout=1s",
              f"-s3.config={self.workdir / 's3.json'}"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
@@ -129,8 +132,10 @@ class SeaweedS3:
                 pytest.fail(f"weed exited {self.proc.returncode} at start: "
                             f"{(self.workdir / 'weed.log').read_text()[-2000:]}")
             with contextlib.suppress(OSError):
-                if signed("PUT", self.endpoint, f"/{bucket}") in (200, 409):
-                    break
+                if signed("PUT", self.endpoint, f"/{bucket}") in (200, 409) and \
+                        signed("PUT", self.endpoint, f"/{bucket}/.ready", b"1") == 200 and \
+                        signed("GET", self.endpoint, f"/{bucket}/.ready") == 200:
+                    break  # made, written and read: restarted, its volumes are back too
             if time.monotonic() - started > timeout:
                 self.stop()
                 pytest.fail(f"weed's S3 gateway made no bucket within {timeout:g} s: "
@@ -179,8 +184,9 @@ class CuttingProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self.armed: tuple[bool, int, Callable[[], None]] | None = None
-        self.cut_done = threading.Event()
+        self.cut_done = threading.Event()  # the server killed (wait for it: the client
         self._lock = threading.Lock()
+        # may see its connection drop first)
         self._passed = 0  # bytes the armed way since arming
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()

@@ -320,7 +320,8 @@ class S3Chunks(ChunkStore):
             return True
         if self._head(key.rpartition("/")[2].removesuffix(".hrry")) is not None:
             return False
-        with os.fdopen(os.dup(fd), "rb") as f:
+        with os.fdopen(os.dup(fd), "rb") as f:  # the offset shared: at the end, written
+            f.seek(0)
             self._put(key, f, use_multipart=True, chunk_size=self.PART, max_concurrency=8)
         return True
 

@@ -110,7 +110,8 @@ def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
         if "\0" in path:
             return (f"its path {parsed.path!r} holds a NUL byte (at character "
                     f"{path.index(chr(0))} of the decoded path); a file name has none")
-    parts = {"userinfo": parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else "",
+    parts = {"userinfo": _hidden(parsed.netloc.rpartition("@")[0]) if "@" in parsed.netloc
+             else "",
              "path": "" if pathname or parsed.path in ("", "/") else parsed.path,
              "params": parsed.params, "query": parsed.query, "fragment": parsed.fragment}
     for part, value in parts.items():
@@ -136,8 +137,26 @@ def check_url(url: str, options: Sequence[str] = ()) -> None:
     why, and the forms the registered stores take."""
     why = url_problem(url, options)
     if why:
-        raise ConfigError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
-                          field="url", value=url, rule="a registered chunk store URL")
+        shown = redacted(url)
+        raise ConfigError(f"url {shown!r}: {why}; the chunk store is {url_forms()}",
+                          field="url", value=shown, rule="a registered chunk store URL")
+
+
+def _hidden(userinfo: str) -> str:
+    """A URL's ``USER:PASSWORD`` as ``USER:***``: a password is never repeated in a
+    message."""
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:***" if colon else userinfo
+
+
+def redacted(url: str) -> str:
+    """``url`` with the password of its userinfo (if any) written ``***``."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if not sep or "@" not in netloc:
+        return url
+    userinfo, _, host = netloc.rpartition("@")
+    return f"{scheme}://{_hidden(userinfo)}@{host}{slash}{tail}"
 
 
 def open_store(url: str, *, suffix: str = "", timeout: float | None = None,
