@@ -119,6 +119,24 @@ class TestRedisClusterStore(ChunkStoreTests):
         return None  # each node's maxmemory, as TestRedisStore's
 
 
+class TestS3Store(ChunkStoreTests):
+    SCHEME = 's3'
+
+    @pytest.fixture
+    def make(self, s3_url):
+        return lambda: open_store(s3_url)
+
+    @pytest.fixture
+    def capped(self, s3_server, s3_url):
+        probe = open_store(s3_url)  # an object's bytes: the .hrry file's
+        probe.put(["0" * 32], 0, segment(16, 0), {})
+        size = probe.catalog()[0].nbytes
+        probe.close()
+        s = open_store(f"{s3_url}-capped", max_bytes=12 * size)
+        yield s
+        s.close()
+
+
 def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
     builtin = chunks.store_classes(plugins=False)
     assert {c.__module__ for c in builtin} == {f"hurraykv.chunks.{m}"
@@ -143,7 +161,8 @@ def test_every_builtin_store_is_registered_with_a_form_and_runs_the_contract():
     ("file:relative/dir", {}, "absolute directory"),
     ("redis://127.0.0.1:1", {"max_bytes": 10}, r"option 'max_bytes' is not one a redis:// "
                                                r"store takes \(its options: none\); "
-                                               r"file:///DIR and mem://\[NAME\] take it"),
+                                               r"file:///DIR, mem://\[NAME\] and "
+                                               r"s3://BUCKET/PREFIX take it"),
     ("file:///tmp/x", {"tls_ca": "ca.pem"}, r"hurray://HOST:PORT takes it"),
     ("file:///tmp/x", {"max_byte": 1}, r"did you mean 'max_bytes'\?"),
 ])

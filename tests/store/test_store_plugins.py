@@ -153,7 +153,7 @@ print(json.dumps({{
     assert "option 'bucket' is not one a file:// store takes (its options: max_bytes, " \
         "max_pinned_bytes, max_bytes_per_tenant); toy:///DIR takes it" in got["another_store"][1]
     assert "option 'max_bytes' is not one a toy:// store takes (its options: bucket); " \
-        "file:///DIR and mem://[NAME] take it" in got["not_its_own"][1]
+        "file:///DIR, mem://[NAME] and s3://BUCKET/PREFIX take it" in got["not_its_own"][1]
     other = chunks.open_store(url, bucket="b1")
     other.put(keys(1), 0, segment(1, 3).with_info(model="model=b1"), {})
 
@@ -175,7 +175,8 @@ print(json.dumps({{
                       (("-o", "bucket=", url), "--option bucket is ''; it is a non-empty "
                                                "string"),
                       (("-o", "bucket", url), "--option 'bucket' is not NAME=VALUE"),
-                      (("-o", "max_bytes=1G", url), "file:///DIR and mem://[NAME] take it")]:
+                      (("-o", "max_bytes=1G", url),
+                           "file:///DIR, mem://[NAME] and s3://BUCKET/PREFIX take it")]:
         refused = cli("cache", "ls", *args)
         assert refused.returncode == 2 and why in refused.stderr, (args, refused.stderr)
 

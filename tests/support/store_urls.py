@@ -23,7 +23,7 @@ def builtin() -> list[str]:
 @contextmanager
 def live_url(scheme: str, tmp_path: Path, request: Any) -> Iterator[str]:
     """The URL of an empty store of ``scheme``, alive for the ``with`` block (``request``:
-    the test's, for the session's Redis server)."""
+    the test's, for the session's Redis and S3 servers)."""
     if scheme == "file":
         yield (tmp_path / "kv").as_uri()
     elif scheme == "hurray":
@@ -37,6 +37,10 @@ def live_url(scheme: str, tmp_path: Path, request: Any) -> Iterator[str]:
         url = request.getfixturevalue("redis_url")
         redis.Redis.from_url(url).flushall()
         yield url
+    elif scheme == "s3":  # a prefix of its own on the session's SeaweedFS (s3_fixtures)
+        from tests.support.s3_fixtures import s3_prefix_url
+
+        yield s3_prefix_url(request.getfixturevalue("s3_server"))
     else:
         raise AssertionError(f"no way to start a {scheme}:// store for the tests: add one "
                              "to tests/support/store_urls.py")

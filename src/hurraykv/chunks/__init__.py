@@ -24,7 +24,8 @@ serve``; aliases with its LINK and LOCATE messages), ``redis.RedisChunks``
 (``redis://HOST:PORT``, ``rediss://``, ``redis+cluster://HOST:PORT``: the PageStore,
 identical pages of different segments stored once; aliases as small keys),
 ``memory.MemoryChunks`` (``mem://[NAME]``: this process's memory, under a required
-``max_bytes``).  A new backend
+``max_bytes``), ``s3.S3Chunks`` (``s3://BUCKET/PREFIX``: an S3 bucket through
+``obstore``, each segment a ``.hrry`` object, aliases as small objects).  A new backend
 is one ``ChunkStore`` subclass naming its schemes and the settings it takes besides its
 URL (``OPTIONS``: each an ``Option`` of a kind the connector's config parses), plus a test
 class that inherits the contract (``hurraykv.testing.ChunkStoreTests``); ``open_store``,
@@ -46,7 +47,7 @@ The package, one module per part: ``keys`` (the chain and segment names), ``sett
 ``urls`` (checking a URL, ``open_store``), ``suffixed`` (a tensor-parallel rank's view of
 a store), ``guard`` (every store call behind a deadline and a breaker), and the stores:
 ``file/`` (the store, its alias index, capacity, eviction, locking, tenants and the
-structure cache of one-pass loads), ``server``, ``redis``, ``memory``.  It sits on a floor
+structure cache of one-pass loads), ``server``, ``redis``, ``memory``, ``s3``.  It sits on a floor
 of its own below the engine glue (``integrations/``) and above ``net/`` and ``store/``
 (``docs/architecture.md``).
 """

@@ -202,7 +202,7 @@ class ChunkStore(ABC):
 
 
 _REGISTRY: dict[str, type[ChunkStore]] = {}
-BUILTIN = ("file.store", "server", "redis", "memory")  # modules whose classes register
+BUILTIN = ("file.store", "server", "redis", "memory", "s3")  # modules whose classes register
 GROUP = "hurraykv.chunk_stores"  # the entry point group of stores from outside the package
 RESERVED = ("url", "suffix", "timeout")  # open_store's own keywords: no option's name
 _LOCK = threading.RLock()

@@ -70,9 +70,14 @@ def url_problem(url: str, options: Sequence[str] = ()) -> str:
         return (f"option {', '.join(map(repr, extra))} is not one a {parsed.scheme}:// "
                 f"store takes (its options: {', '.join(takes) or 'none'})"
                 + (f"; did you mean {close[0]!r}?" if close else "")
-                + (f"; {' and '.join(owners)} take{'s' if len(owners) == 1 else ''} it"
+                + (f"; {_listed(owners)} take{'s' if len(owners) == 1 else ''} it"
                    if owners else ""))
     return _unread_part(parsed, cls) or cls.url_problem(parsed)
+
+
+def _listed(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
 
 
 def _host_problem(host: str) -> str:
@@ -105,7 +110,8 @@ def _unread_part(parsed: ParseResult, cls: type[ChunkStore]) -> str:
         if "\0" in path:
             return (f"its path {parsed.path!r} holds a NUL byte (at character "
                     f"{path.index(chr(0))} of the decoded path); a file name has none")
-    parts = {"userinfo": parsed.netloc.rpartition("@")[0] if "@" in parsed.netloc else "",
+    parts = {"userinfo": _hidden(parsed.netloc.rpartition("@")[0]) if "@" in parsed.netloc
+             else "",
              "path": "" if pathname or parsed.path in ("", "/") else parsed.path,
              "params": parsed.params, "query": parsed.query, "fragment": parsed.fragment}
     for part, value in parts.items():
@@ -131,8 +137,26 @@ def check_url(url: str, options: Sequence[str] = ()) -> None:
     why, and the forms the registered stores take."""
     why = url_problem(url, options)
     if why:
-        raise ConfigError(f"url {url!r}: {why}; the chunk store is {url_forms()}",
-                          field="url", value=url, rule="a registered chunk store URL")
+        shown = redacted(url)
+        raise ConfigError(f"url {shown!r}: {why}; the chunk store is {url_forms()}",
+                          field="url", value=shown, rule="a registered chunk store URL")
+
+
+def _hidden(userinfo: str) -> str:
+    """A URL's ``USER:PASSWORD`` as ``USER:***``: a password is never repeated in a
+    message."""
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:***" if colon else userinfo
+
+
+def redacted(url: str) -> str:
+    """``url`` with the password of its userinfo (if any) written ``***``."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if not sep or "@" not in netloc:
+        return url
+    userinfo, _, host = netloc.rpartition("@")
+    return f"{scheme}://{_hidden(userinfo)}@{host}{slash}{tail}"
 
 
 def open_store(url: str, *, suffix: str = "", timeout: float | None = None,

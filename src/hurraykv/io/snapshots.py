@@ -45,11 +45,14 @@ def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
                   model: str | None = None, metadata: dict[str, Any] | None = None,
                   alignment: int = 4096, progress: Progress | None = None,
                   fsync: bool = True,
-                  checksums: bool | Literal["auto", "keep"] = "auto") -> Path:
+                  checksums: bool | Literal["auto", "keep"] = "auto",
+                  into: int | None = None) -> Path:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename).
     ``model`` replaces the snapshot's, ``metadata`` is merged into its own; both come back
     as ``snap.model`` / ``snap.metadata`` from every reader.  ``fsync=False`` skips the
-    flushes to disk (the rename stays atomic).
+    flushes to disk (the rename stays atomic).  ``into``: written into that open, empty
+    file descriptor instead (a memory file: ``s3://`` uploads it), ``path`` only naming it
+    in messages.
 
     Checksums: an xxh3-64 digest of every page and buffer of the values written, as the
     metadata entry ``checksum.xxh3_64`` (``checksums.py``), so that ``hurraykv validate``
@@ -94,7 +97,7 @@ def save_snapshot(snapshot: KVCacheSnapshot, path: str | os.PathLike, *,
         snapshot = _without_checksums(snapshot)
     tensors = [(HEAD_NAME, snapshot.head(), []), *snapshot.members()]
     return write_hrry(path, tensors, snapshot_kv(snapshot), alignment=alignment,
-                      progress=progress, fsync=fsync)
+                      progress=progress, fsync=fsync, into=into)
 
 
 class ChecksumsNotWritten(UserWarning):

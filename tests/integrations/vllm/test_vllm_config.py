@@ -34,7 +34,8 @@ def test_a_stores_own_keys_come_from_its_class_parsed_by_their_kind():
     assert ConnectorConfig.from_extra({"url": "hurray://h:1"}).store_options == {}
     builtin = {o.name for cls in chunks.store_classes(plugins=False) for o in cls.OPTIONS}
     assert builtin == {"max_bytes", "max_pinned_bytes", "max_bytes_per_tenant", "tls_cert",
-                       "tls_key", "tls_ca", "server_hostname"} and builtin <= set(KEYS)
+                       "tls_key", "tls_ca", "server_hostname", "endpoint", "region"} \
+        and builtin <= set(KEYS)
     with pytest.raises(hk.HurrayError, match=r"unknown key\(s\) \['store_options'\]"):
         ConnectorConfig.from_extra({"url": "file:///kv", "store_options": {}})
 
