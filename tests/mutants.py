@@ -915,6 +915,39 @@ MUTANTS = [
            ("tests/io/test_checksums.py::test_pool_digests_are_the_entry_of_the_snapshot_"
             "over_those_pools",),
            "checksums.PoolDigests: its entry equals digests'"),
+    # --- tiers (issue 49): mem://, the stack, a tier's guard ---------------------------
+    Mutant("memory-load-not-a-use", "hurraykv/chunks/memory.py",
+           "            pool.segments.move_to_end(name)  # a load is a use\n", "",
+           ("tests/store/test_memory_store.py::test_a_load_is_a_use",),
+           "chunks/memory.py: a load is a use (least recently used out first)"),
+    Mutant("memory-put-keeps-the-callers-buffers", "hurraykv/chunks/memory.py",
+           "views.append(memoryview(arena[at:at + n]))", "views.append(memoryview(b))",
+           ("tests/store/test_memory_store.py::test_a_segment_is_a_copy_of_what_was_put",),
+           "chunks/memory.py: a segment is copied at put (the saver reuses its buffers)"),
+    Mutant("stack-promotion-never-queued", "hurraykv/chunks/stack.py",
+           'queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]',
+           "queued = []",
+           ("tests/store/test_stack.py::test_a_lower_tiers_hit_is_promoted_and_the_next_"
+            "comes_from_the_top",),
+           "docs/vllm.md, Tiers: a lower tier's hit is promoted into the tiers above"),
+    Mutant("stack-a-tier-down-fails-the-lookup", "hurraykv/chunks/stack.py",
+           "            except Exception as e:  # a tier down answers misses; the others serve",
+           "            except HurrayError as e:  # a tier down answers misses; the others "
+           "serve",
+           ("tests/store/test_stack.py::test_a_tier_down_never_fails_the_stack_the_others_"
+            "serve",),
+           "docs/vllm.md, Tiers: a tier that fails answers misses, the others serve"),
+    Mutant("tier-guard-deadline-30x", "hurraykv/chunks/guarded_tier.py",
+           "got = self.guard.call(op, run, _NO_ANSWER, timeout=self.timeouts[kind])",
+           "got = self.guard.call(op, run, _NO_ANSWER, timeout=30 * self.timeouts[kind])",
+           ("tests/store/test_stack.py::test_a_hung_tier_costs_its_deadline_only_and_its_"
+            "breaker_recovers",),
+           "docs/vllm.md, Tiers: each tier within its share of the connector's deadline"),
+    Mutant("tiers-promotion-keys-not-planned", "hurraykv/integrations/vllm/scheduler.py",
+           "keys = segment_keys(name, st.keys.known())", "keys = []",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_a_lower_tiers_hit_loads_and_"
+            "is_promoted_so_the_next_comes_from_memory",),
+           "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory"),
 ]
 
 

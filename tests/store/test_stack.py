@@ -6,10 +6,13 @@ tier that fails while the others serve.  Real stores throughout: ``mem://`` pool
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 
 import pytest
 
+from hurraykv.chunks.guarded_tier import GuardedTier
 from hurraykv.chunks.keys import segment_name
 from hurraykv.chunks.memory import MemoryChunks, copied
 from hurraykv.chunks.registry import ChunkStore
@@ -189,4 +192,56 @@ def test_write_back_sends_what_the_memory_tier_drops_down(tmp_path):
         StackedChunks([below, top], write_policy="write_back")
     with pytest.raises(HurrayError, match="write_policy is 'write_around'"):
         StackedChunks([top, below], write_policy="write_around")
+    stack.close()
+
+
+class Hung(MemoryChunks):
+    """A memory tier that stops answering lookups while ``hang`` is set (a tier hung)."""
+
+    hang = threading.Event()
+
+    def locate(self, keys):
+        while self.hang.is_set():
+            time.sleep(0.01)
+        return super().locate(keys)
+
+
+def until(check, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_hung_tier_costs_its_deadline_only_and_its_breaker_recovers(tmp_path):
+    """Each tier behind its own deadline and breaker (``GuardedTier``, as the connector
+    opens them): a tier that hangs answers misses within its deadline while the others
+    serve, is skipped once down (no wait at all), and serves again by itself."""
+    pool = f"stack-{next(_pools)}"
+    below = open_store((tmp_path / "kv").as_uri())
+    hung = GuardedTier(lambda: Hung(pool, max_bytes=1 << 30), url=f"mem://{pool}",
+                       timeouts={"lookup": 0.2, "load": 0.2, "save": 1.0},
+                       log=logging.getLogger("test"), failures=2, max_backoff=0.5)
+    hung.guard._backoff0 = hung.guard._backoff = 0.2  # probes soon, for the test
+    stack = StackedChunks([hung, below])
+    top_keys, low_keys = keys(1), keys(1)
+    Hung(pool, max_bytes=1 << 30).put(top_keys, 0, segment(1, 1), {})
+    below.put(low_keys, 0, segment(1, 2), {})
+    Hung.hang.set()
+    try:
+        started = time.monotonic()
+        assert stack.locate(low_keys)[0] is not None  # the other tier serves
+        assert time.monotonic() - started < 1.0
+        time.sleep(0.5)  # the hung call runs past a second deadline: charged again
+        assert stack.locate(low_keys)[0] is not None
+        assert hung.guard.down
+        started = time.monotonic()
+        assert stack.locate(top_keys) == [None]  # skipped: no wait for it
+        assert time.monotonic() - started < 0.1
+    finally:
+        Hung.hang.clear()
+    assert until(lambda: stack.locate(top_keys)[0] is not None, 10)  # back by itself
+    assert not hung.guard.down
     stack.close()
