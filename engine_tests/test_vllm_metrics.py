@@ -164,10 +164,43 @@ def test_vllm_logging_and_prometheus_accept_the_stats() -> None:
         _unregister_ours()
 
 
+def test_each_tier_has_its_counters_labelled_with_its_url() -> None:
+    """With ``tiers``, what each tier counted (``tier_KIND.INDEX`` in the payload, from
+    ``CounterDeltas`` over the stacks' shared counts) reaches Prometheus labelled
+    ``tier`` with the tier's URL (issue 49 item 2: operations)."""
+    tiers = [{"url": "mem://", "max_bytes": "1G"}, {"url": "file:///nonexistent"}]
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="HurrayConnector", kv_role="kv_both",
+        kv_connector_module_path="hurraykv.integrations.vllm",
+        kv_connector_extra_config={"tiers": tiers}))
+    counts = {"hits": [0, 0], "promotions": [0, 0], "outages": [0, 0]}
+    deltas = CounterDeltas({}, extra=lambda: vllm_metrics.tier_payload(counts))
+    counts["hits"][1], counts["promotions"][0] = 2, 1
+    first = deltas.take()
+    counts["hits"][0] += 1
+    _unregister_ours()
+    try:
+        prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        prom.observe(first.data, 0)
+        prom.observe(deltas.take().data, 0)
+
+        def value(name: str, tier: str) -> float | None:
+            return REGISTRY.get_sample_value(f"{name}_total", {
+                "model_name": "tiny", "engine": "0", "tier": tier})
+
+        assert value("vllm:hurraykv_tier_hits", "file:///nonexistent") == 2
+        assert value("vllm:hurraykv_tier_hits", "mem://") == 1
+        assert value("vllm:hurraykv_tier_promotions", "mem://") == 1
+        assert value("vllm:hurraykv_tier_outages", "file:///nonexistent") == 0
+    finally:
+        _unregister_ours()
+
+
 def test_the_docs_metrics_table_names_every_metric() -> None:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
     table = docs[docs.index("**Metrics.**"):docs.index("**KV events")]
-    for name, _ in METRICS.values():  # a row names its first metric whole, then suffixes
+    # a row names its first metric whole, then suffixes
+    for name, _ in [*METRICS.values(), *vllm_metrics.TIER_METRICS.values()]:
         suffix = name.removeprefix("vllm:hurraykv")
         assert f"`{name}`" in table or f"`{suffix}`" in table, name
 

@@ -46,6 +46,14 @@ from .registry import ChunkStore, Stored
 
 log = logging.getLogger("hurraykv.chunks")
 POLICIES = ("write_through", "write_back")
+# what a stack counts, per tier (the connector's vllm:hurraykv_tier_* metrics)
+COUNTS = ("hits", "loaded_bytes", "stored_bytes", "promotions", "promotions_skipped",
+          "promotions_refused", "writes", "writes_dropped", "writes_failed", "outages")
+
+
+def tier_counts(tiers: int) -> dict[str, list[int]]:
+    """Zeroed counters for a stack of ``tiers`` (several stacks may share one)."""
+    return {kind: [0] * tiers for kind in COUNTS}
 
 
 class StackedChunks(ChunkStore):
@@ -54,7 +62,7 @@ class StackedChunks(ChunkStore):
     REMEMBERED = 65536  # segments whose tier the stack remembers from lookups and reads
 
     def __init__(self, tiers: Sequence[ChunkStore], *, write_policy: str = "write_through",
-                 queue_depth: int = 64) -> None:
+                 queue_depth: int = 64, counts: dict[str, list[int]] | None = None) -> None:
         if not tiers:
             raise HurrayError("a stack of stores has no tier", field="tiers", value=[],
                               rule="one tier or more")
@@ -67,9 +75,7 @@ class StackedChunks(ChunkStore):
         self.write_policy = write_policy
         self._where: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
-        self.counts = {f: [0] * len(self.tiers) for f in (
-            "hits", "promotions", "promotions_skipped", "promotions_refused", "writes",
-            "writes_dropped", "writes_failed", "outages")}
+        self.counts = counts if counts is not None else tier_counts(len(self.tiers))
         self.inline = queue_depth == 0  # the lower tiers written before put returns
         self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], None]] | None] = \
             queue.Queue(max(queue_depth, 1))
@@ -136,6 +142,7 @@ class StackedChunks(ChunkStore):
                 continue
             self._remember(name, tier)
             self.counts["hits"][tier] += 1
+            self.counts["loaded_bytes"][tier] += _nbytes(got)
             return got
         if isinstance(last, HurrayError):
             raise last
@@ -178,6 +185,7 @@ class StackedChunks(ChunkStore):
             if got is not None:
                 self._remember(name, tier)
                 self.counts["hits"][tier] += 1
+                self.counts["loaded_bytes"][tier] += _nbytes(got)
             return got
         return None
 
@@ -200,17 +208,18 @@ class StackedChunks(ChunkStore):
         source = self.tiers[tier]
         got: list[KVCacheSnapshot] = []  # read once for all the tiers above
 
-        def copy(store: ChunkStore) -> None:
+        def copy(store: ChunkStore) -> int:
             if name in self._discarded:
-                return
+                return 0
             if not got:
                 got.append(source.get_verified(name))
             store.put(keys, first, got[0], dict(got[0].metadata))
+            return got[0].nbytes
 
         queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]
         return any(queued)
 
-    def _enqueue(self, tier: int, work: Callable[[ChunkStore], None], kind: str) -> bool:
+    def _enqueue(self, tier: int, work: Callable[[ChunkStore], int | None], kind: str) -> bool:
         if self.inline:
             self._done(self.tiers[tier], work, kind, tier)
             return True
@@ -224,10 +233,13 @@ class StackedChunks(ChunkStore):
             return False
         return True
 
-    def _done(self, store: ChunkStore, work: Callable[[ChunkStore], None], kind: str,
+    def _done(self, store: ChunkStore, work: Callable[[ChunkStore], int | None], kind: str,
               tier: int) -> None:
+        stored: list[int] = []
         try:
-            work(store)
+            n = work(store)
+            if n:
+                stored.append(n)
         except HurrayError as e:  # no room (pins fill it), refused: counted
             self.counts["promotions_refused" if kind == "promotions" else
                         "writes_failed"][tier] += 1
@@ -238,6 +250,7 @@ class StackedChunks(ChunkStore):
             self._outage(tier, kind[:-1], e)
         else:
             self.counts[kind][tier] += 1
+            self.counts["stored_bytes"][tier] += stored[0] if stored else 0
 
     def _start(self) -> None:
         with self._lock:
@@ -269,13 +282,16 @@ class StackedChunks(ChunkStore):
         self._discarded.discard(name)  # computed again: stored again
         self.tiers[0].put(keys, first, snapshot, metadata)
         self.counts["writes"][0] += 1
+        self.counts["stored_bytes"][0] += snapshot.nbytes
         self._remember(name, 0)
         if self.write_policy == "write_through":
             keys, metadata = list(keys), dict(metadata)
 
-            def copy(store: ChunkStore) -> None:
-                if name not in self._discarded:
-                    store.put(keys, first, snapshot, metadata)
+            def copy(store: ChunkStore) -> int:
+                if name in self._discarded:
+                    return 0
+                store.put(keys, first, snapshot, metadata)
+                return snapshot.nbytes
 
             for tier in range(1, len(self.tiers)):
                 self._enqueue(tier, copy, "writes")
@@ -285,8 +301,9 @@ class StackedChunks(ChunkStore):
         """The first tier dropped a segment: it goes down to the second."""
         keys, metadata = list(keys), dict(snapshot.metadata)
 
-        def copy(store: ChunkStore) -> None:
+        def copy(store: ChunkStore) -> int:
             store.put(keys, first, snapshot, metadata)
+            return snapshot.nbytes
 
         self._enqueue(1, copy, "writes")
 
@@ -357,4 +374,10 @@ class StackedChunks(ChunkStore):
             store.close()
 
 
-__all__ = ["POLICIES", "StackedChunks"]
+def _nbytes(got: Any) -> int:
+    """The bytes of what a read gave: a snapshot, or a tuple that starts with one."""
+    snap = got[0] if isinstance(got, tuple) else got
+    return getattr(snap, "nbytes", 0)
+
+
+__all__ = ["COUNTS", "POLICIES", "StackedChunks", "tier_counts"]

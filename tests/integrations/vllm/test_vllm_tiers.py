@@ -16,6 +16,7 @@ import torch
 from hurraykv.chunks.guard import Guarded
 from hurraykv.chunks.keys import ChunkKeys, identity_digest
 from hurraykv.chunks.memory import MemoryChunks
+from hurraykv.chunks.stack import tier_counts
 from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError
 from hurraykv.integrations.vllm.common import Context
@@ -44,12 +45,14 @@ class Tiers(Side):
 
     def context(self, tiers, open_one=None, **extra) -> Context:
         conf = ConnectorConfig.from_extra({"tiers": tiers, **extra})
-        guards = [Guarded(lambda: open_stack(conf), url=conf.url, what=what, timeout=5.0,
-                          log=logging.getLogger("test")) for what in ("lookup", "load", "save")]
+        counts = tier_counts(len(conf.tiers))  # one connector's stacks share them
+        guards = [Guarded(lambda: open_stack(conf, counts=counts), url=conf.url, what=what,
+                          timeout=5.0, log=logging.getLogger("test"))
+                  for what in ("lookup", "load", "save")]
         self.guards += guards
         return Context(conf, BLOCK, CHUNK, IDENTITY, identity_digest(IDENTITY),
                        can_load=True, can_save=True, lookups=guards[0], loads=guards[1],
-                       saves=guards[2])
+                       saves=guards[2], tier_counts=counts)
 
 
 @pytest.fixture
@@ -98,6 +101,12 @@ def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
     w.get_finished(set())  # the job counted: its segment promoted, off the path
     assert until(lambda: memory.locate(keys)[0] == name)
     assert memory.get_verified(name).equal(below.get_verified(name))
+    # what the worker's stacks counted, per tier (vllm:hurraykv_tier_* in /metrics)
+    counts = w.ctx.tier_counts
+    assert counts["hits"] == [0, 1] and counts["loaded_bytes"][1] > 0
+    assert until(lambda: counts["promotions"] == [1, 0])  # counted once its put returned
+    assert counts["promotions"] == [1, 0] and counts["stored_bytes"][0] > 0
+    assert counts["writes"] == [1, 1] and counts["outages"] == [0, 0]
 
 
 def test_tiers_are_read_once_and_a_wrong_one_is_refused_naming_it(tmp_path):

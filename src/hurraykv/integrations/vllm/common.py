@@ -182,6 +182,8 @@ class Context:
     # open(ranked=True) to this rank's objects, open(ranked=False) to every rank's
     open: Any = None
     stats: Counters = field(default_factory=Counters)
+    # with tiers: what every stack of this connector counted, per tier (chunks/stack.py)
+    tier_counts: dict[str, list[int]] | None = None
 
     @property
     def url(self) -> str:

@@ -86,7 +86,7 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         self._deltas = metrics.CounterDeltas(
             ctx.stats, chunk_size=chunk_size, rank=rank,
             extra=lambda: {"store_outages": sum(g.stats["outages"] for g in (
-                ctx.lookups, ctx.loads, ctx.saves))})
+                ctx.lookups, ctx.loads, ctx.saves)), **metrics.tier_payload(ctx.tier_counts)})
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

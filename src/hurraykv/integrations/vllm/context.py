@@ -15,7 +15,7 @@ from typing import Any
 from ...chunks.guard import Guarded
 from ...chunks.guarded_tier import GuardedTier
 from ...chunks.keys import identity_digest
-from ...chunks.stack import StackedChunks
+from ...chunks.stack import StackedChunks, tier_counts
 from ...chunks.urls import open_store
 from ...errors import HurrayError
 from .common import Context, log
@@ -46,13 +46,15 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     # Each tensor-parallel rank holds its own heads: it stores and loads its own
     # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
 
+    counts = tier_counts(len(conf.tiers)) if conf.tiers else None
+
     def open_one(ranked: bool = True) -> Any:
         """A new connection; ``ranked``: to this rank's objects, else to every rank's;
         with ``tiers``, a stack of one connection to each (``chunks/stack.py``)."""
         suffix = f".tp{rank}" if tp > 1 and ranked else ""
         timeout = conf.load_timeout_ms / 1000 + 5
         if conf.tiers:
-            return open_stack(conf, suffix, timeout)
+            return open_stack(conf, suffix, timeout, counts)
         return open_store(conf.url, suffix=suffix, timeout=timeout, **conf.store_options)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
@@ -77,11 +79,12 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
                         **guard),
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
-        disabled=disabled, formats=identities, layout=layout, open=open_one)
+        disabled=disabled, formats=identities, layout=layout, open=open_one,
+        tier_counts=counts)
 
 
-def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = None
-               ) -> StackedChunks:
+def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = None,
+               counts: dict[str, list[int]] | None = None) -> StackedChunks:
     """A stack of ``conf.tiers``, each tier behind its own deadline and breaker
     (``chunks/guarded_tier.py``): a call asks the tiers in turn, so each gets a share of
     the connector's deadline (saves excepted: the first tier's is the save's)."""
@@ -93,7 +96,7 @@ def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = 
         lambda t=t: open_store(t.url, suffix=suffix, timeout=timeout, **t.options),
         url=t.url, timeouts=deadlines, log=log, failures=conf.failures_before_down,
         max_backoff=conf.max_backoff_s) for t in conf.tiers or ()],
-        write_policy=conf.write_policy)
+        write_policy=conf.write_policy, counts=counts)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,

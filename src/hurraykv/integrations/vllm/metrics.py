@@ -143,6 +143,37 @@ METRICS: dict[str, tuple[str, str]] = {
                          "reset_cache (vLLM's reset_prefix_cache with reset_connector)."),
 }
 
+# with tiers: what each tier counted (chunks/stack.py COUNTS), one counter family per
+# kind labelled ``tier`` with the tier's URL; in the payload as ``tier_KIND.INDEX``
+TIER_METRICS: dict[str, tuple[str, str]] = {
+    "hits": ("vllm:hurraykv_tier_hits", "Segments a tier served (a lookup's tier first)."),
+    "loaded_bytes": ("vllm:hurraykv_tier_loaded_bytes", "Bytes of the segments a tier served."),
+    "stored_bytes": ("vllm:hurraykv_tier_stored_bytes",
+                     "Bytes of the segments written into a tier (saves, write-through, "
+                     "write-back and promotions)."),
+    "promotions": ("vllm:hurraykv_tier_promotions",
+                   "Segments a lower tier served, copied into this tier."),
+    "promotions_skipped": ("vllm:hurraykv_tier_skipped_promotions",
+                           "Promotions into this tier skipped: the stack's queue was full."),
+    "promotions_refused": ("vllm:hurraykv_tier_refused_promotions",
+                           "Promotions this tier refused (no room: its pins fill it) or "
+                           "failed."),
+    "writes": ("vllm:hurraykv_tier_writes", "Segments written into this tier."),
+    "writes_dropped": ("vllm:hurraykv_tier_dropped_writes",
+                       "Writes into this tier dropped: the stack's queue was full."),
+    "writes_failed": ("vllm:hurraykv_tier_failed_writes",
+                      "Writes into this tier that it refused or failed."),
+    "outages": ("vllm:hurraykv_tier_outages",
+                "Calls this tier failed or answered past its deadline (the others served)."),
+}
+
+
+def tier_payload(counts: Mapping[str, list[int]] | None) -> dict[str, int]:
+    """The tiers' cumulative counters as payload names (``tier_hits.0``)."""
+    return {f"tier_{kind}.{i}": n for kind, per in (counts or {}).items()
+            for i, n in enumerate(per)}
+
+
 # payload names whose values go up and down (sums of deltas all the same): gauges
 GAUGES = frozenset({"saves_pending"})
 
@@ -250,6 +281,18 @@ class HurrayPromMetrics(KVConnectorPromMetrics):
             self.counters[key] = {idx: family.labels(*values)
                                   for idx, values in per_engine_labelvalues.items()}
 
+        # with tiers: one family per kind, labelled with each tier's URL
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
+                        "kv_connector_extra_config", None) or {}
+        urls = [t.get("url") for t in extra.get("tiers") or () if isinstance(t, Mapping)]
+        for kind, (name, doc) in TIER_METRICS.items() if urls else ():
+            family = self._counter_cls(name=name, documentation=doc,
+                                       labelnames=[*labelnames, "tier"])
+            for i, url in enumerate(urls):
+                self.counters[f"tier_{kind}.{i}"] = {
+                    idx: family.labels(*values, str(url))
+                    for idx, values in per_engine_labelvalues.items()}
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             per_engine = self.counters.get(key)
@@ -277,5 +320,6 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[st
     return HurrayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-__all__ = ["GAUGES", "METRICS", "PER_CHUNK", "CounterDeltas", "HurrayConnectorStats",
-           "HurrayPromMetrics", "build_kv_connector_stats", "build_prom_metrics"]
+__all__ = ["GAUGES", "METRICS", "PER_CHUNK", "TIER_METRICS", "CounterDeltas",
+           "HurrayConnectorStats", "HurrayPromMetrics", "build_kv_connector_stats",
+           "build_prom_metrics", "tier_payload"]
