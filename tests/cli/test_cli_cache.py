@@ -126,3 +126,27 @@ def test_pin_by_segment_and_by_prompt_prefix(tmp_path, capsys):
     assert "no segment of that prefix is stored" in capsys.readouterr().err
     assert main(["cache", "pin", url, "--tokens", str(tokens)]) == 1
     assert "--tokens needs --identity" in capsys.readouterr().err
+
+
+def test_several_urls_are_the_tiers_of_a_stack_listed_and_cleared_whole(tmp_path, capsys):
+    """Issue 49: `hurraykv cache` on a whole stack (URLs fastest first) and on each tier:
+    ls lists every tier's segments once and each tier's totals; clear empties them all."""
+    top, below = (tmp_path / "top").as_uri(), (tmp_path / "below").as_uri()
+    names = fill(below)  # the older segments, only further away
+    (tmp_path / "top").mkdir()
+    store = open_store(top)
+    moved = open_store(below).get_verified(names[B][0])
+    keys = ChunkKeys(identity_digest(B), 16).upto([7, 8] * 20, 2)
+    store.put(keys, 0, moved, {})  # one more segment, in the top tier only
+    listed = ls_all([top, below], capsys)
+    assert [(t["url"], t["segments"]) for t in listed["tiers"]] == [(top, 1), (below, 4)]
+    assert len(listed["segments"]) == 5 and listed["url"] == f"{top} > {below}"
+    assert main(["cache", "clear", "--all", "--json", top, below]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 5
+    assert [t["segments"] for t in ls_all([top, below], capsys)["tiers"]] == [0, 0]
+    assert ls(below, capsys)["segments"] == []  # each tier on its own: empty too
+
+
+def ls_all(urls: list[str], capsys) -> dict:
+    assert main(["cache", "ls", "--json", *urls]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -59,7 +59,10 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("-q", "--quiet", action="store_true", help="no summary line (errors "
                        "still go to stderr; the exit code says how it went)")
     for p, func in ((ls, cmd_cache_ls), (cl, cmd_cache_clear), (pn, cmd_cache_pin)):
-        p.add_argument("url", metavar="URL", help="file:///DIR, hurray://HOST:PORT or redis://HOST:PORT")
+        p.add_argument("urls", metavar="URL", nargs="+", help="file:///DIR, "
+                       "hurray://HOST:PORT, redis://HOST:PORT, s3://BUCKET/PREFIX; several: "
+                       "the tiers of a stack, fastest first (each tier takes the options "
+                       "its store declares)")
         p.add_argument("--json", action="store_true", help="the answer as one JSON object")
         for opt in TLS:
             p.add_argument("--" + opt.replace("_", "-"), dest=opt,
@@ -75,11 +78,12 @@ def add_parsers(sub: Any) -> None:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from urllib.parse import unquote, urlparse
-
-    from ..chunks.registry import is_local, options, store_class
+    """The store the URLs name: one, or the stack of them (fastest first), each opened
+    with the settings its store declares."""
+    from ..chunks.registry import options, store_class
     from ..chunks.settings import Option
-    from ..chunks.urls import check_url, open_store
+    from ..chunks.stack import StackedChunks
+    from ..chunks.urls import check_url
 
     settings = {k: getattr(args, k) for k in TLS if getattr(args, k) is not None}
     for given in args.option:
@@ -88,22 +92,48 @@ def _open(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--option {given!r} is not NAME=VALUE", field="--option",
                               value=given, rule="NAME=VALUE")
         settings[name] = options().get(name, Option(name)).parse(text, f"--option {name}")
-    # before the directory check below: a URL of no store is said as such
-    check_url(args.url, list(settings))
-    parsed = urlparse(args.url)
-    cls = store_class(parsed.scheme)
-    if cls is not None and cls.IN_PROCESS:
-        raise ConfigError(f"{args.url}: a {parsed.scheme}:// pool lives in the memory of the "
-                          "engine process that holds it; hurraykv cache, another process, "
-                          "cannot reach it (reset_cache through the engine clears it)",
-                          field="url", value=args.url, rule="a store another process reaches")
-    if is_local(args.url) and not os.path.isdir(
-            unquote(parsed.path)):  # opening one makes it: not for a typo
-        raise CannotRead(f"{args.url}: no such directory")
     if not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout {args.timeout:g}: it is a number of seconds above 0",
                           field="--timeout", value=args.timeout, rule="seconds above 0")
-    return open_store(args.url, timeout=args.timeout, **settings)
+    args.url = " > ".join(args.urls)  # for the messages and --json
+    if len(args.urls) == 1:
+        return _open_one(args.urls[0], settings, args.timeout)
+    takes = {k for url in args.urls for k in getattr(
+        store_class(url.partition(":")[0]), "option_names", tuple)()}
+    if set(settings) - takes:  # nobody's: said as a single store says it
+        check_url(args.urls[0], list(settings))
+    opened: list[Any] = []
+    try:
+        for url in args.urls:
+            own = getattr(store_class(url.partition(":")[0]), "option_names", tuple)()
+            opened.append(_open_one(url, {k: v for k, v in settings.items() if k in own},
+                                    args.timeout))
+    except BaseException:
+        for store in opened:
+            store.close()
+        raise
+    return StackedChunks(opened, queue_depth=0)
+
+
+def _open_one(url: str, settings: dict[str, Any], timeout: float) -> Any:
+    from urllib.parse import unquote, urlparse
+
+    from ..chunks.registry import is_local, store_class
+    from ..chunks.urls import check_url, open_store
+
+    # before the directory check below: a URL of no store is said as such
+    check_url(url, list(settings))
+    parsed = urlparse(url)
+    cls = store_class(parsed.scheme)
+    if cls is not None and cls.IN_PROCESS:
+        raise ConfigError(f"{url}: a {parsed.scheme}:// pool lives in the memory of the "
+                          "engine process that holds it; hurraykv cache, another process, "
+                          "cannot reach it (reset_cache through the engine clears it)",
+                          field="url", value=url, rule="a store another process reaches")
+    if is_local(url) and not os.path.isdir(
+            unquote(parsed.path)):  # opening one makes it: not for a typo
+        raise CannotRead(f"{url}: no such directory")
+    return open_store(url, timeout=timeout, **settings)
 
 
 def _summary(segments: list[Any]) -> list[dict[str, Any]]:
@@ -135,12 +165,18 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
     store = _open(args)
     try:
         segments = store.catalog()
+        tiers = [(url, listed) for url, listed in zip(
+            args.urls, store.catalogs(), strict=True)] if len(args.urls) > 1 else []
     finally:
         store.close()
     rows = _summary(segments)
     if args.json:
         print(json.dumps({"url": args.url, "identities": rows,
-                          "segments": [vars(s) for s in segments]}, sort_keys=True))
+                          "segments": [vars(s) for s in segments],
+                          **({"tiers": [{"url": url, "segments": len(listed),
+                                         "bytes": sum(s.nbytes for s in listed)}
+                                        for url, listed in tiers]} if tiers else {})},
+                         sort_keys=True))
         return 0
     now = time.time()
     print(f"{'IDENTITY':<32}  {'SEGMENTS':>8}  {'BYTES':>10}  {'OLDEST':>12}  "
@@ -155,6 +191,9 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
                 f" expires in {max(0.0, s.expiry - now):.0f} s" if s.expiry else "")
             print(f"  {s.name}  {units.size(s.nbytes):>10}  {_ago(s.used, now):>12}  "
                   f"{s.identity_key or '-'}  {kept.strip()}")
+    for url, listed in tiers:
+        print(f"  tier {url}: {units.plural(len(listed), 'segment')}, "
+              f"{units.size(sum(s.nbytes for s in listed))}")
     print(f"{units.plural(len(segments), 'segment')}, "
           f"{units.size(sum(s.nbytes for s in segments))} in {args.url}")
     if any(r[k] is None for r in rows for k in ("oldest", "last_used")):
