@@ -582,8 +582,8 @@ MUTANTS = [
             "on_is_closed",),
            "open_store: a store that opens after it was given up on is closed"),
     Mutant("cache-timeout-option", "hurraykv/cli/cache.py",
-           "    return open_store(args.url, timeout=args.timeout, **settings)",
-           "    return open_store(args.url, timeout=30.0, **settings)",
+           "        return _open_one(args.urls[0], settings, args.timeout)",
+           "        return _open_one(args.urls[0], settings, 30.0)",
            ("tests/store/test_store_plugins.py::test_a_store_whose_open_never_returns_is_given_"
             "up_after_the_timeout",),
            "docs/vllm.md: hurraykv cache --timeout"),
