@@ -84,14 +84,7 @@ class GuardedTier(ChunkStore):
 
     def get_checked(self, name: str, later: frozenset[str] = frozenset()
                     ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
-        def read(s: ChunkStore) -> Any:
-            before = s.verify_seconds
-            try:
-                return s.get_checked(name, later)
-            finally:
-                self.verify_seconds += s.verify_seconds - before
-
-        return self._call("get", "load", read)
+        return self._call("get", "load", lambda s: self.checked_from(s, name, later))
 
     def get_pages(self, name: str, members: frozenset[str]) -> Any:
         return self._call("get", "load", lambda s: s.get_pages(name, members)

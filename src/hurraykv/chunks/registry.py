@@ -111,6 +111,16 @@ class ChunkStore(ABC):
         the caller (the ``Pending`` returned, None when nothing was left)."""
         return self.get_verified(name), None
 
+    def checked_from(self, store: ChunkStore, name: str, later: frozenset[str]
+                     ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
+        """``store.get_checked(name, later)`` (a store this one fronts), the time it spent
+        verifying added to this one's ``verify_seconds``."""
+        before = store.verify_seconds
+        try:
+            return store.get_checked(name, later)
+        finally:
+            self.verify_seconds += store.verify_seconds - before
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(o.name for o in cls.OPTIONS)

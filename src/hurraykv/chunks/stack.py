@@ -157,14 +157,7 @@ class StackedChunks(ChunkStore):
 
     def get_checked(self, name: str, later: frozenset[str] = frozenset()
                     ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
-        def read(s: ChunkStore) -> Any:
-            before = s.verify_seconds
-            try:
-                return s.get_checked(name, later)
-            finally:
-                self.verify_seconds += s.verify_seconds - before
-
-        return self._read(name, read)
+        return self._read(name, lambda s: self.checked_from(s, name, later))
 
     def get_pages(self, name: str, members: frozenset[str]) -> Any:
         """The pages left in the tier's file where its store reads so (``file://``,

@@ -44,11 +44,7 @@ class Suffixed(ChunkStore):
 
     def get_checked(self, name: str, later: frozenset[str] = frozenset()
                     ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
-        before = self.inner.verify_seconds
-        try:
-            return self.inner.get_checked(self._named(name), later)
-        finally:
-            self.verify_seconds += self.inner.verify_seconds - before
+        return self.checked_from(self.inner, self._named(name), later)
 
     def connect(self) -> None:
         self.inner.connect()

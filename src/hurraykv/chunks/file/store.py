@@ -240,10 +240,8 @@ class FileChunks(ChunkStore):
 
     def _get(self, name: str, verify: bool, later: frozenset[str] = frozenset()
              ) -> tuple[KVCacheSnapshot, checksums.Pending | None]:
-        check_name(name)
-        path = self.path(name)
+        fd, path = self._open_segment(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
                 Capacity.touch(fd)
                 size = os.fstat(fd).st_size
@@ -260,9 +258,6 @@ class FileChunks(ChunkStore):
                     whole(path.name, size, got)
             finally:
                 os.close(fd)
-        except FileNotFoundError:
-            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
-                              value=name, rule="a stored segment") from None
         except OSError as e:
             raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
                               value=name) from None
@@ -278,6 +273,19 @@ class FileChunks(ChunkStore):
             self.verify_seconds += time.perf_counter() - started
         return snap, None
 
+    def _open_segment(self, name: str) -> tuple[int, Path]:
+        """Segment ``name``'s file, opened to read (a link is not followed), and its path;
+        a HurrayError when it is not there or cannot be opened."""
+        path = self.path(check_name(name))
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), path
+        except FileNotFoundError:
+            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
+                              value=name, rule="a stored segment") from None
+        except OSError as e:
+            raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
+                              value=name) from None
+
     def get_pages(self, name: str, members: frozenset[str]
                   ) -> tuple[KVCacheSnapshot, PageSource] | None:
         """Segment ``name`` with the pages of ``members`` left in its file (a
@@ -289,15 +297,7 @@ class FileChunks(ChunkStore):
         check_name(name)
         if not scatter.available():
             return None
-        path = self.path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise HurrayError(f"segment {name} is not in {self.dir}", field="segment",
-                              value=name, rule="a stored segment") from None
-        except OSError as e:
-            raise HurrayError(f"segment {name} in {self.dir}: {e.strerror}", field="segment",
-                              value=name) from None
+        fd, path = self._open_segment(name)
         try:
             Capacity.touch(fd)
             got = self.layouts.pages(fd, name, str(path), members)
