@@ -20,6 +20,7 @@ from hurraykv.chunks.stack import StackedChunks
 from hurraykv.chunks.urls import open_store
 from hurraykv.errors import HurrayError
 from hurraykv.testing import ChunkStoreTests, keys, segment
+from tests.support.waits import until
 
 _pools = itertools.count()
 
@@ -205,14 +206,6 @@ class Hung(MemoryChunks):
             time.sleep(0.01)
         return super().locate(keys)
 
-
-def until(check, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_hung_tier_costs_its_deadline_only_and_its_breaker_recovers(tmp_path):

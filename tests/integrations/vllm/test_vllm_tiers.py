@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +34,7 @@ from tests.integrations.vllm.test_vllm_worker import (
     run_step,
     save,
 )
+from tests.support.waits import until
 
 _pools = itertools.count()
 
@@ -61,14 +61,6 @@ def tiers():
     yield s
     s.close()
 
-
-def until(check, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
