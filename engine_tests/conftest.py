@@ -21,6 +21,11 @@ from tests.support.redis_fixtures import redis_cluster_url, redis_url  # noqa: F
 
 from hurraykv.integrations import engine_run, tiny_models
 
+# The engine processes' fork server also builds the connector's compiled kernels once,
+# before it forks any engine (``_kernels_preload.py``: some 5 s of each engine's start).
+engine_run._forkserver().set_forkserver_preload(
+    ["hurraykv.integrations._engine_preload", "engine_tests._kernels_preload"])
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # every test here runs (or inspects) a real vLLM
