@@ -4,9 +4,15 @@ with ``.venv-vllm/bin/python -m pytest engine_tests``."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
+import hashlib
+import json
 import os
+import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,9 +38,86 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.engine)
 
 
+# ------------------------------------------------------------------ shared runs
+# What several tests need and build the same way (a model, the outputs of an engine
+# without a connector, a store an engine filled) is built once per run, and shared by
+# the pytest-xdist workers too: each is built under a lock in a directory every worker
+# sees, and marked done once whole.  A model's path is part of the cache identity every
+# chunk key is seeded with, so the workers share the models' directories as well.
+def _shared_root(tmp_path_factory) -> Path:
+    """The run's directory that every xdist worker sees (their base temp directories'
+    parent), or the base temp directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory ``name``, filled by ``build(directory)`` once per run (every worker
+    waits for the one that builds it)."""
+    root = _shared_root(tmp_path_factory)
+    where = root / name
+    with _locked(root / f"{name}.lock"):
+        if not (where / ".done").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir()
+            build(where)
+            (where / ".done").touch()
+    return where
+
+
+def spec_key(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def shared_run(tmp_path_factory, spec: dict, name: str = "engine") -> dict:
+    """``run_engine(spec)``, run once per run for every test that asks for the same spec
+    (an engine without a connector: the reference outputs several tests compare with)."""
+    def build(where: Path) -> None:
+        (where / "result.json").write_text(json.dumps(run_engine(spec, where, name)))
+
+    where = shared(tmp_path_factory, f"run-{spec_key(spec)}", build)
+    return json.loads((where / "result.json").read_text())
+
+
+def shared_store(tmp_path_factory, make_spec: Callable[[str], dict], dest: Path) -> dict:
+    """An engine run of ``make_spec(url)`` that stores into a ``file://`` directory, run
+    once per run for every test that stores the same way: its store is copied to
+    ``dest`` (as that engine left it), and its result returned."""
+    def build(where: Path) -> None:
+        result = run_engine(make_spec((where / "kv").as_uri()), where, "store")
+        (where / "result.json").write_text(json.dumps(result))
+
+    where = shared(tmp_path_factory, f"store-{spec_key(make_spec('file:///STORE'))}", build)
+    shutil.copytree(where / "kv", dest)
+    return json.loads((where / "result.json").read_text())
+
+
+def shared_model(tmp_path_factory, name: str, builder: Callable[[Path], Path]) -> Path:
+    """A tiny model built once per run (``builder(directory)``), its directory shared."""
+    return shared(tmp_path_factory, name, builder)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return tiny_models.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return shared_model(tmp_path_factory, "tiny-llama", tiny_models.tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def plain_run(tmp_path_factory) -> Callable[[dict], dict]:
+    """``plain_run(spec)``: ``shared_run`` for the tests of this session."""
+    return lambda spec: shared_run(tmp_path_factory, spec, "reference")
 
 
 class Engine:
