@@ -33,9 +33,30 @@ engine_run._forkserver().set_forkserver_preload(
     ["hurraykv.integrations._engine_preload", "engine_tests._kernels_preload"])
 
 
+# The longest tests first (those starting tensor-parallel engines, the preempting
+# engines, vllm serve), then the modules whose tests take longest, each module's tests in
+# their order: the pytest-xdist workers then end together, where a long test started
+# last would leave the other core idle.
+LONGEST = ["test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse",
+           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model",
+           "test_vllm_preemption.py::", "test_vllm_serve.py::"]
+FIRST = ["test_vllm_hybrid", "test_vllm_faults", "test_vllm_store_dtype",
+         "test_vllm_connector", "test_vllm_retention"]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # every test here runs (or inspects) a real vLLM
         item.add_marker(pytest.mark.engine)
+
+    def rank(item: pytest.Item) -> int:
+        where = item.nodeid.split("/")[-1]
+        for i, name in enumerate(LONGEST):
+            if where.startswith(name):
+                return i
+        module = where.split(".py::")[0]
+        return len(LONGEST) + (FIRST.index(module) if module in FIRST else len(FIRST))
+
+    items.sort(key=rank)  # stable: the order within a module stays
 
 
 # ------------------------------------------------------------------ shared runs
