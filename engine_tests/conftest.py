@@ -37,9 +37,18 @@ engine_run._forkserver().set_forkserver_preload(
 # The longest tests first (those starting tensor-parallel engines, the preempting
 # engines, vllm serve), then the modules whose tests take longest, each module's tests in
 # their order: the pytest-xdist workers then end together, where a long test started
-# last would leave the other core idle.
-LONGEST = ["test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse",
-           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model",
+# last would leave the other core idle.  The first two need nothing the other builds
+# (the shared runs: a worker would wait on the other's lock).
+LONGEST = ["test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[file]",
+           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model"
+           "[gemma2]",
+           "test_vllm_preemption.py::test_preempted_requests_reload_their_stored_prefix_and_"
+           "keep_the_tokens[sync]",
+           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model"
+           "[qwen3_next]",
+           "test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[hurray]",
+           "test_vllm_serve.py::test_the_quickstart_runs_as_written",
+           "test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[redis]",
            "test_vllm_preemption.py::", "test_vllm_serve.py::"]
 FIRST = ["test_vllm_hybrid", "test_vllm_faults", "test_vllm_store_dtype",
          "test_vllm_connector", "test_vllm_retention"]
