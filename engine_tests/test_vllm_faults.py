@@ -24,18 +24,16 @@ from tests.support.holding_proxy import HoldingProxy
 from tests.support.redis_servers import free_port, redis_server_binary, start_redis
 
 from engine_tests.conftest import Engine, ask, run_engine, skip_unless_cpu_takes
-from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
+from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec, stored_both
 from hurraykv import errors as hk_errors
 from hurraykv.integrations import engine_run
 from hurraykv.net.messages import MessageType as T
 
 
 @pytest.fixture(scope="module")
-def want(tiny_llama, tmp_path_factory) -> list[list[int]]:
+def want(tiny_llama, plain_run) -> list[list[int]]:
     """Greedy tokens of both prompts from an engine without a connector."""
-    out = run_engine(spec(tiny_llama, None, list(prompts())), tmp_path_factory.mktemp("ref"),
-                     "reference")
-    return [o["tokens"] for o in out["outputs"]]
+    return [o["tokens"] for o in plain_run(spec(tiny_llama, None, list(prompts())))["outputs"]]
 
 
 class Lines(logging.Handler):
@@ -269,7 +267,7 @@ def wait_for_status(eng: Engine, rid: str, status: str, limit: float = 20.0) -> 
 
 
 def test_a_request_aborted_while_its_load_hangs_frees_its_blocks_and_is_never_written(
-        tiny_llama, tmp_path, want):
+        tiny_llama, tmp_path, want, plain_run):
     """The fetch of a hit hangs: vLLM holds the request in ``WAITING_FOR_REMOTE_KVS``.
     It is aborted: the connector reports it at the next step, vLLM frees its blocks and
     gives them to other requests (24 blocks: the next ones reuse them), and when the store
@@ -313,7 +311,7 @@ def test_a_request_aborted_while_its_load_hangs_frees_its_blocks_and_is_never_wr
         done = eng.run_to_end()  # by the ids given (vLLM's without its suffix)
         tokens = [done[rid.rsplit("-", 1)[0]] for rid in nexts]
         assert tokens[0] == want[1]
-        reference = run_engine(spec(tiny_llama, None, [other]), tmp_path, "reference")
+        reference = plain_run(spec(tiny_llama, None, [other]))
         assert tokens[1] == reference["outputs"][0]["tokens"]
         # the second's load wrote its 2 layers (or failed); the aborted one's never did
         assert worker.stats["layers_written"] - written in (0, 2)
@@ -358,7 +356,7 @@ def finish_times(eng: Engine, prompts_: list[list[int]]) -> list[tuple[list[int]
 
 
 def test_segments_cut_underneath_loads_are_recomputed_never_a_signal(tiny_llama, tmp_path,
-                                                                     want):
+                                                                     want, tmp_path_factory):
     """Segments truncated in place while an engine keeps loading them: SIGBUS killed the
     worker when segments were mapped; read, a short file is a recompute.  One engine (in a
     process of its own: a signal would end it, not the test run) loads the two prompts'
@@ -367,7 +365,7 @@ def test_segments_cut_underneath_loads_are_recomputed_never_a_signal(tiny_llama,
     failed, and the tokens are an engine's without a connector every time."""
     store = tmp_path / "kv"
     both = list(prompts())
-    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+    stored_both(tmp_path_factory, tiny_llama, store)
     # a consumer: nothing it recomputes is stored again over the files being cut
     out = engine_run.run(spec(tiny_llama, conn(store.as_uri(), "kv_consumer"), both),
                          tmp_path, "loads", entry=_load_whole_cut_and_racing)
@@ -515,20 +513,22 @@ def store_url(kind: str, tmp_path: Path, redis_url: str, stack: contextlib.ExitS
 
 
 @pytest.fixture(scope="module")
-def tp2_plain(tiny_llama, tmp_path_factory) -> list[list[int]]:
+def tp2_plain(tiny_llama, plain_run) -> list[list[int]]:
     """Greedy tokens of a TP=2 engine without a connector."""
-    return [o["tokens"] for o in tp2(tiny_llama, None, tmp_path_factory.mktemp("tp2"),
-                                      "plain")["outputs"]]
+    return [o["tokens"] for o in plain_run(tp2_spec(tiny_llama, None))["outputs"]]
+
+
+def tp2_spec(model: Path, connector: dict | None, rounds: int = 1) -> dict:
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return spec(model, connector, list(prompts())) | {
+        "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+        "rounds": rounds}
 
 
 def tp2(model: Path, connector: dict | None, work: Path, name: str, rounds: int = 1
         ) -> dict:
     """Both prompts through a TP=2 engine, one request at a time, ``rounds`` times."""
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    s = spec(model, connector, list(prompts())) | {
-        "env": env, "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
-        "rounds": rounds}
-    return run_engine(s, work, name)
+    return run_engine(tp2_spec(model, connector, rounds), work, name)
 
 
 @pytest.mark.parametrize("kind", ["file", "hurray", "redis"])
@@ -557,14 +557,14 @@ def test_tensor_parallel_ranks_store_and_reuse(tiny_llama, tmp_path, kind, tp2_p
 
 
 def test_a_worker_that_cannot_read_its_cache_recomputes_what_the_scheduler_matched(
-        tiny_llama, tmp_path, want, monkeypatch):
+        tiny_llama, tmp_path, want, monkeypatch, tmp_path_factory):
     """A layout the worker refuses at registration: the engine still starts and serves,
     every chunk the scheduler matches is recomputed (never left unwritten)."""
     from hurraykv.adapters import vllm as hv
 
     store = tmp_path / "kv"
     both = list(prompts())
-    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+    stored_both(tmp_path_factory, tiny_llama, store)
 
     def refuse(*args, **kwargs):
         raise hk_errors.UnsupportedError("a layout this test pretends not to read")
@@ -594,7 +594,8 @@ def test_the_connector_logs_through_vllms_format(tiny_llama, tmp_path):
     assert os.environ.get("VLLM_LOGGING_LEVEL", "INFO") == "INFO"
 
 
-def test_a_segment_of_another_identity_is_never_loaded(tiny_llama, tmp_path, want):
+def test_a_segment_of_another_identity_is_never_loaded(tiny_llama, tmp_path, want,
+                                                       tmp_path_factory):
     """Same geometry, another model and dtype, under this engine's names: a recompute with
     one line, not KV converted into the engine's blocks."""
     import ml_dtypes
@@ -605,7 +606,7 @@ def test_a_segment_of_another_identity_is_never_loaded(tiny_llama, tmp_path, wan
 
     store = tmp_path / "kv"
     both = list(prompts())
-    run_engine(spec(tiny_llama, conn(store.as_uri()), both), tmp_path, "store")
+    stored_both(tmp_path_factory, tiny_llama, store)
     for path in store.glob("*.hrry"):
         snap = hk.load_snapshot(path)
         pools = [[snap.tensor(layer, role).page_pool.astype(ml_dtypes.bfloat16)
@@ -718,7 +719,8 @@ def _damaged(snap, where: str):
                                              ("hurray", "pool"), ("redis", "pool"),
                                              ("file", "table"), ("file", "scale")])
 def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path, kind,
-                                                            where, redis_url, lines):
+                                                            where, redis_url, lines,
+                                                            plain_run):
     """Damage in a stored page pool, block table or scale, on every backend: the loading
     engine verifies the checksums written with the segment, recomputes, reports it once,
     takes the object out of the store and stores it again."""
@@ -729,9 +731,9 @@ def test_a_flipped_stored_byte_is_a_recompute_reported_once(tiny_llama, tmp_path
     if where == "scale":
         skip_unless_cpu_takes(dtype, kv_cache_dtype)
     first, second = prompts()
-    reference = [o["tokens"] for o in run_engine(
-        spec(tiny_llama, None, [first, second], dtype=dtype, kv_cache_dtype=kv_cache_dtype),
-        tmp_path, "reference")["outputs"]]
+    reference = [o["tokens"] for o in plain_run(
+        spec(tiny_llama, None, [first, second], dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    )["outputs"]]
     with contextlib.ExitStack() as stack:
         url = store_url(kind, tmp_path, redis_url, stack)
         # a model_id of its own: other tests share the session's Redis

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hurraykv as hk
-from engine_tests.conftest import run_engine
+from engine_tests.conftest import run_engine, shared_model, shared_store
 from hurraykv.integrations import tiny_models
 from hurraykv.integrations.vllm import hybrid
 from hurraykv.integrations.vllm.groups import METADATA_KEY
@@ -41,12 +41,12 @@ def qwen_states(snap: hk.KVCacheSnapshot) -> list:
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory) -> Path:
-    return tiny_models.tiny_gemma2(tmp_path_factory.mktemp("gemma2"))
+    return shared_model(tmp_path_factory, "gemma2", tiny_models.tiny_gemma2)
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> Path:
-    return tiny_models.tiny_qwen3_next(tmp_path_factory.mktemp("qwen3-next"))
+    return shared_model(tmp_path_factory, "qwen3-next", tiny_models.tiny_qwen3_next)
 
 
 # Gemma 2: chunks of 32 tokens (one block), window 64.  Qwen3-Next: vLLM sets the block
@@ -131,11 +131,11 @@ def test_chunked_local_attention_passes_through_saying_why(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(models, tmp_path_factory) -> dict[str, list[list[int]]]:
+def reference(models, plain_run) -> dict[str, list[list[int]]]:
     """Greedy tokens of engines without a connector (their hybrid manager on)."""
     out = {}
     for kind, model in models.items():
-        result = run_engine(spec(model, kind, None), tmp_path_factory.mktemp("ref"), kind)
+        result = plain_run(spec(model, kind, None))
         out[kind] = [o["tokens"] for o in result["outputs"]]
         assert len(set(out[kind][0])) > 4, "a random model repeating itself proves little"
     return out
@@ -161,6 +161,13 @@ def store_url(kind: str, tmp_path: Path, redis_url: str):
             server.wait(10)
 
 
+def stored_first(tmp_path_factory, model: Path, kind: str, store: Path) -> dict:
+    """The first prompt of ``kind`` stored into the directory ``store`` by an engine of its
+    own: one engine a run for every test that starts from it, its directory copied."""
+    return shared_store(tmp_path_factory,
+                        lambda url: spec(model, kind, conn(url), prompts(kind)[:1]), store)
+
+
 def groups_in(log: str) -> str:
     return next((line for line in log.splitlines() if "kv cache group sizes" in line), "")
 
@@ -168,10 +175,11 @@ def groups_in(log: str) -> str:
 @pytest.mark.parametrize("model", ["gemma2", "qwen3_next"])
 @pytest.mark.parametrize("store", ["file", "hurray", "redis"])
 def test_a_fresh_engine_reuses_a_hybrid_models_prefix_with_the_hybrid_manager_on(
-        models, reference, tmp_path, model, store, redis_url):
+        models, reference, tmp_path, model, store, redis_url, tmp_path_factory):
     with store_url(store, tmp_path, redis_url) as url:
-        stored = run_engine(spec(models[model], model, conn(url), prompts(model)[:1]),
-                            tmp_path, "store")
+        stored = stored_first(tmp_path_factory, models[model], model, tmp_path / "kv") \
+            if store == "file" else run_engine(
+                spec(models[model], model, conn(url), prompts(model)[:1]), tmp_path, "store")
         reused = run_engine(spec(models[model], model, conn(url)), tmp_path, "reuse")
     for out in (stored, reused):
         assert TURNED_OFF not in out["log"]
@@ -200,11 +208,11 @@ def _flip(path: Path, found: bytes) -> None:
 
 
 @pytest.mark.parametrize("damage", ["state", "page"])
-def test_a_damaged_state_or_page_is_recomputed(models, reference, tmp_path, damage):
+def test_a_damaged_state_or_page_is_recomputed(models, reference, tmp_path, damage,
+                                               tmp_path_factory):
     model = "qwen3_next" if damage == "state" else "gemma2"
     store = tmp_path / "kv"
-    run_engine(spec(models[model], model, conn(store.as_uri()), prompts(model)[:1]),
-               tmp_path, "store")
+    stored_first(tmp_path_factory, models[model], model, store)
     (segment,) = sorted(store.glob("*.hrry"))
     snap = hk.load_snapshot(segment)
     if damage == "state":  # layer 1 of the Mamba layers, its recurrent (SSM) state
@@ -262,10 +270,10 @@ def test_sliding_window_layers_store_and_load_only_the_window_a_hit_needs(
     assert reused["stats"]["bytes_loaded"] == page * 2 * 2 * ((8 + 2) + (4 + 2))
 
 
-def test_inspect_shows_a_hybrid_segments_groups_and_states(models, tmp_path):
+def test_inspect_shows_a_hybrid_segments_groups_and_states(models, tmp_path,
+                                                           tmp_path_factory):
     store = tmp_path / "kv"
-    run_engine(spec(models["qwen3_next"], "qwen3_next", conn(store.as_uri()),
-                    prompts("qwen3_next")[:1]), tmp_path, "store")
+    stored_first(tmp_path_factory, models["qwen3_next"], "qwen3_next", store)
     (segment,) = sorted(store.glob("*.hrry"))
     shown = subprocess.run([sys.executable, "-m", "hurraykv.cli", "inspect", str(segment)],
                            capture_output=True, text=True, check=True).stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_tests.conftest import run_engine
+from engine_tests.conftest import run_engine, shared_store
 
 BLOCK = 32
 
@@ -20,15 +20,17 @@ def _spec(model, connector, prompts, **kw) -> dict:
 
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
-def test_preempted_requests_reload_their_stored_prefix_and_keep_the_tokens(tiny_llama,
-                                                                          tmp_path, load_mode):
+def test_preempted_requests_reload_their_stored_prefix_and_keep_the_tokens(
+        tiny_llama, tmp_path, load_mode, tmp_path_factory, plain_run):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, 1000, 200).tolist() for _ in range(8)]
     url = (tmp_path / "kv").as_uri()
-    conn = {"url": url, "role": "kv_producer", "extra": {"url": url}}
-    stored = run_engine(_spec(tiny_llama, conn, prompts, max_tokens=1), tmp_path, "store")
+    # the same store and reference for both load modes: one engine each a run
+    stored = shared_store(tmp_path_factory, lambda url: _spec(
+        tiny_llama, {"url": url, "role": "kv_producer", "extra": {"url": url}}, prompts,
+        max_tokens=1), tmp_path / "kv")
     assert stored["stats"]["chunks_saved"] == 8 * (199 // BLOCK)
-    reference = run_engine(_spec(tiny_llama, None, prompts), tmp_path, "reference")
+    reference = plain_run(_spec(tiny_llama, None, prompts))
     # two requests admitted at 7 blocks each grow to 15 (450 tokens): 20 blocks of 32
     # make vLLM preempt one, which later resumes into other blocks
     tight = {"num_blocks": 20, "max_model_len": 512}

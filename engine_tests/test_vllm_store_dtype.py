@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import hurraykv as hk
-from engine_tests.conftest import run_engine, skip_unless_cpu_takes
+from engine_tests.conftest import run_engine, shared_store, skip_unless_cpu_takes
 from engine_tests.test_vllm_connector import BLOCK, conn, prompts, spec
 from hurraykv.integrations import engine_run
 
@@ -25,14 +25,21 @@ TOLERANCE = {"int8": 0.002, "int4": 0.01, "fp8": 0.005}
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama, tmp_path_factory) -> list[dict]:
+def plain(tiny_llama, plain_run) -> list[dict]:
     """Each prompt's output (greedy tokens, log-probabilities) without a connector."""
-    return run_engine(dict(spec(tiny_llama, None, list(prompts())), logprobs=LOGPROBS),
-                      tmp_path_factory.mktemp("plain"), "plain")["outputs"]
+    return plain_run(dict(spec(tiny_llama, None, list(prompts())), logprobs=LOGPROBS))["outputs"]
 
 
 def _segments(store):
     return sorted(store.glob("*.hrry"))
+
+
+def stored_int4(tmp_path_factory, model, store) -> None:
+    """The first prompt stored at int4 into ``store`` by an engine of its own (one engine
+    a run for the tests that start from it, its directory copied)."""
+    first, _ = prompts()
+    shared_store(tmp_path_factory,
+                 lambda url: spec(model, conn(url, store_dtype="int4"), [first]), store)
 
 
 @pytest.mark.parametrize(("store_dtype", "quantization", "dtype"), [
@@ -83,11 +90,10 @@ def test_each_store_dtype_stores_and_reloads(tiny_llama, tmp_path, plain, store_
         assert [o["tokens"] for o in out["outputs"]] == [w["tokens"] for w in plain]
 
 
-def test_int4_chunks_load_only_where_accepted(tiny_llama, tmp_path):
+def test_int4_chunks_load_only_where_accepted(tiny_llama, tmp_path, tmp_path_factory):
     store = tmp_path / "kv"
     first, _ = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri(), store_dtype="int4"), [first]),
-               tmp_path, "int4")
+    stored_int4(tmp_path_factory, tiny_llama, store)
     plain = run_engine(spec(tiny_llama, conn(store.as_uri()), [first]), tmp_path, "auto")
     assert plain["outputs"][0]["num_cached_tokens"] == 0
     assert plain["stats"]["chunks_loaded"] == 0
@@ -100,11 +106,11 @@ def test_int4_chunks_load_only_where_accepted(tiny_llama, tmp_path):
     assert accepting["stats"]["chunks_loaded"] == 6
 
 
-def test_int4_chunks_alone_are_loaded_by_an_accepting_auto_engine(tiny_llama, tmp_path):
+def test_int4_chunks_alone_are_loaded_by_an_accepting_auto_engine(tiny_llama, tmp_path,
+                                                                   tmp_path_factory):
     store = tmp_path / "kv"
     first, _ = prompts()
-    run_engine(spec(tiny_llama, conn(store.as_uri(), store_dtype="int4"), [first]),
-               tmp_path, "int4")
+    stored_int4(tmp_path_factory, tiny_llama, store)
     out = run_engine(spec(tiny_llama, conn(store.as_uri(), accept_store_dtypes="int4"),
                           [first]), tmp_path, "accepting")
     assert out["outputs"][0]["num_cached_tokens"] == 192
