@@ -26,3 +26,10 @@ def reference_dir() -> Path:
     if not (REFERENCE / "manifest.json").exists():
         pytest.fail(f"reference conformance vectors not found at {REFERENCE}")
     return REFERENCE
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow first (in their order), the others after: with ``make
+    test``'s two pytest-xdist workers a long test taken last kept one worker busy alone
+    while the other had finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

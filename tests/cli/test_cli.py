@@ -50,6 +50,7 @@ def test_validate_exit_codes(tmp_path):
     assert p.returncode == 1 and "DescriptorError" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # ~7.5 s on 2 cores (subprocesses)
 def test_inspect_validate_and_compact_snapshots(tmp_path):
     import numpy as np
 
@@ -232,6 +233,7 @@ def _serve(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().split()[-1]
 
 
+@pytest.mark.slow  # ~11 s on 2 cores (subprocesses)
 def test_serve_ls_stat_rm(tmp_path):
     import hurraykv as hk
     from tests.support.snapshots import make_snapshot
@@ -317,6 +319,7 @@ def _cli_pipe(args: list[str], data: bytes) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=60)
 
 
+@pytest.mark.slow  # ~11 s on 2 cores (subprocesses)
 def test_validate_and_inspect_read_a_pipe_once(tmp_path):
     s = make_snapshot("fp8")
     hk.save_snapshot(s, tmp_path / "s.hrry")

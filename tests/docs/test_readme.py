@@ -124,6 +124,7 @@ def test_the_readme_server_example_runs(saved):
     assert back.equal(zeroed(hk.load_snapshot(saved / "batch.hrry")))
 
 
+@pytest.mark.slow  # ~9 s on 2 cores (each command's --help, a subprocess)
 def test_every_command_the_readme_lists_exists():
     block = next(b for b in SHELL if b.startswith("hurraykv inspect PATH"))
     commands = sorted(set(re.findall(r"\bhurraykv ([a-z]+)", block)))
