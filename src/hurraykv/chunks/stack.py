@@ -302,20 +302,19 @@ class StackedChunks(ChunkStore):
 
     # -- what is stored -------------------------------------------------------------------
     def catalog(self) -> list[Stored]:
-        seen: dict[str, Stored] = {}
-        for tier, store in enumerate(self.tiers):
-            try:
-                listed = store.catalog()
-            except Exception as e:
-                self._outage(tier, "catalog", e)
-                continue
-            for s in listed:
-                seen.setdefault(s.name, s)
-        return list(seen.values())
+        return merged(self.catalogs())
 
     def catalogs(self) -> list[list[Stored]]:
-        """Each tier's catalog (``hurraykv cache ls`` per tier)."""
-        return [t.catalog() for t in self.tiers]
+        """Each tier's catalog (``hurraykv cache ls`` per tier); a tier that fails lists
+        nothing."""
+        out: list[list[Stored]] = []
+        for tier, store in enumerate(self.tiers):
+            try:
+                out.append(store.catalog())
+            except Exception as e:
+                self._outage(tier, "catalog", e)
+                out.append([])
+        return out
 
     def remove(self, name: str) -> bool:
         removed = False
@@ -367,10 +366,20 @@ class StackedChunks(ChunkStore):
             store.close()
 
 
+def merged(catalogs: list[list[Stored]]) -> list[Stored]:
+    """The tiers' catalogs as one: each segment once, as the first tier holding it lists
+    it."""
+    seen: dict[str, Stored] = {}
+    for listed in catalogs:
+        for s in listed:
+            seen.setdefault(s.name, s)
+    return list(seen.values())
+
+
 def _nbytes(got: Any) -> int:
     """The bytes of what a read gave: a snapshot, or a tuple that starts with one."""
     snap = got[0] if isinstance(got, tuple) else got
     return getattr(snap, "nbytes", 0)
 
 
-__all__ = ["COUNTS", "POLICIES", "StackedChunks", "tier_counts"]
+__all__ = ["COUNTS", "POLICIES", "StackedChunks", "merged", "tier_counts"]

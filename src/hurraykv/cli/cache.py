@@ -98,14 +98,13 @@ def _open(args: argparse.Namespace) -> Any:
     args.url = " > ".join(args.urls)  # for the messages and --json
     if len(args.urls) == 1:
         return _open_one(args.urls[0], settings, args.timeout)
-    takes = {k for url in args.urls for k in getattr(
-        store_class(url.partition(":")[0]), "option_names", tuple)()}
-    if set(settings) - takes:  # nobody's: said as a single store says it
+    owns = [set(getattr(store_class(url.partition(":")[0]), "option_names", tuple)())
+            for url in args.urls]
+    if set(settings) - set().union(*owns):  # nobody's: said as a single store says it
         check_url(args.urls[0], list(settings))
     opened: list[Any] = []
     try:
-        for url in args.urls:
-            own = getattr(store_class(url.partition(":")[0]), "option_names", tuple)()
+        for url, own in zip(args.urls, owns, strict=True):
             opened.append(_open_one(url, {k: v for k, v in settings.items() if k in own},
                                     args.timeout))
     except BaseException:
@@ -162,11 +161,15 @@ def _ago(when: float | None, now: float) -> str:
 
 
 def cmd_cache_ls(args: argparse.Namespace) -> int:
+    from ..chunks.stack import merged
+
     store = _open(args)
     try:
-        segments = store.catalog()
-        tiers = [(url, listed) for url, listed in zip(
-            args.urls, store.catalogs(), strict=True)] if len(args.urls) > 1 else []
+        if len(args.urls) > 1:  # each tier listed once: the stack's list is theirs
+            tiers = list(zip(args.urls, store.catalogs(), strict=True))
+            segments = merged([listed for _, listed in tiers])
+        else:
+            segments, tiers = store.catalog(), []
     finally:
         store.close()
     rows = _summary(segments)
