@@ -77,8 +77,8 @@ class StackedChunks(ChunkStore):
         self._lock = threading.Lock()
         self.counts = counts if counts is not None else tier_counts(len(self.tiers))
         self.inline = queue_depth == 0  # the lower tiers written before put returns
-        self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], None]] | None] = \
-            queue.Queue(max(queue_depth, 1))
+        self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], int | None], str] | None] \
+            = queue.Queue(max(queue_depth, 1))
         self._discarded: set[str] = set()  # damaged: queued copies of them are not made
         self._worker: threading.Thread | None = None
         if write_policy == "write_back" and len(self.tiers) > 1 and not getattr(
@@ -218,8 +218,7 @@ class StackedChunks(ChunkStore):
             return True
         self._start()
         try:
-            self._queue.put_nowait((tier, lambda s, w=work, k=kind, t=tier: self._done(
-                s, w, k, t)))
+            self._queue.put_nowait((tier, work, kind))
         except queue.Full:
             self.counts["promotions_skipped" if kind == "promotions" else
                         "writes_dropped"][tier] += 1
@@ -228,11 +227,8 @@ class StackedChunks(ChunkStore):
 
     def _done(self, store: ChunkStore, work: Callable[[ChunkStore], int | None], kind: str,
               tier: int) -> None:
-        stored: list[int] = []
         try:
-            n = work(store)
-            if n:
-                stored.append(n)
+            stored = work(store) or 0
         except HurrayError as e:  # no room (pins fill it), refused: counted
             self.counts["promotions_refused" if kind == "promotions" else
                         "writes_failed"][tier] += 1
@@ -243,7 +239,7 @@ class StackedChunks(ChunkStore):
             self._outage(tier, kind[:-1], e)
         else:
             self.counts[kind][tier] += 1
-            self.counts["stored_bytes"][tier] += stored[0] if stored else 0
+            self.counts["stored_bytes"][tier] += stored
 
     def _start(self) -> None:
         with self._lock:
@@ -258,8 +254,8 @@ class StackedChunks(ChunkStore):
             try:
                 if item is None:
                     return
-                tier, run = item
-                run(self.tiers[tier])
+                tier, work, kind = item
+                self._done(self.tiers[tier], work, kind, tier)
             finally:
                 self._queue.task_done()
 
