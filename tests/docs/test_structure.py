@@ -35,6 +35,8 @@ LONG = {
     "hurraykv/snapshot.py": "KVCacheSnapshot and the assembler that fills its member cache "
                             "are one concept; the assembler apart is an import circle, or "
                             "a package that changes KVCacheSnapshot.__module__",
+    "hurraykv/chunks/s3.py": "S3Chunks, one store class: its objects, reads, writes, capacity "
+                             "and retention, as the other stores' single modules read",
 }
 
 

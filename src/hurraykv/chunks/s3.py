@@ -127,6 +127,9 @@ class S3Chunks(ChunkStore):
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="hurraykv-s3")
         self._lock = threading.Lock()
         self._touched: dict[str, float] = {}
+        # this process's writes and loads, to the microsecond: an object's Last-Modified
+        # has whole seconds, which left segments used in one second in any order
+        self._last_use: dict[str, float] = {}
         self._count: tuple[float, int] | None = None  # (listed at, bytes) for max_bytes
         self.evictions = 0
         self.evicted_bytes = 0
@@ -254,9 +257,17 @@ class S3Chunks(ChunkStore):
         self._touch(name)
         return snap
 
+    def _used_now(self, name: str) -> None:
+        with self._lock:
+            self._last_use[name] = time.time()
+            if len(self._last_use) > 65536:  # the newest half kept
+                newest = sorted(self._last_use.items(), key=lambda i: i[1])[32768:]
+                self._last_use = dict(newest)
+
     def _touch(self, name: str) -> None:
         """Record a use of ``name`` (``used/NAME``), in the background, at most once a
         ``TOUCH_S``; a failure only leaves the last use older."""
+        self._used_now(name)
         now = time.monotonic()
         with self._lock:
             if now - self._touched.get(name, -1e9) < self.TOUCH_S:
@@ -296,9 +307,11 @@ class S3Chunks(ChunkStore):
             k = self._kept(name)
             if k is not None and k.expired(time.time()):  # stored again: a new segment
                 self._delete([self._key("kept", name)])
-        elif self._count is not None:
-            with self._lock:
-                self._count = (self._count[0], self._count[1] + size)
+        else:
+            self._used_now(name)
+            if self._count is not None:
+                with self._lock:
+                    self._count = (self._count[0], self._count[1] + size)
         model = snapshot.model
         ident = identity_key(model) if model else NO_ID
         self._put(self._key("index", f"{name}/{ident}"), "\n".join(keys).encode())
@@ -353,8 +366,10 @@ class S3Chunks(ChunkStore):
             need = total + nbytes - int(self.max_bytes * self.LOW_WATER)
             used = self._used()
             victims, freed = [], 0
-            for s in sorted(segments.values(), key=lambda s: max(s.created or 0,
-                                                                 used.get(s.name, 0))):
+            with self._lock:
+                mine = dict(self._last_use)
+            for s in sorted(segments.values(), key=lambda s: max(
+                    s.created or 0, used.get(s.name, 0), mine.get(s.name, 0))):
                 k = kept.get(s.name)
                 if s.name == keep or (k is not None and k.pinned):
                     continue
