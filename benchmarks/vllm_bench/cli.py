@@ -17,6 +17,7 @@ from vllm_bench.retention import retention, staleness
 from vllm_bench.serve import serve_bench
 from vllm_bench.store_dtype import store_dtype
 from vllm_bench.store_dtype_speed import store_dtype_speed
+from vllm_bench.tiers import tier_loads, tier_zipf
 from vllm_bench.zipf import zipf
 
 
@@ -29,7 +30,8 @@ def main() -> None:
     p.add_argument("--skip-peers", action="store_true",
                    help="only the connector table (as --only connector)")
     p.add_argument("--only", choices=("peers", "connector", "zipf", "store_dtype",
-                                      "store_dtype_speed", "serve", "hybrid", "retention"),
+                                      "store_dtype_speed", "serve", "hybrid", "retention",
+                                      "tiers"),
                    help="run one table alone")
     p.add_argument("--burn", type=int, default=2,
                    help="serve: CPU burner processes beside the server in the hit-rate rows "
@@ -47,7 +49,7 @@ def main() -> None:
     args = p.parse_args()
     tables = {args.only} if args.only else {"peers", "connector", "zipf", "store_dtype",
                                             "store_dtype_speed", "serve", "hybrid",
-                                            "retention"}
+                                            "retention", "tiers"}
     if args.skip_peers:  # as before the Zipf table: the connector table alone
         tables = {"connector"}
     with tempfile.TemporaryDirectory(prefix="hurraykv-bench-vllm-") as tmp:
@@ -87,6 +89,15 @@ def main() -> None:
             for grid in hybrid(work, args.quick):
                 print_grid(*grid)
                 print()
+        if "tiers" in tables:
+            long_tokens = 2048 if args.quick else 4096
+            print_table(f"Tiers: each alone, {long_tokens}-token full hits on the connector "
+                        "table's model (16 KiB of bfloat16 KV a token)",
+                        tier_loads(work, long_tokens))
+            print()
+            n, requests = (20, 100) if args.quick else (40, 200)
+            print_grid(*tier_zipf(work, n, requests))
+            print()
         if "serve" in tables:
             grids, notes = serve_bench(work, args.quick, args.burn, args.burn_slow,
                                        args.delay_ms, args.mbps)

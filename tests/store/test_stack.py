@@ -78,7 +78,8 @@ def test_a_lower_tiers_hit_is_promoted_and_the_next_comes_from_the_top(tmp_path)
     stack.settle()
     assert top.get_verified(top.locate(k)[0]).equal(snap)
     assert stack.counts["promotions"] == [1, 0]
-    stack.locate(k)
+    # no lookup in between (a connector's worker reads what its scheduler looked up):
+    # the promoted copy is read all the same
     assert stack.get_verified(name).equal(snap) and stack.served_by(name) == 0
     assert stack.counts["hits"] == [1, 1]
     # a segment whose keys the caller does not have whole is not promoted

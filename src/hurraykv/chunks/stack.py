@@ -96,6 +96,12 @@ class StackedChunks(ChunkStore):
             while len(self._where) > self.REMEMBERED:
                 self._where.popitem(last=False)
 
+    def _raise(self, name: str, tier: int) -> None:
+        """``name`` is in ``tier`` now too: read from there when it is faster."""
+        with self._lock:
+            if self._where.get(name, tier) >= tier:
+                self._where[name] = tier
+
     def _outage(self, tier: int, op: str, e: BaseException) -> None:
         self.counts["outages"][tier] += 1
         log.warning("tier %d (%s) failed a %s: %s: %s; the other tiers serve", tier,
@@ -207,6 +213,7 @@ class StackedChunks(ChunkStore):
             if not got:
                 got.append(source.get_verified(name))
             store.put(keys, first, got[0], dict(got[0].metadata))
+            self._raise(name, self.tiers.index(store))  # the next read from there
             return got[0].nbytes
 
         queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]

@@ -119,14 +119,19 @@ def engine_kwargs(spec: dict) -> dict:
 
 
 def connector_stats() -> dict:
-    """The worker-side connector's counters (the engine core runs in this process)."""
+    """The worker-side connector's counters (the engine core runs in this process), with
+    its tiers' (``tier_hits.0``: what the worker's stack counted; its lookups are the
+    scheduler's)."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from .vllm.metrics import tier_payload
 
         connector = get_kv_transfer_group()
         if hasattr(connector, "drain"):
             connector.drain()  # the background writes are part of what was stored
-        return dict(getattr(connector, "stats", {}))
+        tiers = getattr(getattr(connector, "ctx", None), "tier_counts", None)
+        return dict(getattr(connector, "stats", {})) | tier_payload(tiers)
     except Exception:  # no connector configured, or one without counters
         return {}
 
