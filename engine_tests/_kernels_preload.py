@@ -12,19 +12,11 @@ declines every page, and the 16-bit key transposer of the tiny Llama's CPU_ATTN 
 (32 rows x 2 heads x 32 dims).  Any other is compiled by the engine that meets it, as
 without this module."""
 
-import numpy as np
-
 from hurraykv import kernels
 from hurraykv.io import checksums, page_hash, scatter
 
 checksums.warm()
 kernels.warm()
-_reader = page_hash.scatter_reader()
-if _reader is not None:
-    _stage = np.zeros(64, np.uint8)
-    _none, _one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
-    for _width, _fast in ((4, page_hash.transposer(0, 0, 0)), (2, page_hash.transposer(0, 0, 0)),
-                          (2, page_hash.transposer(32, 2, 32))):
-        _typed = _stage.view(scatter.WIDTHS[_width])
-        _reader(-1, _stage, _typed, _stage, _typed, _none, _one, np.zeros(0, np.int64),
-                np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0, _fast)
+for _width, _fast in ((4, page_hash.transposer(0, 0, 0)), (2, page_hash.transposer(0, 0, 0)),
+                      (2, page_hash.transposer(32, 2, 32))):
+    scatter.compile_reader(_width, _fast)

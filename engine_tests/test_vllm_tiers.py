@@ -8,8 +8,11 @@ without a connector, and which tier served a hit is read from the tier counters
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from tests.support.s3_fixtures import s3_server, s3_url  # noqa: F401 - fixtures
@@ -153,28 +156,45 @@ def test_the_s3_tier_stopped_fails_no_request_and_serves_again_once_back(
         assert counts("hits", 2)[1] - served[1] >= 2
 
 
-def test_cache_salts_stay_apart_and_a_reset_clears_every_tier(
+def docs_tiers(store: Path) -> dict:
+    """docs/vllm.md's two-tier quickstart: its ``--kv-transfer-config`` as written, the
+    directory moved to ``store``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    section = text[text.index("## Tiers"):]
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    config = json.loads(re.search(r"--kv-transfer-config '(.*?)'", block, re.S).group(1))
+    assert [t["url"] for t in config["kv_connector_extra_config"]["tiers"]] == [
+        "mem://", "file:///tmp/hurraykv"]
+    config["kv_connector_extra_config"]["tiers"][1]["url"] = store.as_uri()
+    return config
+
+
+def test_the_docs_two_tiers_keep_cache_salts_apart_and_a_reset_clears_both(
         tiny_llama, tmp_path, want):  # noqa: F811 - fixture
-    """``mem://`` > ``file://``: a prompt stored under one ``cache_salt`` is not served
-    to another salt from either tier; vLLM's ``reset_prefix_cache(reset_connector=True)``
-    empties both tiers of this engine's segments, and the prompts are computed again with
-    the same tokens."""
-    mem = mem_tier()
-    lower = (tmp_path / "kv").as_uri()
-    eng = Engine(tiny_llama, block_size=BLOCK,
-                 connector=tiered([mem, {"url": lower}], async_save=False))
+    """The Tiers quickstart's config as written (``mem://`` over ``file://``), in an
+    engine: a prompt stored under one ``cache_salt`` is not served to another salt from
+    either tier; vLLM's ``reset_prefix_cache(reset_connector=True)`` empties both tiers
+    of this engine's segments, and the prompts are computed again with the same
+    tokens."""
+    config = docs_tiers(tmp_path / "kv")
+    extra = config["kv_connector_extra_config"]
+    mem, lower = extra["tiers"][0]["url"], extra["tiers"][1]["url"]
+    emptied(mem, max_bytes=1)  # the process's unnamed pool: another test's leftovers
+    eng = Engine(tiny_llama, block_size=BLOCK, connector={
+        "name": config["kv_connector"], "url": mem, "role": config["kv_role"],
+        "extra": dict(extra, async_save=False)})
     both = list(prompts())
     try:
         assert generate(eng, both, salts=["a", "a"])[:2] == (want, [0, 0])
         settled(2)
         assert generate(eng, both, salts=["b", "b"])[:2] == (want, [0, 0])
-        assert emptied(mem["url"], max_bytes=1)  # "a" only in the lower tier now
+        assert emptied(mem, max_bytes=1)  # "a" only in the lower tier now
         assert generate(eng, both, salts=["b", "b"])[:2] == (want, BOTH)  # b's own
         assert generate(eng, both, salts=["a", "a"])[:2] == (want, BOTH)
         settled(2)
 
         assert eng.llm.reset_prefix_cache(reset_connector=True) is True
-        for url, options in ((mem["url"], {"max_bytes": 1}), (lower, {})):
+        for url, options in ((mem, {"max_bytes": 1}), (lower, {})):
             store = open_store(url, **options)
             try:
                 assert store.catalog() == [], url
@@ -183,6 +203,7 @@ def test_cache_salts_stay_apart_and_a_reset_clears_every_tier(
         assert generate(eng, both, salts=["a", "a"])[:2] == (want, [0, 0])
     finally:
         eng.close()
+        emptied(mem, max_bytes=1)
 
 
 pytestmark = pytest.mark.xdist_group("tiers")

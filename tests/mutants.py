@@ -75,7 +75,8 @@ MUTANTS = [
            "got =", (f"{PAGES}::test_a_one_pass_load_is_a_use_for_eviction",),
            f"{CAPACITY}: a load touches the file's mtime in any engine (a one-pass load too)"),
     Mutant("one-pass-writes-unverified-pages", "hurraykv/io/page_hash.py",
-           "if (j + 1) * size > pos or xxh3(s_at + src, size) != digests[p]:",
+           "if (j + 1) * size > pos or (verify and xxh3(s_at + src, size)\n"
+           "                                                != digests[p]):",
            "if (j + 1) * size > pos:",
            ("tests/integrations/vllm/test_vllm_direct_loads.py::"
             "test_a_damaged_page_never_reaches_its_block_and_its_blocks_are_recomputed",
@@ -948,6 +949,25 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_tiers.py::test_a_lower_tiers_hit_loads_and_"
             "is_promoted_so_the_next_comes_from_memory",),
            "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory"),
+    Mutant("stack-promoted-copy-not-read", "hurraykv/chunks/stack.py",
+           "            self._raise(name, self.tiers.index(store))  # the next read from there\n",
+           "",
+           ("tests/store/test_stack.py::test_a_lower_tiers_hit_is_promoted_and_the_next_"
+            "comes_from_the_top",),
+           "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory (a "
+           "worker's stack reads without looking up)"),
+    Mutant("memory-pages-read-whole", "hurraykv/chunks/memory.py",
+           "        held = self._used(name)\n        snap, base = ",
+           "        return None\n        held = self._used(name)\n        snap, base = ",
+           ("tests/integrations/vllm/test_vllm_direct_loads.py::test_a_memory_tiers_hit_is_"
+            "placed_from_where_it_is_held_in_one_pass",),
+           "docs/vllm.md, Tiers: a mem:// hit is placed into the blocks in one pass"),
+    Mutant("file-pages-placed-unhashed", "hurraykv/io/scatter.py",
+           "    memory: np.ndarray | None = None\n    verify: bool = True\n",
+           "    memory: np.ndarray | None = None\n    verify: bool = False\n",
+           ("tests/integrations/vllm/test_vllm_direct_loads.py::test_a_damaged_page_never_"
+            "reaches_its_block_and_its_blocks_are_recomputed",),
+           f"{ONE_PASS}: a file's page is hashed before it is placed (only mem:// skips it)"),
 ]
 
 

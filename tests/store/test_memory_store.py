@@ -104,3 +104,19 @@ def test_hurraykv_cache_says_it_cannot_reach_a_pool_of_another_process():
     out = subprocess.run([sys.executable, "-m", "hurraykv", "cache", "ls", "mem://x",
                           "-o", "max_bytes=1G"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot reach it" in out.stderr, out.stderr
+
+
+def test_pages_said_to_be_held_outside_the_allocation_are_refused_naming_them():
+    """The compiled reader reads where it is told: a page past the allocation, or one
+    not on an 8-byte boundary, is refused before any is read."""
+    from hurraykv.errors import LayoutError
+    from hurraykv.io.scatter import memory_source
+
+    held = np.zeros(4096, np.uint8)
+    assert memory_source("s", held, {"m": (1024, 1024, 3)}).members["m"][:2] == (1024, 1024)
+    for bad in [(1024, 1024, 4), (4, 1024, 1), (-8, 8, 1)]:
+        with pytest.raises(LayoutError, match=r"m\.pages") as e:
+            memory_source("s", held, {"m": bad})
+        assert "4096 bytes held" in str(e.value)
+    with pytest.raises(LayoutError, match="aligned to 8"):
+        memory_source("s", held[1:], {})

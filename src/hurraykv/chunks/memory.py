@@ -11,7 +11,11 @@ caller's buffers, a saver's recycled copy-out buffers, may change once ``put`` r
 as the members of a KVCacheSnapshot: every page pool, ``seq_lens``, ``kv_scales``, the
 info member (its identity and the put's metadata) and the checksums written with it.
 ``get`` hands out zero-copy views of that allocation; ``get_verified`` checks them
-against the checksums, as every store does.
+against the checksums, as every store does.  ``get_pages`` hands a load the page pools
+where they are held, to be placed into the engine's blocks in one pass without hashing
+them again (``scatter.memory_source``): what is here was hashed on its way in (a save
+hashes the engine's blocks it copied; a copy from another tier is read verified) and
+never left the process.
 
 *Capacity.*  ``max_bytes`` is required: a memory tier without a bound is a process that
 runs out of memory.  A segment's bytes are its members' (``KVCacheSnapshot.nbytes``).
@@ -36,8 +40,10 @@ from urllib.parse import ParseResult, unquote
 import numpy as np
 
 from ..errors import ConfigError, HurrayError
-from ..io import retention
+from ..io import retention, scatter
+from ..io.scatter import PageSource
 from ..snapshot import KVCacheSnapshot
+from ..snapshot_members import member_name
 from .keys import check_name, identity_key, segment_name
 from .registry import ChunkStore, Stored
 from .settings import Option
@@ -51,6 +57,7 @@ class _Held:
     created: float
     used: float
     version: int
+    arena: np.ndarray  # the one allocation the snapshot's members are views of
 
 
 class _Pool:
@@ -75,21 +82,27 @@ def _pool(name: str) -> _Pool:
         return _POOLS.setdefault(name, _Pool())
 
 
-def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int]:
-    """``snapshot`` with every member's bytes copied into one allocation; its bytes."""
+ALIGN = 64  # each buffer's start in a segment's allocation: a cache line
+
+
+def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int, np.ndarray]:
+    """``snapshot`` with every member's bytes copied into one allocation, each buffer at
+    a multiple of ``ALIGN`` (a load reads the page pools in place, by 8-byte words); its
+    bytes (the members', as ``KVCacheSnapshot.nbytes``), and the allocation."""
     members = list(snapshot.members())
     sizes = [[memoryview(b).nbytes for b in bufs] for _, _, bufs in members]
     total = sum(map(sum, sizes))
-    arena = np.empty(max(total, 1), np.uint8)
-    at, items = 0, []
+    room = sum(-(-n // ALIGN) * ALIGN for n in (x for row in sizes for x in row))
+    arena = np.empty(max(room, 1) + ALIGN, np.uint8)
+    at, items = -arena.ctypes.data % ALIGN, []
     for (name, desc, bufs), lengths in zip(members, sizes, strict=True):
         views = []
         for b, n in zip(bufs, lengths, strict=True):
             arena[at:at + n] = np.frombuffer(memoryview(b).cast("B"), np.uint8)
             views.append(memoryview(arena[at:at + n]))
-            at += n
+            at += -(-n // ALIGN) * ALIGN
         items.append((name, desc, views))
-    return KVCacheSnapshot.from_members(items, owner=arena), total
+    return KVCacheSnapshot.from_members(items, owner=arena), total, arena
 
 
 class MemoryChunks(ChunkStore):
@@ -168,7 +181,7 @@ class MemoryChunks(ChunkStore):
                 out.append(name if name is not None and self._live(name, now) else None)
             return out
 
-    def get(self, name: str) -> KVCacheSnapshot:
+    def _used(self, name: str) -> _Held:
         pool = self._pool
         with pool.lock:
             held = self._live(name, time.time())
@@ -177,7 +190,29 @@ class MemoryChunks(ChunkStore):
                                   value=name, rule="a stored segment")
             held.used = time.time()
             pool.segments.move_to_end(name)  # a load is a use
-            return held.snapshot
+            return held
+
+    def get(self, name: str) -> KVCacheSnapshot:
+        return self._used(name).snapshot
+
+    def get_pages(self, name: str, members: frozenset[str]
+                  ) -> tuple[KVCacheSnapshot, PageSource] | None:
+        """Segment ``name`` and the page pools of ``members`` where they are held, for
+        ``io.scatter`` to place straight into an engine's blocks, unhashed
+        (``scatter.memory_source`` says why); None without the compiled reader."""
+        if not scatter.available():
+            return None
+        held = self._used(name)
+        snap, base = held.snapshot, held.arena.ctypes.data
+        places = {}
+        for layer in range(snap.num_layers):
+            for role, t in zip(snap.roles, snap.layer(layer), strict=True):
+                member = member_name(layer, role)
+                pool = t.page_pool
+                if member in members and pool.flags.c_contiguous and len(pool):
+                    places[member] = (pool.ctypes.data - base, pool.nbytes // len(pool),
+                                      len(pool))
+        return snap, scatter.memory_source(name, held.arena, places)
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         now = time.time()
@@ -203,7 +238,7 @@ class MemoryChunks(ChunkStore):
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         name = check_name(segment_name(keys, first))
-        snap, nbytes = copied(snapshot.with_info(metadata=metadata))
+        snap, nbytes, arena = copied(snapshot.with_info(metadata=metadata))
         if nbytes > self.max_bytes:
             raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
                               f"{self.max_bytes}: not stored", field="max_bytes",
@@ -216,7 +251,8 @@ class MemoryChunks(ChunkStore):
             dropped = self._make_room(nbytes, name, now)
             self._drop(name)
             pool.versions += 1
-            pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions)
+            pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions,
+                                        arena)
             pool.total += nbytes
             pool.aliases.update((key, name) for key in keys)
         if self._evicted is not None:  # outside the pool's lock

@@ -50,11 +50,14 @@ def reader() -> Callable[..., float] | None:
 
 
 def scatter_reader() -> Callable[..., int] | None:
-    """``fn(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok, first,
-    stop, fast16)``: for each task ``t`` in ``[first, stop)`` (``tasks[t]``: file offset, first
-    page, page count, geometry), read its pages from file ``fd`` a stage at a time into
-    ``stage`` (a buffer that fits the core's L2), hash each page there and compare the
-    digest with ``digests[page]``; a page that matches is placed into ``dst`` at byte
+    """``fn(fd, held, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests, ok,
+    first, stop, fast16, verify)``: for each task ``t`` in ``[first, stop)``
+    (``tasks[t]``: file offset, first page, page count, geometry), read its pages from
+    file ``fd`` a stage at a time into ``stage`` (a buffer that fits the core's L2), hash
+    each page there and compare the digest with ``digests[page]`` (unless ``verify`` is
+    false); with ``fd`` -1 the pages are in ``held`` (uint8, the offsets its, checked by
+    the caller to lie inside it): read there when copied by rows, else copied into the
+    stage first.  A page that matches is placed into ``dst`` at byte
     ``page_dst[page]`` by its geometry (``geoms[g]``: rows N, heads H, row bytes,
     element size, the byte strides in ``dst`` of N, H and of a row's elements; the page
     is ``[N, H, row]`` in the file): one ``memcpy`` a row where its elements are
@@ -232,32 +235,45 @@ def _build() -> tuple[Any, Any]:
         return fast16
 
     @numba.njit(nogil=True)
-    def read_verify_scatter(fd, stage, stage_t, dst, dst_t, tasks, geoms, page_dst, digests,
-                            ok, first, stop, fast16):  # pragma: no cover - compiled
+    def read_verify_scatter(fd, held, stage, stage_t, dst, dst_t, tasks, geoms, page_dst,
+                            digests, ok, first, stop, fast16, verify
+                            ):  # pragma: no cover - compiled
         total = 0
         tile = np.empty(0, np.uint64)
         stage64 = stage[:len(stage) // 8 * 8].view(np.uint64)
-        s_at, d_at = stage.ctypes.data, dst.ctypes.data
+        stage_at, d_at = stage.ctypes.data, dst.ctypes.data
         for t in range(first, stop):
             off, page, count, g = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
             rows, heads, row, elem = geoms[g, 0], geoms[g, 1], geoms[g, 2], geoms[g, 3]
             s_n, s_h, s_d = geoms[g, 4], geoms[g, 5], geoms[g, 6]
             size = rows * heads * row
             per = max(1, len(stage) // size)
+            # held in memory, copied by rows: read where held; transposed: through the
+            # stage, where a head's strided reads stay in L2
+            in_place = fd < 0 and s_d == elem
             done = 0
             while done < count:
-                k = min(per, count - done)
-                want, pos = k * size, 0
-                while pos < want:
-                    n = pread(fd, s_at + pos, want - pos, off + (done * size) + pos)
-                    if n <= 0:
-                        break
-                    pos += n
+                if in_place:
+                    k = count - done
+                    want = pos = k * size
+                    s_at, at = held.ctypes.data, off + done * size
+                else:
+                    k = min(per, count - done)
+                    want, pos, s_at, at = k * size, 0, stage_at, 0
+                    if fd < 0:
+                        memcpy(s_at, held.ctypes.data + off + done * size, want)
+                        pos = want
+                    while pos < want:
+                        n = pread(fd, s_at + pos, want - pos, off + (done * size) + pos)
+                        if n <= 0:
+                            break
+                        pos += n
                 total += pos
                 for j in range(k):
                     p = page + done + j
-                    src = j * size
-                    if (j + 1) * size > pos or xxh3(s_at + src, size) != digests[p]:
+                    src = at + j * size
+                    if (j + 1) * size > pos or (verify and xxh3(s_at + src, size)
+                                                != digests[p]):
                         continue
                     base = page_dst[p]
                     if s_d == elem and s_h == row and s_n == heads * row:  # the same page

@@ -33,6 +33,7 @@ from . import page_hash
 STAGE = 256 << 10  # pages read at once by a thread: they are hashed while still in L2
 TASK_PAGES = 32  # a task split so that the threads' bands come out even
 WIDTHS = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # an element's bytes: its view
+_NOTHING = np.zeros(8, np.uint8)  # no pages held in memory: a file's are read
 
 
 def available() -> bool:
@@ -44,16 +45,24 @@ def warm(geometries: Iterable[Sequence[int]]) -> None:
     """Compile the reader for destinations of these geometries (a second or two each
     kind, once a process), start the worker threads and touch their stages, so that a
     process's first load runs as fast as the rest."""
+    if page_hash.scatter_reader() is None:
+        return
+    run_bands(lambda a, b: _stage(STAGE), workers(), PARALLEL_BYTES)
+    for width, fast in {(int(g[3]), _fast16([g])) for g in geometries}:
+        compile_reader(width, fast)
+
+
+def compile_reader(width: int, fast: Any) -> None:
+    """The reader compiled for elements of ``width`` bytes and the key transposer
+    ``fast`` (a call with no pages: nothing is read or written)."""
     fn = page_hash.scatter_reader()
     if fn is None:
         return
-    run_bands(lambda a, b: _stage(STAGE), workers(), PARALLEL_BYTES)
     stage = np.zeros(64, np.uint8)
-    none, one = np.zeros((0, 4), np.int64), np.zeros((1, 7), np.int64)
-    for width, fast in {(int(g[3]), _fast16([g])) for g in geometries}:
-        typed = stage.view(WIDTHS[width])
-        fn(-1, stage, typed, stage, typed, none, one, np.zeros(0, np.int64),
-           np.zeros(0, np.uint64), np.zeros(0, np.uint8), 0, 0, fast)
+    typed = stage.view(WIDTHS[width])
+    fn(-1, stage, stage, typed, stage, typed, np.zeros((0, 4), np.int64),
+       np.zeros((1, 7), np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64),
+       np.zeros(0, np.uint8), 0, 0, fast, True)
 
 
 def _fast16(geometries: Iterable[Sequence[int]]) -> Any:
@@ -69,18 +78,46 @@ def _fast16(geometries: Iterable[Sequence[int]]) -> Any:
 class PageSource:
     """A stored segment's page pools still in its file ``fd`` (owned: closed by ``close``
     or when this is dropped): ``members[name]`` = (the file offset of the member's page
-    0, the bytes of a page, the stored digest of every page)."""
+    0, the bytes of a page, the stored digest of every page).  Or, with ``fd`` -1, in
+    ``memory`` (uint8; the offsets its, every page checked to lie inside it): a segment
+    held in this process; ``verify`` false places its pages unhashed (``memory_source``
+    says when)."""
 
     fd: int
     name: str
     members: dict[str, tuple[int, int, np.ndarray]]
+    memory: np.ndarray | None = None
+    verify: bool = True
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
+            if self.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+            self.memory = None
+
+
+def memory_source(name: str, memory: np.ndarray,
+                  members: dict[str, tuple[int, int, int]]) -> PageSource:
+    """A ``PageSource`` over pages held in ``memory`` (uint8, contiguous, 8-byte
+    aligned): ``members[m]`` = (the offset of member ``m``'s page 0 in it, the bytes of a
+    page, its pages), each checked to lie inside it.  Its pages are placed without being
+    hashed: a segment in this process's memory was hashed when it entered (the saver
+    computed its checksums from the engine's blocks; a copy from another tier was read
+    verified) and has not left the process since."""
+    if memory.dtype != np.uint8 or memory.ndim != 1 or memory.ctypes.data % 8:
+        raise LayoutError.at("memory", None, f"{memory.dtype}{list(memory.shape)}",
+                             "contiguous uint8 bytes aligned to 8")
+    out = {}
+    for member, (offset, size, pages) in members.items():
+        if offset < 0 or size <= 0 or pages < 0 or offset % 8 or \
+                offset + size * pages > len(memory):
+            raise LayoutError.at(f"{member}.pages", None, [offset, size, pages],
+                                 f"pages aligned to 8 inside the {len(memory)} bytes held")
+        out[member] = (offset, size, np.zeros(pages, np.uint64))
+    return PageSource(-1, name, out, memory, verify=False)
 
     def __del__(self) -> None:
         self.close()
@@ -132,8 +169,9 @@ class _Group:
     """The tasks of one source file into one destination memory (one compiled call a
     band)."""
 
-    def __init__(self, fd: int, dest: Destination) -> None:
-        self.fd, self.memory, self.typed = fd, dest.memory, dest.typed
+    def __init__(self, source: PageSource, dest: Destination) -> None:
+        self.fd, self.memory, self.typed = source.fd, dest.memory, dest.typed
+        self.source, self.verify = source.memory, source.verify
         self.tasks: list[tuple[int, int, int, int]] = []
         self.geoms: list[tuple[int, ...]] = []
         self.dst: list[np.ndarray] = []
@@ -178,10 +216,12 @@ class Scatter:
         if first_page < 0 or first_page + n > len(digests):
             raise LayoutError.at(f"{member}.pages", first_page, n,
                                  f"pages of the {len(digests)} stored", where="index")
-        key = (source.fd, dest.memory.ctypes.data)
+        held = source.memory
+        key = (source.fd if held is None else -held.ctypes.data - 1, source.verify,
+               dest.memory.ctypes.data)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(source.fd, dest)
+            group = self._groups[key] = _Group(source, dest)
         group.add(offset + first_page * size, size, dest.first + ids * dest.block,
                   digests[first_page:first_page + n], dest.geometry, tag, member, first_page)
         self.nbytes += n * size
@@ -205,10 +245,12 @@ def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
     page = int(max(g[0] * g[1] * g[2] for g in group.geoms))
     fast = _fast16(group.geoms)
 
+    held = _NOTHING if group.source is None else group.source
+
     def band(a: int, b: int) -> None:
         stage = _stage(page)
-        fn(group.fd, stage, stage.view(group.typed.dtype), group.memory, group.typed, tasks,
-           geoms, page_dst, digests, ok, a, b, fast)
+        fn(group.fd, held, stage, stage.view(group.typed.dtype), group.memory, group.typed,
+           tasks, geoms, page_dst, digests, ok, a, b, fast, group.verify)
 
     run_bands(band, len(tasks), len(page_dst) * page)
     failed: dict[Hashable, tuple[str, int]] = {}
@@ -235,4 +277,5 @@ def _stage(page: int) -> np.ndarray:
     return stage
 
 
-__all__ = ["Destination", "PageSource", "Scatter", "available", "destination", "warm"]
+__all__ = ["Destination", "PageSource", "Scatter", "available", "compile_reader",
+           "destination", "memory_source", "warm"]

@@ -65,9 +65,9 @@ def vllm_caches(layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def worker(side: Side, url: str, backend: str, layout: str, dtype: torch.dtype,
-           **extra) -> WorkerSide:
+           open_one=None, **extra) -> WorkerSide:
     layer = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
-    w = WorkerSide(side.context(url, **extra), spec=SimpleNamespace(head_size=HEAD),
+    w = WorkerSide(side.context(url, open_one, **extra), spec=SimpleNamespace(head_size=HEAD),
                    context=dict.fromkeys(LAYER_NAMES, layer), model_dtype=dtype,
                    kv_cache_dtype="auto", segment_dtype=str(dtype).removeprefix("torch."))
     w.caches = vllm_caches(layout, dtype)
@@ -85,12 +85,13 @@ def random_blocks(w: WorkerSide, blocks: list[int], seed: int) -> None:
         cache[blocks] = torch.randn(len(blocks), *cache.shape[1:], generator=g).to(cache.dtype)
 
 
-def store_one(side: Side, w: WorkerSide, tmp_path: Path, src: list[int]) -> list[str]:
+def store_one(side: Side, w: WorkerSide, tmp_path: Path, src: list[int], **options
+              ) -> list[str]:
     """Three chunks of ``src`` stored as one segment; its names per chunk."""
     random_blocks(w, src, 1)
     keys = ChunkKeys(identity_digest(IDENTITY), CHUNK).upto(list(range(3 * CHUNK)), 3)
     save(w, "r", keys, 0, src)
-    return open_store(w.ctx.url).locate(keys)
+    return open_store(w.ctx.url, **options).locate(keys)
 
 
 @pytest.mark.parametrize(("backend", "layout", "dtype"), CASES)
@@ -115,6 +116,33 @@ def test_a_load_reads_each_page_from_the_file_straight_into_its_block(
     stats = w.ctx.stats
     assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
     assert stats["chunks_loaded"] == 3
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), CASES)
+def test_a_memory_tiers_hit_is_placed_from_where_it_is_held_in_one_pass(
+        side, tmp_path, backend, layout, dtype, monkeypatch):
+    """``mem://`` (issue 49 item 1): the page pools go from the pool's own allocation
+    into the blocks in one compiled pass (a row copy, or CPU_ATTN's key transpose), bit
+    for bit, and without hashing them again: a pool byte changed in place after the save
+    (nothing in the process does that) is what is loaded."""
+    url = f"mem://direct-{tmp_path.name}"
+    w = worker(side, url, backend, layout, dtype,
+               open_one=lambda: open_store(url, max_bytes=1 << 26), max_bytes="64M")
+    src, dst = list(range(3, 9)), [40, 41, 20, 21, 50, 51]
+    names = store_one(side, w, tmp_path, src, max_bytes=1 << 26)
+    assert run_step(w, Plan(loads=[load_of("hit", names, 0, dst)])) == set()
+    for name in LAYER_NAMES:
+        cache = w.caches[name]
+        assert torch.equal(cache[dst].view(torch.int8), cache[src].view(torch.int8)), name
+    stats = w.ctx.stats
+    assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
+    assert stats["chunks_loaded"] == 3
+    held = open_store(url, max_bytes=1 << 26).get(names[0])
+    pool = held.tensor(0, "value").page_pool
+    pool.view(np.uint8)[:] ^= 0xFF  # unhashed: what is held is what is placed
+    assert run_step(w, Plan(loads=[load_of("again", names, 0, dst)])) == set()
+    assert not torch.equal(w.caches[LAYER_NAMES[0]][dst].view(torch.int8),
+                           w.caches[LAYER_NAMES[0]][src].view(torch.int8))
 
 
 @pytest.mark.parametrize(("backend", "layout", "dtype"), [CASES[0], CASES[2]])
