@@ -102,8 +102,36 @@ def test_a_prompt_is_served_from_each_tier_and_promoted_into_memory(
             assert tokens == want and cached == BOTH
             hits = [a - b for a, b in zip(counts("hits", 3), served, strict=True)]
             assert hits[0] >= 2 and sum(hits) == hits[0], hits
+
+        # what vLLM's hits by source are told (vllm:prompt_tokens_cached_by_source): the
+        # host's memory, this host's disk, a remote store
+        for emptied_tiers, source in ((0, "host"), (1, "disk"), (2, "external_unspecified")):
+            for tier in tiers[:emptied_tiers]:
+                emptied(tier["url"], **({"max_bytes": 1} if tier is mem else {}))
+            promoted = counts("promotions", 3)[0]
+            assert hit_sources(eng, both[0]) == {source: BOTH[0]}
+            if emptied_tiers:  # its promotion done before a tier is emptied again
+                until_counted(lambda p=promoted: counts("promotions", 3)[0] > p)
     finally:
         eng.close()
+
+
+def until_counted(done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "not counted in time"
+        time.sleep(0.05)
+
+
+def hit_sources(eng: Engine, prompt: list[int]) -> dict[str, int]:
+    """``get_external_cache_hit_sources`` of a request of ``prompt`` once its hit is
+    loaded, as vLLM's scheduler calls it after the allocation (``scheduler.py:1306``)."""
+    [rid] = eng.add([prompt], max_tokens=8)
+    eng.step_until_computed(rid, BOTH[0])
+    request = eng.core.scheduler.requests[rid]
+    got = eng.core.scheduler.connector.get_external_cache_hit_sources(request, BOTH[0])
+    eng.run_to_end()
+    return {k.value: v for k, v in got.items()}
 
 
 def test_the_s3_tier_stopped_fails_no_request_and_serves_again_once_back(

@@ -956,6 +956,12 @@ MUTANTS = [
             "comes_from_the_top",),
            "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory (a "
            "worker's stack reads without looking up)"),
+    Mutant("tier-hit-sources-not-kept", "hurraykv/integrations/vllm/scheduler.py",
+           "st.tiers = (self.lookups.tiers(request.request_id) or [])[best:best + found]",
+           "st.tiers = []",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_a_hits_tokens_are_told_by_the_"
+            "tier_each_chunk_was_found_in",),
+           "docs/vllm.md, Tiers: vLLM's hits by source say which tier held each chunk"),
     Mutant("memory-pages-read-whole", "hurraykv/chunks/memory.py",
            "        held = self._used(name)\n        snap, base = ",
            "        return None\n        held = self._used(name)\n        snap, base = ",

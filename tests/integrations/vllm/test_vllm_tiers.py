@@ -101,6 +101,34 @@ def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
     assert counts["writes"] == [1, 1] and counts["outages"] == [0, 0]
 
 
+def test_a_hits_tokens_are_told_by_the_tier_each_chunk_was_found_in(tiers, tmp_path):
+    """What vLLM's ``get_external_cache_hit_sources`` is told (issue 49 item 2): a prefix
+    whose first chunk is in memory and second only on disk is split between them, and a
+    hit that starts inside a chunk (vLLM cached the first tokens itself) counts only the
+    tokens the connector supplies."""
+    pool = f"tiers-{next(_pools)}"
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M"},
+             {"url": (tmp_path / "kv").as_uri(), "max_bytes": "1G"}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack), HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+    prompt = list(range(1, 101))
+    keys = ChunkKeys(sched.ctx.seed, CHUNK).upto(prompt, 2)
+    fill(w, [1, 2, 3, 4], 3.0)
+    save(w, "s", keys[:1], 0, [1, 2])
+    save(w, "t", keys[1:], 1, [3, 4])
+    below = open_store((tmp_path / "kv").as_uri())
+    assert until(lambda: None not in below.locate(keys))  # written through
+    memory = MemoryChunks(pool, max_bytes=1 << 26)
+    assert memory.remove(memory.locate(keys)[1])  # the second chunk on disk only
+
+    req = request("a", prompt)
+    assert match(sched, req, 0) == (64, False)
+    assert sched.hit_tiers(req, 64) == {0: 32, 1: 32}
+    assert sched.hit_tiers(req, 40) == {0: 8, 1: 32}
+    assert sched.hit_tiers(req, 65) == {None: 65}  # not its lookup's tokens: unknown
+    assert sched.hit_tiers(request("b", prompt), 32) == {None: 32}  # never looked up
+
+
 def test_tiers_are_read_once_and_a_wrong_one_is_refused_naming_it(tmp_path):
     kv = (tmp_path / "kv").as_uri()
     conf = ConnectorConfig.from_extra({"tiers": [{"url": "mem://", "max_bytes": "8G"},

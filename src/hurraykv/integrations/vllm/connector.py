@@ -68,6 +68,15 @@ class HurrayConnectorMetadata(Plan, KVConnectorMetadata):
     """A step's ``Plan`` as the metadata vLLM hands from the scheduler to the workers."""
 
 
+def hit_source(url: str) -> CacheHitSource:
+    """Where vLLM says hits from store ``url`` came from: this process's memory
+    (``mem://``) is the host's, a ``LOCAL`` store (``file://``) this host's disk, a
+    server, Redis or S3 a remote store (vLLM's ``external_unspecified``)."""
+    if url.startswith("mem:"):
+        return CacheHitSource.HOST
+    return CacheHitSource.DISK if is_local(url) else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
 class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -79,8 +88,9 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         # store (file://) is this host's disk; a server or Redis is a remote store, which
         # vLLM's CacheHitSource names external_unspecified
         store = store_class(urlparse(conf.url).scheme)
-        self._cache_hit_source = CacheHitSource.DISK if is_local(conf.url) \
-            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        self._cache_hit_source = hit_source(conf.url)
+        # with tiers, each tier's (get_external_cache_hit_sources)
+        self._tier_sources = [hit_source(t.url) for t in conf.tiers or ()]
         tp = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's /metrics: what changed since the last report (metrics.py)
         self._deltas = metrics.CounterDeltas(
@@ -151,6 +161,22 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
                                    ) -> tuple[int | None, bool]:
         return self._safely("get_num_new_matched_tokens", (0, False),
                             self.scheduler.matched, request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """vLLM's hits by source (``vllm:prompt_tokens_cached_by_source``): with tiers,
+        each chunk's tier's (``hit_source``); one store: its own."""
+        if not self._tier_sources or num_external_tokens <= 0:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        by_tier = self._safely("get_external_cache_hit_sources",
+                               {None: num_external_tokens}, self.scheduler.hit_tiers,
+                               request, num_external_tokens)
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in by_tier.items():
+            source = CacheHitSource.EXTERNAL_UNSPECIFIED if tier is None or not \
+                0 <= tier < len(self._tier_sources) else self._tier_sources[tier]
+            out[source] = out.get(source, 0) + n
+        return out
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -26,6 +26,15 @@ from .common import Counters
 PENDING = object()  # no answer yet
 
 
+def _located(store: Any, keys: list[str]) -> tuple[list[Any], list[int | None] | None]:
+    """``store.locate(keys)``, and for a stack the tier that answered each name."""
+    located = store.locate(keys)
+    served_by = getattr(store, "served_by", None)
+    if served_by is None:
+        return located, None
+    return located, [None if name is None else served_by(name) for name in located]
+
+
 class Lookups:
     def __init__(self, guarded: Guarded, stats: Counters) -> None:
         self._guarded, self._stats = guarded, stats
@@ -33,6 +42,7 @@ class Lookups:
         self._queued: dict[str, list[str]] = {}  # request id -> its keys, not yet asked
         self._asking: set[str] = set()  # in the batch the thread is asking about
         self._answers: dict[str, list[Any] | None] = {}  # None: the store did not answer
+        self._tiers: dict[str, list[int | None]] = {}  # a stack's: the tier of each name
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -51,9 +61,16 @@ class Lookups:
                 self._cv.notify()
             return PENDING
 
+    def tiers(self, req_id: str) -> list[int | None] | None:
+        """With a stack of tiers: the tier each name of ``req_id``'s answer was found in
+        (0: the fastest); None otherwise."""
+        with self._cv:
+            return self._tiers.get(req_id)
+
     def forget(self, req_id: str) -> None:
         with self._cv:
             self._answers.pop(req_id, None)
+            self._tiers.pop(req_id, None)
             self._queued.pop(req_id, None)
             self._asking.discard(req_id)  # its answer, when it comes, is dropped
 
@@ -62,6 +79,7 @@ class Lookups:
         ``ask`` of each request looks up again."""
         with self._cv:
             self._answers.clear()
+            self._tiers.clear()
             self._asking = set()
 
     def wait_any(self, timeout: float) -> None:
@@ -87,9 +105,9 @@ class Lookups:
                 self._asking = set(batch)
             keys = [k for ks in batch.values() for k in ks]
             started = time.perf_counter()
-            located = self._guarded.call("locate", lambda store, k=keys: store.locate(k),
-                                         None)
+            got = self._guarded.call("locate", lambda store, k=keys: _located(store, k), None)
             self._stats.add(lookup_seconds=time.perf_counter() - started)
+            located, tiers = got if got is not None else (None, None)
             if located is not None and len(located) != len(keys):
                 located = None  # a store answering nonsense is not believed
             with self._cv:
@@ -98,6 +116,8 @@ class Lookups:
                     if req_id in self._asking:  # not forgotten meanwhile
                         self._answers[req_id] = (None if located is None
                                                  else list(located[at:at + len(ks)]))
+                        if located is not None and tiers is not None:
+                            self._tiers[req_id] = tiers[at:at + len(ks)]
                     at += len(ks)
                 self._asking = set()
                 self._cv.notify_all()

@@ -19,6 +19,7 @@ class RequestState:
     matched: int = 0  # tokens the store holds for this prompt
     load: int = 0  # tokens to load (0: none)
     located: list[str] = field(default_factory=list)  # segment of each matched chunk
+    tiers: list[int | None] = field(default_factory=list)  # with tiers: each one's tier
     # per chunk its lookup asked about (this engine's keys): whether the store lacked it,
     # believed by the plan of the step that asked (``absent_plan``) and no later one
     absent: list[bool] = field(default_factory=list)

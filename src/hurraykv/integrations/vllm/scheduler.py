@@ -127,6 +127,7 @@ class SchedulerSide:
             found = next((n for n in range(found, 0, -1) if segment_ends_at(
                 str(located[best + n - 1]), st.asked[best + n - 1])), 0)
         st.located = [str(name) for name in located[best:best + found]]
+        st.tiers = (self.lookups.tiers(request.request_id) or [])[best:best + found]
         # chunks loaded from another format are never stored as this engine's, nor is
         # what it computes on top of them (that KV attended to the other precision)
         st.foreign = st.foreign or (best > 0 and found > 0)
@@ -152,6 +153,23 @@ class SchedulerSide:
         if config.load_mode != "auto":
             return config.load_mode == "async"
         return not (is_local(self.ctx.url) and tokens <= config.sync_load_max_tokens)
+
+    def hit_tiers(self, request: Any, tokens: int) -> dict[int | None, int]:
+        """The ``tokens`` the connector supplies ``request`` (the last of those matched),
+        by the tier its lookup found each chunk in (None: not a stack, or unknown)."""
+        st = self.requests.get(request.request_id)
+        if st is None or tokens <= 0:
+            return {None: tokens} if tokens > 0 else {}
+        size, start = self.ctx.chunk_size, st.matched - tokens
+        out: dict[int | None, int] = {}
+        for c in range(len(st.located)):
+            n = min((c + 1) * size, st.matched) - max(c * size, start)
+            if n > 0:
+                tier = st.tiers[c] if c < len(st.tiers) else None
+                out[tier] = out.get(tier, 0) + n
+        if sum(out.values()) != tokens:  # not the tokens of its lookup: unknown
+            return {None: tokens}
+        return out
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self.state(request)
@@ -377,7 +395,7 @@ class SchedulerSide:
         self.lookups.forget_all()
         for st in self.requests.values():
             # what it found is gone; what it holds was computed before the reset
-            st.asked, st.counted, st.located = None, False, []
+            st.asked, st.counted, st.located, st.tiers = None, False, [], []
             st.foreign = st.foreign or bool(st.blocks)
         self.watch.forget()
         self.events.cleared()
