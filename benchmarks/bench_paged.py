@@ -51,6 +51,14 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def touched_copy_seconds(nbytes: int, repeat: int = 5) -> float:
+    """The best of ``repeat`` 1-thread copies of ``nbytes`` random bytes into memory
+    touched before (a load's baseline: an engine's cache was touched long before)."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones_like(src)
+    return best(lambda: np.copyto(dst, src), repeat)
+
+
 _THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
 

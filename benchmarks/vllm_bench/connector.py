@@ -12,12 +12,12 @@ token.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from bench_paged import touched_copy_seconds
 from hurraykv.integrations.tiny_models import tiny_llama
 from vllm_bench.engines import engine, hurray_conn
 
@@ -51,16 +51,9 @@ def heavy_workload(work: Path, long_tokens: int) -> tuple[list[int], Callable[..
 
 
 def copy_rate(nbytes: int) -> float:
-    """Bytes a second of the best of 5 copies of ``nbytes`` into memory touched before
-    (the connector writes into the engine's cache, allocated and touched long before)."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.ones_like(src)
-    copies = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        copies.append(time.perf_counter() - t0)
-    return nbytes / min(copies)
+    """Bytes a second of a 1-thread copy of ``nbytes`` into memory touched before (the
+    connector writes into the engine's cache, allocated and touched long before)."""
+    return nbytes / touched_copy_seconds(nbytes)
 
 
 def connector(work: Path, long_tokens: int) -> list[tuple[str, str, str, str]]:
