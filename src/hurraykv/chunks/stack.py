@@ -146,9 +146,10 @@ class StackedChunks(ChunkStore):
                 self._outage(tier, "read", e)
                 last = e
                 continue
-            self._remember(name, tier)
-            self.counts["hits"][tier] += 1
-            self.counts["loaded_bytes"][tier] += _nbytes(got)
+            if got is not None:  # None: a tier that cannot read so (get_pages)
+                self._remember(name, tier)
+                self.counts["hits"][tier] += 1
+                self.counts["loaded_bytes"][tier] += _nbytes(got)
             return got
         if isinstance(last, HurrayError):
             raise last
@@ -167,26 +168,18 @@ class StackedChunks(ChunkStore):
 
     def get_pages(self, name: str, members: frozenset[str]) -> Any:
         """The pages left in the tier's file where its store reads so (``file://``,
-        ``hurray://`` on this host); None: read the segment whole (``get_checked``)."""
-        for tier in self._order(name):
-            pages = getattr(self.tiers[tier], "get_pages", None)
-            if pages is None:
-                return None
-            try:
-                got = pages(name, members)
-            except checksums.ChecksumError:
-                raise
-            except HurrayError:
-                continue
-            except Exception as e:
-                self._outage(tier, "read", e)
-                continue
-            if got is not None:
-                self._remember(name, tier)
-                self.counts["hits"][tier] += 1
-                self.counts["loaded_bytes"][tier] += _nbytes(got)
-            return got
-        return None
+        ``hurray://`` on this host), or where a ``mem://`` pool holds them; None: read the
+        segment whole (``get_checked``)."""
+        def pages(store: ChunkStore) -> Any:
+            read = getattr(store, "get_pages", None)
+            return None if read is None else read(name, members)
+
+        try:
+            return self._read(name, pages)
+        except checksums.ChecksumError:
+            raise
+        except HurrayError:  # in no tier: get_checked says so
+            return None
 
     def served_by(self, name: str) -> int | None:
         """The tier that last answered for ``name`` (0: the fastest)."""

@@ -99,6 +99,8 @@ def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
     assert until(lambda: counts["promotions"] == [1, 0])  # counted once its put returned
     assert counts["promotions"] == [1, 0] and counts["stored_bytes"][0] > 0
     assert counts["writes"] == [1, 1] and counts["outages"] == [0, 0]
+    # the lower tier's file read in one pass past the tier above that missed
+    assert w.ctx.stats["bytes_loaded_direct"] == w.ctx.stats["bytes_loaded"] > 0
 
 
 def test_a_hits_tokens_are_told_by_the_tier_each_chunk_was_found_in(tiers, tmp_path):
