@@ -114,7 +114,7 @@ def tier_zipf(work: Path, n_prompts: int, n_requests: int
         n = len(r["outputs"])
         hit = sum(o["num_cached_tokens"] > 0 for o in r["outputs"])
         served = [r["stats"].get(f"tier_hits.{t}", 0) for t in range(tiers)] \
-            if tiers > 1 else [hit]
+            if tiers > 1 else [r["stats"].get("segments_loaded", 0)]
         same = sum(o["tokens"] == b["tokens"] for o, b in zip(r["outputs"], none["outputs"],
                                                              strict=True))
         return (name, f"{hit}/{n} ({hit / n:.0%})",
@@ -127,7 +127,7 @@ def tier_zipf(work: Path, n_prompts: int, n_requests: int
     title = (f"Zipf stream (s = 1.1): {n_requests} requests over {n_prompts} prompts of 200 "
              f"tokens, tiny Llama float32, vLLM prefix caching off; mem:// holds a quarter "
              f"of the prompts ({per_prompt / 1024:.0f} KiB of KV a prompt)")
-    head = ("stores", "requests reusing KV", "segments served per tier (fastest first)",
+    head = ("stores", "requests reusing KV", "segments loaded per tier (fastest first)",
             "time/request median", "outputs = no connector")
     return title, head, rows
 

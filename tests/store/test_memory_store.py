@@ -120,3 +120,31 @@ def test_pages_said_to_be_held_outside_the_allocation_are_refused_naming_them():
         assert "4096 bytes held" in str(e.value)
     with pytest.raises(LayoutError, match="aligned to 8"):
         memory_source("s", held[1:], {})
+
+
+def test_a_closed_or_unchecked_memory_source_never_reaches_the_reader(tmp_path):
+    """``Scatter.add`` refuses a source whose memory is gone (closed: a load's sources
+    are closed when it settles) and pages said to lie past the memory held, whoever built
+    the source; a dropped file source closes its descriptor."""
+    import os
+
+    from hurraykv.errors import LayoutError
+    from hurraykv.io.scatter import PageSource, Scatter, destination, memory_source
+
+    held = np.zeros(4096, np.uint8)
+    dest = destination(np.zeros(4096, np.uint8), 0, 1024, (1, 1, 1024, 1, 1024, 1024, 1), 4)
+    source = memory_source("s", held, {"m": (0, 1024, 4)})
+    Scatter().add(source, "m", 0, [0, 1], dest, "s")  # accepted while open
+    source.close()
+    with pytest.raises(LayoutError, match="memory that holds its pages"):
+        Scatter().add(source, "m", 0, [0, 1], dest, "s")
+    forged = PageSource(-1, "s", {"m": (2048, 1024, np.zeros(4, np.uint64))}, held)
+    with pytest.raises(LayoutError, match="inside the 4096 bytes held"):
+        Scatter().add(forged, "m", 0, [0], dest, "s")
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    fd = os.open(path, os.O_RDONLY)
+    dropped = PageSource(fd, "s", {})
+    del dropped
+    with pytest.raises(OSError):
+        os.fstat(fd)

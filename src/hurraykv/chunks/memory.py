@@ -86,22 +86,29 @@ ALIGN = 64  # each buffer's start in a segment's allocation: a cache line
 
 
 def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int, np.ndarray]:
-    """``snapshot`` with every member's bytes copied into one allocation, each buffer at
-    a multiple of ``ALIGN`` (a load reads the page pools in place, by 8-byte words); its
-    bytes (the members', as ``KVCacheSnapshot.nbytes``), and the allocation."""
+    """``snapshot`` with every member's bytes copied into one allocation, each buffer on
+    a cache line (``ALIGN``: a load copies a page's rows from where they are held), as
+    read-only views (its pages are placed unhashed: nothing may change them); its bytes
+    (the members', as ``KVCacheSnapshot.nbytes``: the padding, under ``ALIGN`` a buffer,
+    is not counted), and the allocation."""
     members = list(snapshot.members())
     sizes = [[memoryview(b).nbytes for b in bufs] for _, _, bufs in members]
     total = sum(map(sum, sizes))
     room = sum(-(-n // ALIGN) * ALIGN for n in (x for row in sizes for x in row))
     arena = np.empty(max(room, 1) + ALIGN, np.uint8)
-    at, items = -arena.ctypes.data % ALIGN, []
-    for (name, desc, bufs), lengths in zip(members, sizes, strict=True):
-        views = []
+    start = -arena.ctypes.data % ALIGN
+    at, spans = start, []
+    for (_, _, bufs), lengths in zip(members, sizes, strict=True):
         for b, n in zip(bufs, lengths, strict=True):
             arena[at:at + n] = np.frombuffer(memoryview(b).cast("B"), np.uint8)
-            views.append(memoryview(arena[at:at + n]))
+            spans.append((at, n))
             at += -(-n // ALIGN) * ALIGN
-        items.append((name, desc, views))
+    frozen = arena.view()
+    frozen.flags.writeable = False
+    placed = iter(spans)
+    items = [(name, desc, [memoryview(frozen[a:a + n]) for a, n in
+                           (next(placed) for _ in lengths)])
+             for (name, desc, _), lengths in zip(members, sizes, strict=True)]
     return KVCacheSnapshot.from_members(items, owner=arena), total, arena
 
 

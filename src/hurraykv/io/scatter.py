@@ -98,6 +98,9 @@ class PageSource:
                     os.close(self.fd)
             self.memory = None
 
+    def __del__(self) -> None:
+        self.close()
+
 
 def memory_source(name: str, memory: np.ndarray,
                   members: dict[str, tuple[int, int, int]]) -> PageSource:
@@ -118,9 +121,6 @@ def memory_source(name: str, memory: np.ndarray,
                                  f"pages aligned to 8 inside the {len(memory)} bytes held")
         out[member] = (offset, size, np.zeros(pages, np.uint64))
     return PageSource(-1, name, out, memory, verify=False)
-
-    def __del__(self) -> None:
-        self.close()
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,7 +207,14 @@ class Scatter:
     def add(self, source: PageSource, member: str, first_page: int, blocks: Sequence[int],
             dest: Destination, tag: Hashable) -> None:
         """Pages ``first_page ..`` of ``member`` into ``blocks`` of ``dest``."""
+        if source._closed or (source.fd < 0) != (source.memory is not None):
+            raise LayoutError.at("source", None, source.name,
+                                 "an open segment file, or memory that holds its pages")
         offset, size, digests = source.members[member]
+        held = source.memory
+        if held is not None and (offset < 0 or offset + len(digests) * size > len(held)):
+            raise LayoutError.at(f"{member}.pages", None, len(digests),
+                                 f"pages inside the {len(held)} bytes held")
         if size != dest.page_bytes:
             raise LayoutError.at(f"{member}.page", None, size,
                                  f"a destination page of {dest.page_bytes} bytes")
@@ -216,7 +223,6 @@ class Scatter:
         if first_page < 0 or first_page + n > len(digests):
             raise LayoutError.at(f"{member}.pages", first_page, n,
                                  f"pages of the {len(digests)} stored", where="index")
-        held = source.memory
         key = (source.fd if held is None else -held.ctypes.data - 1, source.verify,
                dest.memory.ctypes.data)
         group = self._groups.get(key)

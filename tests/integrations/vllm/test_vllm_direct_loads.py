@@ -11,6 +11,7 @@ objects are stood in for by what the worker reads of them, ``attn_backend.get_na
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,11 +121,11 @@ def test_a_load_reads_each_page_from_the_file_straight_into_its_block(
 
 @pytest.mark.parametrize(("backend", "layout", "dtype"), CASES)
 def test_a_memory_tiers_hit_is_placed_from_where_it_is_held_in_one_pass(
-        side, tmp_path, backend, layout, dtype, monkeypatch):
+        side, tmp_path, backend, layout, dtype):
     """``mem://`` (issue 49 item 1): the page pools go from the pool's own allocation
     into the blocks in one compiled pass (a row copy, or CPU_ATTN's key transpose), bit
-    for bit, and without hashing them again: a pool byte changed in place after the save
-    (nothing in the process does that) is what is loaded."""
+    for bit, and without hashing them again; the pool's bytes are read-only, and what a
+    memory fault would leave there is what is loaded."""
     url = f"mem://direct-{tmp_path.name}"
     w = worker(side, url, backend, layout, dtype,
                open_one=lambda: open_store(url, max_bytes=1 << 26), max_bytes="64M")
@@ -139,7 +140,10 @@ def test_a_memory_tiers_hit_is_placed_from_where_it_is_held_in_one_pass(
     assert stats["chunks_loaded"] == 3
     held = open_store(url, max_bytes=1 << 26).get(names[0])
     pool = held.tensor(0, "value").page_pool
-    pool.view(np.uint8)[:] ^= 0xFF  # unhashed: what is held is what is placed
+    with pytest.raises(ValueError, match="read-only"):  # nothing in the process may
+        pool[:] = 0
+    # a fault in memory (nothing else writes there): unhashed, it is what is placed
+    ctypes.memset(pool.ctypes.data, 0x5A, pool.nbytes)
     assert run_step(w, Plan(loads=[load_of("again", names, 0, dst)])) == set()
     assert not torch.equal(w.caches[LAYER_NAMES[0]][dst].view(torch.int8),
                            w.caches[LAYER_NAMES[0]][src].view(torch.int8))

@@ -23,6 +23,7 @@ from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.context import open_stack
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
+from hurraykv.io import scatter
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match, request, step
 from tests.integrations.vllm.test_vllm_worker import (
     BLOCK,
@@ -99,15 +100,16 @@ def test_a_lower_tiers_hit_loads_and_is_promoted_so_the_next_comes_from_memory(
     assert until(lambda: counts["promotions"] == [1, 0])  # counted once its put returned
     assert counts["promotions"] == [1, 0] and counts["stored_bytes"][0] > 0
     assert counts["writes"] == [1, 1] and counts["outages"] == [0, 0]
-    # the lower tier's file read in one pass past the tier above that missed
-    assert w.ctx.stats["bytes_loaded_direct"] == w.ctx.stats["bytes_loaded"] > 0
+    if scatter.available():  # the lower tier's file read in one pass past the tier above
+        assert w.ctx.stats["bytes_loaded_direct"] == w.ctx.stats["bytes_loaded"] > 0
 
 
 def test_a_hits_tokens_are_told_by_the_tier_each_chunk_was_found_in(tiers, tmp_path):
     """What vLLM's ``get_external_cache_hit_sources`` is told (issue 49 item 2): a prefix
-    whose first chunk is in memory and second only on disk is split between them, and a
-    hit that starts inside a chunk (vLLM cached the first tokens itself) counts only the
-    tokens the connector supplies."""
+    whose first chunk is in memory and second only on disk is split between them; a hit
+    vLLM takes fewer tokens of counts its first ones (its load's), and one that starts
+    inside a chunk (vLLM cached the first block itself) only the tokens the connector
+    supplies."""
     pool = f"tiers-{next(_pools)}"
     stack = [{"url": f"mem://{pool}", "max_bytes": "64M"},
              {"url": (tmp_path / "kv").as_uri(), "max_bytes": "1G"}]
@@ -126,9 +128,12 @@ def test_a_hits_tokens_are_told_by_the_tier_each_chunk_was_found_in(tiers, tmp_p
     req = request("a", prompt)
     assert match(sched, req, 0) == (64, False)
     assert sched.hit_tiers(req, 64) == {0: 32, 1: 32}
-    assert sched.hit_tiers(req, 40) == {0: 8, 1: 32}
+    assert sched.hit_tiers(req, 48) == {0: 32, 1: 16}  # vLLM took fewer: the first ones
     assert sched.hit_tiers(req, 65) == {None: 65}  # not its lookup's tokens: unknown
     assert sched.hit_tiers(request("b", prompt), 32) == {None: 32}  # never looked up
+    later = request("c", prompt)
+    assert match(sched, later, BLOCK) == (64 - BLOCK, False)  # vLLM had a block cached
+    assert sched.hit_tiers(later, 64 - BLOCK) == {0: 32 - BLOCK, 1: 32}
 
 
 def test_tiers_are_read_once_and_a_wrong_one_is_refused_naming_it(tmp_path):

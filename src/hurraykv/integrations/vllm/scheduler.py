@@ -155,20 +155,21 @@ class SchedulerSide:
         return not (is_local(self.ctx.url) and tokens <= config.sync_load_max_tokens)
 
     def hit_tiers(self, request: Any, tokens: int) -> dict[int | None, int]:
-        """The ``tokens`` the connector supplies ``request`` (the last of those matched),
-        by the tier its lookup found each chunk in (None: not a stack, or unknown)."""
+        """The ``tokens`` the connector supplies ``request`` (those after vLLM's own hit,
+        as its load takes them), by the tier its lookup found each chunk in (None: not a
+        stack, or unknown)."""
         st = self.requests.get(request.request_id)
         if st is None or tokens <= 0:
             return {None: tokens} if tokens > 0 else {}
-        size, start = self.ctx.chunk_size, st.matched - tokens
+        size, start, end = self.ctx.chunk_size, st.local, st.local + tokens
+        if end > st.matched:  # not the tokens of its lookup: unknown
+            return {None: tokens}
         out: dict[int | None, int] = {}
         for c in range(len(st.located)):
-            n = min((c + 1) * size, st.matched) - max(c * size, start)
+            n = min((c + 1) * size, end) - max(c * size, start)
             if n > 0:
                 tier = st.tiers[c] if c < len(st.tiers) else None
                 out[tier] = out.get(tier, 0) + n
-        if sum(out.values()) != tokens:  # not the tokens of its lookup: unknown
-            return {None: tokens}
         return out
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
