@@ -33,13 +33,14 @@ def per_load(result: dict) -> list[tuple[float, float, float]]:
     return out
 
 
-def heavy_workload(work: Path, long_tokens: int) -> tuple[list[int], Callable[..., dict]]:
-    """The realistic-KV model's prompt of ``long_tokens`` and its engine spec (a
-    connector config, and overrides)."""
+def heavy_workload(work: Path, long_tokens: int, seed: int = 11
+                   ) -> tuple[list[int], Callable[..., dict]]:
+    """The realistic-KV model's prompt of ``long_tokens`` (drawn with ``seed``) and its
+    engine spec (a connector config, and overrides)."""
     model = work / "kv-heavy"
     if not model.exists():
         tiny_llama(model, layers=4, head_dim=128, kv_heads=8, heads=8)
-    prompt = np.random.default_rng(11).integers(1, 1000, long_tokens).tolist()
+    prompt = np.random.default_rng(seed).integers(1, 1000, long_tokens).tolist()
 
     def spec(connector: dict | None, **kw) -> dict:
         return {"model": str(model), "dtype": "bfloat16", "prompts": [prompt],

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hurraykv.integrations.tiny_models import tiny_llama
+from vllm_bench.connector import heavy_workload
 from vllm_bench.engines import engine, hurray_conn
 
 SPEED_FORMATS = ("auto", "int8", "int4", "fp8")
@@ -33,15 +33,8 @@ def store_dtype_speed(work: Path, long_tokens: int, rounds: int = 5, repeats: in
     """Load throughput into the engine's cache and TTFT of a full-prefix hit, per store
     dtype, over file:// and over hurray:// on loopback (one hurraykv server), each
     against store_dtype auto in the same run."""
-    model = tiny_llama(work / "kv-heavy-speed", layers=4, head_dim=128, kv_heads=8, heads=8)
+    _, spec = heavy_workload(work, long_tokens, seed=17)
     per_token = 4 * 2 * 8 * 128 * 2  # bytes of bfloat16 KV per token in the engine's cache
-    prompt = np.random.default_rng(17).integers(1, 1000, long_tokens).tolist()
-
-    def spec(connector: dict | None, **kw) -> dict:
-        return {"model": str(model), "dtype": "bfloat16", "prompts": [prompt],
-                "max_tokens": 1, "connector": connector, "block_size": 32,
-                "max_model_len": long_tokens + 600, "num_blocks": 2 * (long_tokens // 32) + 64,
-                "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}} | kw
 
     cold = engine(spec(None, rounds=rounds), work, "speed-cold")
     ttft_cold = float(np.median(cold["times"]))
