@@ -181,12 +181,15 @@ MUTANTS = [
             "test_damaged_values_are_refused_and_discarded",),
            "docs/vllm.md, Limits: checked before any byte reaches the engine on every "
            "backend (file://)"),
-    Mutant("server-load-unverified", "hurraykv/chunks/registry.py",
+    Mutant("store-load-unverified", "hurraykv/chunks/registry.py",
            'checksums.verify(snap, f"segment {name}")', "None",
-           ("tests/store/test_chunk_stores.py::TestServerStore::"
-            "test_damaged_values_are_refused_and_discarded",),
+           ("tests/store/test_chunk_stores.py::TestS3Store::"
+            "test_damaged_values_are_refused_and_discarded",
+            "tests/store/test_chunk_stores.py::TestMemoryStore::"
+            "test_damaged_values_are_refused_and_discarded"),
            "docs/vllm.md, Limits: checked before any byte reaches the engine on every "
-           "backend (hurray://, redis://)"),
+           "backend (those without a verified read of their own: s3://, mem://, a "
+           "plugin's; hurray:// and redis:// verify as they receive, mutants below)"),
     # --- the guard: deadlines and the circuit breaker -----------------------------------
     Mutant("guard-deadline-30x", GUARD,
            "deadline = self.timeout if timeout is None else timeout",
