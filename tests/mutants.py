@@ -960,6 +960,13 @@ MUTANTS = [
             "comes_from_the_top",),
            "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory (a "
            "worker's stack reads without looking up)"),
+    Mutant("stack-late-read-forgets-the-promotion", "hurraykv/chunks/stack.py",
+           "self._remember(name, tier, unless_faster_than=tried)",
+           "self._remember(name, tier)",
+           ("tests/store/test_stack.py::test_a_read_that_ends_after_a_promotion_leaves_the_"
+            "promoted_copy_remembered",),
+           "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory (a read "
+           "under way meanwhile does not undo it)"),
     Mutant("tier-hit-sources-not-kept", "hurraykv/integrations/vllm/scheduler.py",
            "st.tiers = (self.lookups.tiers(request.request_id) or [])[best:best + found]",
            "st.tiers = []",

@@ -100,6 +100,44 @@ class Gate(MemoryChunks):
         super().put(*a, **kw)
 
 
+class SlowGet(MemoryChunks):
+    """A memory tier whose next read (after ``hold`` is set) waits for ``gate``."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.hold, self.gate, self.entered = False, threading.Event(), threading.Event()
+
+    def get(self, name: str):
+        if self.hold:
+            self.hold = False
+            self.entered.set()
+            assert self.gate.wait(30)
+        return super().get(name)
+
+
+def test_a_read_that_ends_after_a_promotion_leaves_the_promoted_copy_remembered():
+    """A read from the lower tier that was under way when the promotion into the top
+    ended does not send the next read back down (nor promote it again)."""
+    top, below = mem(), SlowGet(f"stack-{next(_pools)}", max_bytes=1 << 30)
+    stack = StackedChunks([top, below], queue_depth=0)  # promotions made at once
+    k, snap = keys(2), segment(2, 4)
+    below.put(k, 0, snap, {})
+    name = stack.locate(k)[0]
+    assert stack.served_by(name) == 1
+    below.hold = True
+    reader = threading.Thread(target=stack.get, args=(name,))
+    reader.start()  # from the lower tier, held there
+    assert below.entered.wait(10)
+    assert stack.promote(name, k) is True and stack.served_by(name) == 0
+    below.gate.set()
+    reader.join(10)
+    assert not reader.is_alive() and stack.served_by(name) == 0
+    hits = list(stack.counts["hits"])
+    assert stack.get_verified(name).equal(snap)
+    assert stack.counts["hits"] == [hits[0] + 1, hits[1]]  # from the top
+    stack.close()
+
+
 def test_promotions_past_the_queue_are_skipped_and_counted(tmp_path):
     top = Gate(f"stack-{next(_pools)}", max_bytes=1 << 30)
     below = open_store((tmp_path / "kv").as_uri())

@@ -89,8 +89,16 @@ class StackedChunks(ChunkStore):
                               rule="write_back over mem://")
 
     # -- lookups and reads ---------------------------------------------------------------
-    def _remember(self, name: str, tier: int) -> None:
+    def _remember(self, name: str, tier: int, unless_faster_than: set[int] | None = None
+                  ) -> None:
+        """``name`` was found in ``tier``; with ``unless_faster_than`` (the tiers a read
+        tried), a faster tier it did not try stays remembered (a promotion into it ended
+        while the read ran)."""
         with self._lock:
+            now = self._where.get(name)
+            if unless_faster_than is not None and now is not None and now < tier and \
+                    now not in unless_faster_than:
+                return
             self._where[name] = tier
             self._where.move_to_end(name)
             while len(self._where) > self.REMEMBERED:
@@ -134,7 +142,9 @@ class StackedChunks(ChunkStore):
     def _read(self, name: str, read: Callable[[ChunkStore], Any]) -> Any:
         """``read`` of the first tier (the remembered one first) that has ``name``."""
         last: BaseException | None = None
+        tried: set[int] = set()
         for tier in self._order(name):
+            tried.add(tier)
             try:
                 got = read(self.tiers[tier])
             except checksums.ChecksumError:
@@ -147,7 +157,7 @@ class StackedChunks(ChunkStore):
                 last = e
                 continue
             if got is not None:  # None: a tier that cannot read so (get_pages)
-                self._remember(name, tier)
+                self._remember(name, tier, unless_faster_than=tried)
                 self.counts["hits"][tier] += 1
                 self.counts["loaded_bytes"][tier] += _nbytes(got)
             return got
