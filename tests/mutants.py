@@ -954,7 +954,8 @@ MUTANTS = [
             "is_promoted_so_the_next_comes_from_memory",),
            "docs/vllm.md, Tiers: the next hit of a promoted prefix comes from memory"),
     Mutant("stack-promoted-copy-not-read", "hurraykv/chunks/stack.py",
-           "            self._raise(name, self.tiers.index(store))  # the next read from there\n",
+           "            self._remember(name, self.tiers.index(store), set())  # next read from "
+           "there\n",
            "",
            ("tests/store/test_stack.py::test_a_lower_tiers_hit_is_promoted_and_the_next_"
             "comes_from_the_top",),

@@ -91,9 +91,9 @@ class StackedChunks(ChunkStore):
     # -- lookups and reads ---------------------------------------------------------------
     def _remember(self, name: str, tier: int, unless_faster_than: set[int] | None = None
                   ) -> None:
-        """``name`` was found in ``tier``; with ``unless_faster_than`` (the tiers a read
-        tried), a faster tier it did not try stays remembered (a promotion into it ended
-        while the read ran)."""
+        """``name`` was found in ``tier`` (a lookup's answer); with ``unless_faster_than``
+        (the tiers a read tried; none for a copy just made), a faster tier remembered that
+        it did not try stays remembered (a promotion into it ended while the read ran)."""
         with self._lock:
             now = self._where.get(name)
             if unless_faster_than is not None and now is not None and now < tier and \
@@ -103,12 +103,6 @@ class StackedChunks(ChunkStore):
             self._where.move_to_end(name)
             while len(self._where) > self.REMEMBERED:
                 self._where.popitem(last=False)
-
-    def _raise(self, name: str, tier: int) -> None:
-        """``name`` is in ``tier`` now too: read from there when it is faster."""
-        with self._lock:
-            if self._where.get(name, tier) >= tier:
-                self._where[name] = tier
 
     def _outage(self, tier: int, op: str, e: BaseException) -> None:
         self.counts["outages"][tier] += 1
@@ -216,7 +210,7 @@ class StackedChunks(ChunkStore):
             if not got:
                 got.append(source.get_verified(name))
             store.put(keys, first, got[0], dict(got[0].metadata))
-            self._raise(name, self.tiers.index(store))  # the next read from there
+            self._remember(name, self.tiers.index(store), set())  # next read from there
             return got[0].nbytes
 
         queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]
