@@ -9,9 +9,10 @@ import itertools
 import numpy as np
 import pytest
 
-from hurraykv.chunks.memory import MemoryChunks, copied
+from hurraykv.chunks.memory import MemoryChunks, copied, hold_as
 from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError, HurrayError
+from hurraykv.io import checksums, scatter
 from hurraykv.testing import keys, segment
 
 _pools = itertools.count()
@@ -148,3 +149,61 @@ def test_a_closed_or_unchecked_memory_source_never_reaches_the_reader(tmp_path):
     del dropped
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+@pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
+def test_a_pool_holds_keys_as_the_engine_does_and_hands_segments_on_as_they_came():
+    """``hold_as`` (CPU_ATTN's keys, each head's ``[dims, rows]``): the key pools are
+    held transposed, so a hit places them by copies into a destination of that form, bit
+    for bit as the segment's own form is placed by the transpose; everything that hands a
+    segment on (``get``, a write-back's eviction) gives it back as it came, checksums
+    verified; a destination of another form is refused, and an engine of another layout
+    reads such a segment whole."""
+    from hurraykv.errors import LayoutError
+    from hurraykv.io.scatter import Scatter, destination, memory_source
+
+    url = pool()
+    k, snap = keys(2), segment(2, 3)
+    pages, rows, heads, dims = snap.tensor(0, "key").page_pool.shape
+    form = (rows, heads, dims, 2)
+    hold_as(url, {"key": form})
+    held_bytes = copied(snap.with_info(metadata={}))[1]
+    store = open_store(url, max_bytes=held_bytes * 3 // 2)  # room for one
+    evicted = []
+    store.watch_evictions(lambda ks, first, s: evicted.append(s))
+    store.put(k, 0, snap, {})
+    name = store.locate(k)[0]
+    held = store._pool.segments[name].snapshot.tensor(1, "key").page_pool
+    want = snap.tensor(1, "key").page_pool
+    assert np.array_equal(np.frombuffer(held.tobytes(), np.float16).reshape(
+        pages, heads, dims, rows), want.transpose(0, 2, 3, 1))
+    assert store.get_verified(name).equal(snap)
+
+    # placed into CPU_ATTN-like blocks (K and V of a head side by side): the held form
+    # by copies, the segment's form by the transpose, the same bytes
+    size, s_h = rows * heads * dims * 2, 2 * rows * dims * 2
+    geometry = (rows, heads, dims * 2, 2, 2, s_h, rows * 2)
+    _, source = store.get_pages(name, frozenset({"layers.1.key"}))
+    assert source.held_as == {"layers.0.key": form, "layers.1.key": form}
+    places = []
+    for src in (source, memory_source(name, np.frombuffer(want.tobytes(), np.uint8),
+                                      {"layers.1.key": (0, size, pages)})):
+        dest = destination(np.zeros(pages * heads * s_h, np.uint8), 0, heads * s_h,
+                           geometry, pages)
+        scatter = Scatter()
+        scatter.add(src, "layers.1.key", 0, list(range(pages))[::-1], dest, "t")
+        assert scatter.run() == {}
+        places.append(dest.memory)
+    assert np.array_equal(*places) and places[0].any()
+    rowwise = destination(np.zeros(pages * size, np.uint8), 0, size,
+                          (rows, heads, dims * 2, 2, heads * dims * 2, dims * 2, 2), pages)
+    with pytest.raises(LayoutError, match=r"layers\.1\.key\.held_as"):
+        Scatter().add(source, "layers.1.key", 0, [0], rowwise, "t")
+    source.close()
+
+    hold_as(url, {})  # an engine of another layout registered: read whole, right
+    assert store.get_pages(name, frozenset({"layers.1.key"})) is None
+    assert store.get(name).equal(snap)
+    store.put(keys(2), 0, segment(2, 4), {})  # evicts the first: handed on as it came
+    assert len(evicted) == 1 and evicted[0].equal(snap)
+    checksums.verify(evicted[0], "the evicted segment")  # raises if it is not

@@ -17,6 +17,16 @@ them again (``scatter.memory_source``): what is here was hashed on its way in (a
 hashes the engine's blocks it copied; a copy from another tier is read verified) and
 never left the process.
 
+*As the engine holds them.*  An engine whose blocks hold a role's pages transposed
+(CPU_ATTN's keys: each head's ``[dims, rows]``) says so once (``hold_as``, by its
+connector's worker when it registers its cache); the pool then holds that role's pools
+so, transposed at ``put`` (off a hit's path: a save's, a promotion's), and a hit's pages
+are copies head by head, as ExampleConnector's and vLLM's CPU tier's are.  Everything
+that hands a segment on (``get``, a write-back) transposes them back first: a segment
+leaves the pool as the one that came in, checksums and all.  A segment held in another
+form than the pool's current one (an engine of another layout registered since) is
+read whole (``get_pages`` answers None).
+
 *Capacity.*  ``max_bytes`` is required: a memory tier without a bound is a process that
 runs out of memory.  A segment's bytes are its members' (``KVCacheSnapshot.nbytes``).
 Past the cap the least recently used segments (a load is a use) go first; those past
@@ -35,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import ParseResult, unquote
+from urllib.parse import ParseResult, unquote, urlparse
 
 import numpy as np
 
@@ -58,6 +68,24 @@ class _Held:
     used: float
     version: int
     arena: np.ndarray  # the one allocation the snapshot's members are views of
+    # members whose pools ``snapshot`` holds in an engine's form (``hold_as``), not the
+    # segment's: ``segment()`` gives them back as they came
+    held_as: dict[str, tuple[int, int, int, int]]
+
+    def segment(self) -> KVCacheSnapshot:
+        if not self.held_as:
+            return self.snapshot
+        back = {p.ctypes.data: form for _, p, form in _held_pools(self.snapshot,
+                                                                   self.held_as)}
+
+        def unheld(b: Any) -> Any:
+            a = np.frombuffer(memoryview(b).cast("B"), np.uint8)
+            form = back.get(a.ctypes.data) if len(a) else None
+            return b if form is None else memoryview(_segment_form(b, form))
+
+        return KVCacheSnapshot.from_members(
+            [(name, desc, [unheld(b) for b in bufs])
+             for name, desc, bufs in self.snapshot.members()], owner=self.arena)
 
 
 class _Pool:
@@ -70,6 +98,7 @@ class _Pool:
         self.kept: dict[str, retention.Kept] = {}
         self.total = 0
         self.versions = 0
+        self.forms: dict[str, tuple[int, int, int, int]] = {}  # role -> hold_as's form
 
 
 NAME = re.compile(r"[A-Za-z0-9._-]{0,64}")
@@ -82,15 +111,73 @@ def _pool(name: str) -> _Pool:
         return _POOLS.setdefault(name, _Pool())
 
 
+def hold_as(url: str, forms: dict[str, tuple[int, int, int, int]]) -> None:
+    """The pool of ``url`` (nothing, for another scheme) holds the page pools of each
+    role of ``forms`` in that ``scatter.engine_form`` from its next ``put`` on (an empty
+    ``forms``: as segments); the process's engine says so when it registers its cache."""
+    parsed = urlparse(url)
+    if parsed.scheme == "mem":
+        _pool(unquote(parsed.netloc)).forms = dict(forms)
+
+
+def _held_pools(snapshot: KVCacheSnapshot, forms: dict[str, tuple[int, int, int, int]]
+                ) -> list[tuple[str, np.ndarray, tuple[int, int, int, int]]]:
+    """The page pools of ``snapshot`` to hold in an engine's form, with their member's
+    name: ``forms`` by member name (a pool that is not that form's pages is held as it
+    is)."""
+    out = []
+    for layer in range(snapshot.num_layers):
+        for role, t in zip(snapshot.roles, snapshot.layer(layer), strict=True):
+            form = forms.get(member_name(layer, role))
+            pool = t.page_pool
+            if form is not None and pool.flags.c_contiguous and pool.ndim == 4 and \
+                    tuple(pool.shape[1:]) == form[:3] and pool.itemsize == form[3]:
+                out.append((member_name(layer, role), pool, form))
+    return out
+
+
+def _into_form(out: np.ndarray, pool: np.ndarray, form: tuple[int, int, int, int]) -> None:
+    """The pages of ``pool`` (bytes) written into ``out`` (bytes) in ``form``: by the
+    compiled reader, as a load transposes a segment's pages into CPU_ATTN's blocks (3x
+    NumPy's strided copy: a save's time), else by NumPy."""
+    rows, heads, dims, elem = form
+    size = rows * heads * dims * elem
+    if not scatter.available() or pool.ctypes.data % 8:
+        typed = scatter.WIDTHS[elem]
+        out.view(typed).reshape(-1, heads, dims, rows)[...] = \
+            pool.view(typed).reshape(-1, rows, heads, dims).transpose(0, 2, 3, 1)
+        return
+    pages = len(pool) // size
+    dest = scatter.destination(out, 0, size, (rows, heads, dims * elem, elem, elem,
+                                              rows * dims * elem, rows * elem), pages)
+    run = scatter.Scatter()
+    run.add(scatter.memory_source("put", pool, {"pages": (0, size, pages)}), "pages", 0,
+            range(pages), dest, None)
+    run.run()
+
+
+def _segment_form(held: Any, form: tuple[int, int, int, int]) -> np.ndarray:
+    """Pages held in ``form`` (each head's ``[dims, rows]``) copied back into the
+    segment's ``[rows, heads, dims]``."""
+    rows, heads, dims, elem = form
+    a = np.frombuffer(memoryview(held).cast("B"), scatter.WIDTHS[elem])
+    return a.reshape(-1, heads, dims, rows).transpose(0, 3, 1, 2).copy()
+
+
 ALIGN = 64  # each buffer's start in a segment's allocation: a cache line
 
 
-def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int, np.ndarray]:
+def copied(snapshot: KVCacheSnapshot, forms: dict[str, tuple[int, int, int, int]]
+           | None = None) -> tuple[KVCacheSnapshot, int, np.ndarray,
+                                   dict[str, tuple[int, int, int, int]]]:
     """``snapshot`` with every member's bytes copied into one allocation, each buffer on
     a cache line (``ALIGN``: a load copies a page's rows from where they are held), as
-    read-only views (its pages are placed unhashed: nothing may change them); its bytes
-    (the members', as ``KVCacheSnapshot.nbytes``: the padding, under ``ALIGN`` a buffer,
-    is not counted), and the allocation."""
+    read-only views (its pages are placed unhashed: nothing may change them); the page
+    pools of ``forms``' members (``_held_pools``) transposed into that form on the way.
+    Its bytes (the members', as ``KVCacheSnapshot.nbytes``: the padding, under ``ALIGN``
+    a buffer, is not counted), the allocation, and the members held transposed."""
+    held = _held_pools(snapshot, forms or {})
+    transposed = {p.ctypes.data: form for _, p, form in held}
     members = list(snapshot.members())
     sizes = [[memoryview(b).nbytes for b in bufs] for _, _, bufs in members]
     total = sum(map(sum, sizes))
@@ -100,7 +187,12 @@ def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int, np.ndarray]
     at, spans = start, []
     for (_, _, bufs), lengths in zip(members, sizes, strict=True):
         for b, n in zip(bufs, lengths, strict=True):
-            arena[at:at + n] = np.frombuffer(memoryview(b).cast("B"), np.uint8)
+            src = np.frombuffer(memoryview(b).cast("B"), np.uint8)
+            form = transposed.get(src.ctypes.data) if n else None
+            if form is None:
+                arena[at:at + n] = src
+            else:
+                _into_form(arena[at:at + n], src, form)
             spans.append((at, n))
             at += -(-n // ALIGN) * ALIGN
     frozen = arena.view()
@@ -109,7 +201,8 @@ def copied(snapshot: KVCacheSnapshot) -> tuple[KVCacheSnapshot, int, np.ndarray]
     items = [(name, desc, [memoryview(frozen[a:a + n]) for a, n in
                            (next(placed) for _ in lengths)])
              for (name, desc, _), lengths in zip(members, sizes, strict=True)]
-    return KVCacheSnapshot.from_members(items, owner=arena), total, arena
+    return (KVCacheSnapshot.from_members(items, owner=arena), total, arena,
+            {member: form for member, _, form in held})
 
 
 class MemoryChunks(ChunkStore):
@@ -200,7 +293,7 @@ class MemoryChunks(ChunkStore):
             return held
 
     def get(self, name: str) -> KVCacheSnapshot:
-        return self._used(name).snapshot
+        return self._used(name).segment()
 
     def get_pages(self, name: str, members: frozenset[str]
                   ) -> tuple[KVCacheSnapshot, PageSource] | None:
@@ -210,6 +303,9 @@ class MemoryChunks(ChunkStore):
         if not scatter.available():
             return None
         held = self._used(name)
+        if held.held_as and any(self._pool.forms.get(m.rsplit(".", 1)[-1]) != f
+                                for m, f in held.held_as.items()):
+            return None  # held for an engine of another layout: read whole (get)
         snap, base = held.snapshot, held.arena.ctypes.data
         places = {}
         for layer in range(snap.num_layers):
@@ -219,7 +315,7 @@ class MemoryChunks(ChunkStore):
                 if member in members and pool.flags.c_contiguous and len(pool):
                     places[member] = (pool.ctypes.data - base, pool.nbytes // len(pool),
                                       len(pool))
-        return snap, scatter.memory_source(name, held.arena, places)
+        return snap, scatter.memory_source(name, held.arena, places, held.held_as)
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         now = time.time()
@@ -245,7 +341,9 @@ class MemoryChunks(ChunkStore):
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:
         name = check_name(segment_name(keys, first))
-        snap, nbytes, arena = copied(snapshot.with_info(metadata=metadata))
+        forms = {member_name(layer, role): form for role, form in self._pool.forms.items()
+                 for layer in range(snapshot.num_layers)}
+        snap, nbytes, arena, held_as = copied(snapshot.with_info(metadata=metadata), forms)
         if nbytes > self.max_bytes:
             raise HurrayError(f"segment {name} of {nbytes} bytes is larger than max_bytes "
                               f"{self.max_bytes}: not stored", field="max_bytes",
@@ -259,12 +357,12 @@ class MemoryChunks(ChunkStore):
             self._drop(name)
             pool.versions += 1
             pool.segments[name] = _Held(snap, tuple(keys), nbytes, now, now, pool.versions,
-                                        arena)
+                                        arena, held_as)
             pool.total += nbytes
             pool.aliases.update((key, name) for key in keys)
         if self._evicted is not None:  # outside the pool's lock
             for held, victim in dropped:
-                self._evicted(held.keys, int(victim.rsplit("-", 1)[1]), held.snapshot)
+                self._evicted(held.keys, int(victim.rsplit("-", 1)[1]), held.segment())
 
     def _make_room(self, nbytes: int, keep: str, now: float) -> list[tuple[_Held, str]]:
         """Drop what is past its lifetime, then the least recently used unpinned

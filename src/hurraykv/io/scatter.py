@@ -88,6 +88,9 @@ class PageSource:
     members: dict[str, tuple[int, int, np.ndarray]]
     memory: np.ndarray | None = None
     verify: bool = True
+    # members whose pages are held as an engine's blocks hold them (``engine_form``):
+    # each head's [dims, rows], copied head by head, never transposed on the way
+    held_as: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -102,11 +105,25 @@ class PageSource:
         self.close()
 
 
+def engine_form(geometry: Sequence[int]) -> tuple[int, int, int, int] | None:
+    """``(rows, heads, dims, element size)`` where a destination of ``geometry`` holds
+    each head of a page transposed, its ``[dims, rows]`` contiguous (CPU_ATTN's keys):
+    pages held so are placed by copies (``memory_source``'s ``held_as``); else None."""
+    rows, heads, row, elem, s_n, _, s_d = (int(x) for x in geometry)
+    if rows > 1 and s_n == elem and s_d == rows * elem:
+        return rows, heads, row // elem, elem
+    return None
+
+
 def memory_source(name: str, memory: np.ndarray,
-                  members: dict[str, tuple[int, int, int]]) -> PageSource:
+                  members: dict[str, tuple[int, int, int]],
+                  held_as: dict[str, tuple[int, int, int, int]] | None = None
+                  ) -> PageSource:
     """A ``PageSource`` over pages held in ``memory`` (uint8, contiguous, 8-byte
     aligned): ``members[m]`` = (the offset of member ``m``'s page 0 in it, the bytes of a
-    page, its pages), each checked to lie inside it.  Its pages are placed without being
+    page, its pages), each checked to lie inside it; ``held_as[m]``: member ``m``'s pages
+    are held in that ``engine_form``, not the segment's ``[rows, heads, dims]``, and go
+    only into a destination of that form.  Its pages are placed without being
     hashed: a segment in this process's memory was hashed when it entered (the saver
     computed its checksums from the engine's blocks; a copy from another tier was read
     verified) and has not left the process since."""
@@ -120,7 +137,7 @@ def memory_source(name: str, memory: np.ndarray,
             raise LayoutError.at(f"{member}.pages", None, [offset, size, pages],
                                  f"pages aligned to 8 inside the {len(memory)} bytes held")
         out[member] = (offset, size, np.zeros(pages, np.uint64))
-    return PageSource(-1, name, out, memory, verify=False)
+    return PageSource(-1, name, out, memory, verify=False, held_as=dict(held_as or {}))
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,6 +235,14 @@ class Scatter:
         if size != dest.page_bytes:
             raise LayoutError.at(f"{member}.page", None, size,
                                  f"a destination page of {dest.page_bytes} bytes")
+        geometry = dest.geometry
+        form = source.held_as.get(member)
+        if form is not None:  # held as the blocks hold it: a copy of each head's part
+            if engine_form(geometry) != form:
+                raise LayoutError.at(f"{member}.held_as", None, list(form),
+                                     f"the form of the destination, {list(geometry)}")
+            rows, heads, dims, elem = form
+            geometry = (1, heads, rows * dims * elem, elem, size, geometry[5], elem)
         ids = np.asarray(blocks, np.int64)
         n = len(ids)
         if first_page < 0 or first_page + n > len(digests):
@@ -229,7 +254,7 @@ class Scatter:
         if group is None:
             group = self._groups[key] = _Group(source, dest)
         group.add(offset + first_page * size, size, dest.first + ids * dest.block,
-                  digests[first_page:first_page + n], dest.geometry, tag, member, first_page)
+                  digests[first_page:first_page + n], geometry, tag, member, first_page)
         self.nbytes += n * size
 
     def run(self) -> dict[Hashable, tuple[str, int]]:

@@ -123,9 +123,10 @@ def test_a_load_reads_each_page_from_the_file_straight_into_its_block(
 def test_a_memory_tiers_hit_is_placed_from_where_it_is_held_in_one_pass(
         side, tmp_path, backend, layout, dtype):
     """``mem://`` (issue 49 item 1): the page pools go from the pool's own allocation
-    into the blocks in one compiled pass (a row copy, or CPU_ATTN's key transpose), bit
-    for bit, and without hashing them again; the pool's bytes are read-only, and what a
-    memory fault would leave there is what is loaded."""
+    into the blocks in one compiled pass, bit for bit, and without hashing them again:
+    row copies, CPU_ATTN's keys too (the worker has the pool hold them transposed, as its
+    blocks do); the pool's bytes are read-only, and what a memory fault would leave there
+    is what is loaded."""
     url = f"mem://direct-{tmp_path.name}"
     w = worker(side, url, backend, layout, dtype,
                open_one=lambda: open_store(url, max_bytes=1 << 26), max_bytes="64M")
@@ -138,7 +139,10 @@ def test_a_memory_tiers_hit_is_placed_from_where_it_is_held_in_one_pass(
     stats = w.ctx.stats
     assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
     assert stats["chunks_loaded"] == 3
-    held = open_store(url, max_bytes=1 << 26).get(names[0])
+    store = open_store(url, max_bytes=1 << 26)
+    transposed = {m.rsplit(".", 1)[1] for m in store._pool.segments[names[0]].held_as}
+    assert transposed == ({"key"} if backend == "CPU_ATTN" else set())
+    held = store.get(names[0])
     pool = held.tensor(0, "value").page_pool
     with pytest.raises(ValueError, match="read-only"):  # nothing in the process may
         pool[:] = 0

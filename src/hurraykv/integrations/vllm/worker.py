@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 from ... import threads
 from ...adapters._torch import numpy_dtype
 from ...adapters.vllm import LayerView, StateView, backend_kind, cpu_isa, ordered_layers
+from ...chunks import memory
 from ...chunks.registry import store_class
 from ...io import checksums, scatter
 from .common import IDLE_WAIT, Context, Plan, log
@@ -102,6 +103,15 @@ class WorkerSide:
                              list(self.saver.groups), states, self.saver.group_map)
         if self.target.destinations is not None:  # compiled for this cache's elements
             scatter.warm([d.geometry for parts in self.target.destinations for d in parts])
+        # a mem:// tier holds pages as these blocks do (CPU_ATTN's keys transposed): its
+        # hits are copies (chunks/memory.py); an engine of another layout resets it
+        roles = ("fused",) if kind == "mla" else ("key", "value")
+        forms = {role: form for role, d in zip(roles, (self.target.destinations or [[]])[0],
+                                               strict=False)
+                 if (form := scatter.engine_form(d.geometry)) is not None}
+        for url in [t.url for t in ctx.config.tiers or ()] or [ctx.url]:
+            memory.hold_as(url, forms if self.format.auto else {})
+        if self.target.destinations is not None:
             # the stored segments' structures known before a hit (a store that can; asked
             # only then, so that a store away costs no start-up wait and no failure)
             cls = store_class(urlparse(ctx.url).scheme)
