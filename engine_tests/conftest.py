@@ -11,7 +11,9 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shutil
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -240,6 +242,23 @@ def skip_unless_cpu_takes(dtype: str, kv_cache_dtype: str, *, block_size: int = 
         _get_attn_isa(getattr(torch, dtype), block_size, head_size, kv_cache_dtype)
     except NotImplementedError as exc:
         pytest.skip(f"vLLM's CPU backend refuses {kv_cache_dtype} caches here: {exc}")
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+
+
+def docs_shell_blocks(heading: str) -> list[str]:
+    """The shell blocks of docs/vllm.md's section ``## heading``, as a reader copies them
+    (a list item's indentation is not part of its code): the tests that run the docs'
+    commands take them from the text, so that a change the commands no longer run under
+    fails them."""
+    section = DOCS.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", section, re.S)]
+
+
+def kv_transfer_config(command: str) -> dict:
+    """The ``--kv-transfer-config`` of a docs' ``vllm serve`` command line."""
+    return json.loads(re.search(r"--kv-transfer-config '(.*?)'", command, re.S).group(1))
 
 
 def run_engine(spec: dict, tmp_path: Path, name: str = "engine") -> dict:

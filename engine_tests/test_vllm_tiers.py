@@ -8,8 +8,6 @@ without a connector, and which tier served a hit is read from the tier counters
 from __future__ import annotations
 
 import contextlib
-import json
-import re
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from tests.support.s3_fixtures import s3_server, s3_url  # noqa: F401 - fixtures
 from tests.support.s3_servers import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3
 
-from engine_tests.conftest import Engine
+from engine_tests.conftest import Engine, docs_shell_blocks, kv_transfer_config
 from engine_tests.test_vllm_connector import BLOCK, prompts
 from engine_tests.test_vllm_faults import generate, want  # noqa: F401 - fixture
 from hurraykv.chunks.urls import open_store
@@ -187,10 +185,7 @@ def test_the_s3_tier_stopped_fails_no_request_and_serves_again_once_back(
 def docs_tiers(store: Path) -> dict:
     """docs/vllm.md's two-tier quickstart: its ``--kv-transfer-config`` as written, the
     directory moved to ``store``."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
-    section = text[text.index("## Tiers"):]
-    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
-    config = json.loads(re.search(r"--kv-transfer-config '(.*?)'", block, re.S).group(1))
+    config = kv_transfer_config(docs_shell_blocks("Tiers")[0])
     assert [t["url"] for t in config["kv_connector_extra_config"]["tiers"]] == [
         "mem://", "file:///tmp/hurraykv"]
     config["kv_connector_extra_config"]["tiers"][1]["url"] = store.as_uri()
