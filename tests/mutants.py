@@ -974,6 +974,19 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_tiers.py::test_a_hits_tokens_are_told_by_the_"
             "tier_each_chunk_was_found_in",),
            "docs/vllm.md, Tiers: vLLM's hits by source say which tier held each chunk"),
+    Mutant("tier-thresholds-not-passed-to-the-stack", "hurraykv/integrations/vllm/saves.py",
+           'tiers = {} if save.tiers is None else {"tiers": save.tiers}', "tiers = {}",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_each_tier_stores_a_chunk_once_"
+            "its_own_threshold_admits_it",),
+           "docs/vllm.md, Tiers: each tier stores a chunk once its own store_threshold admits "
+           "it"),
+    Mutant("tier-thresholds-all-the-lowest", "hurraykv/integrations/vllm/admission.py",
+           "out.append(tuple(t for t, n in enumerate(self.thresholds) if count >= n))",
+           "out.append(self._every if count >= min(self.thresholds) else ())",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_a_run_breaks_where_its_tiers_"
+            "change_and_a_promotion_is_not_admitted",),
+           "docs/vllm.md, Tiers: a step's run of chunks is cut where the tiers admitting them "
+           "change"),
     Mutant("memory-pages-read-whole", "hurraykv/chunks/memory.py",
            "        held = self._used(name)\n        if held.held_as and ",
            "        return None\n        held = self._used(name)\n        if held.held_as and ",

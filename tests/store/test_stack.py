@@ -174,6 +174,35 @@ def test_write_through_writes_the_first_tier_at_once_and_the_others_after(tmp_pa
     stack.close()
 
 
+def test_a_put_given_tiers_writes_those_the_first_of_them_at_once(tmp_path):
+    """The tiers whose ``store_threshold`` admitted a segment (the connector's planner):
+    the first of them written before ``put`` returns, the others after, no other tier."""
+    top, middle = mem(), Gate(f"stack-{next(_pools)}", max_bytes=1 << 30)
+    below = open_store((tmp_path / "kv").as_uri())
+    stack = StackedChunks([top, middle, below])
+    k, snap = keys(2), segment(2, 9)
+    middle.gate.set()
+    stack.put(k, 0, snap, {}, tiers=(1,))
+    assert middle.locate(k)[0] is not None and top.locate(k) == [None, None]
+    stack.settle()
+    assert below.locate(k) == [None, None] and stack.counts["writes"] == [0, 1, 0]
+    middle.gate.clear()
+    k2 = keys(1)
+    stack.put(k2, 0, segment(1, 10), {}, tiers=(2, 0))  # in any order: the fastest first
+    assert top.locate(k2)[0] is not None
+    stack.settle()
+    assert below.locate(k2)[0] is not None and middle.locate(k2) == [None]
+    assert stack.counts["writes"] == [1, 1, 1]
+    for wrong in [(), (3,), (-1, 0)]:
+        with pytest.raises(HurrayError, match="a put into tiers"):
+            stack.put(keys(1), 0, segment(1, 11), {}, tiers=wrong)
+    stack.close()
+    back = StackedChunks([mem(), below], write_policy="write_back")
+    with pytest.raises(HurrayError, match="the first of them 0 under write_back"):
+        back.put(keys(1), 0, segment(1, 12), {}, tiers=(1,))
+    back.close()
+
+
 class Down(ChunkStore):
     """A tier that is down: every call fails as a lost connection does."""
 

@@ -18,12 +18,14 @@ is ever evicted for it, as the tier's own ``put`` guarantees.
 
 *Writes* follow ``write_policy``.  ``write_through`` (the default): the first tier is
 written before ``put`` returns, the tiers below asynchronously, through a bounded queue
-that drops a write when full (``writes_dropped``).  ``write_back``: only the first tier
-is written; the second receives a segment when the first drops it to make room (so the
-first tier must be one whose evictions the stack sees: a ``mem://`` pool).  A segment is
-present in a tier only once that tier's ``put`` returned.  ``queue_depth`` 0 makes every
-copy (writes and promotions) before the call returns, for a stack whose lower tiers must
-hold what it stored when ``put`` returns.
+that drops a write when full (``writes_dropped``); a ``put`` given ``tiers`` (those whose
+admission took the segment: the connector's ``store_threshold`` per tier) writes the
+first of them so and the others through the queue, and no other tier.  ``write_back``:
+only the first tier is written; the second receives a segment when the first drops it to
+make room (so the first tier must be one whose evictions the stack sees: a ``mem://``
+pool).  A segment is present in a tier only once that tier's ``put`` returned.
+``queue_depth`` 0 makes every copy (writes and promotions) before the call returns, for
+a stack whose lower tiers must hold what it stored when ``put`` returns.
 
 The catalog is every tier's, each segment once (the first tier that holds it), and
 ``remove``, ``retain`` and ``clear`` act on every tier.
@@ -48,7 +50,8 @@ log = logging.getLogger("hurraykv.chunks")
 POLICIES = ("write_through", "write_back")
 # what a stack counts, per tier (the connector's vllm:hurraykv_tier_* metrics)
 COUNTS = ("hits", "loaded_bytes", "stored_bytes", "promotions", "promotions_skipped",
-          "promotions_refused", "writes", "writes_dropped", "writes_failed", "outages")
+          "promotions_refused", "writes", "writes_dropped", "writes_failed", "outages",
+          "unadmitted")  # unadmitted: chunks a tier's store_threshold kept out (the planner's)
 
 
 def tier_counts(tiers: int) -> dict[str, list[int]]:
@@ -270,13 +273,22 @@ class StackedChunks(ChunkStore):
 
     # -- writes ---------------------------------------------------------------------------
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
-            metadata: dict[str, Any]) -> None:
-        name = segment_name(keys, first)
+            metadata: dict[str, Any], *, tiers: Sequence[int] | None = None) -> None:
+        """``tiers``: the tiers that take the segment (None: every tier), the first of
+        them written before this returns; under ``write_back`` the first tier only."""
+        chosen = range(len(self.tiers)) if tiers is None else sorted(set(tiers))
+        if not chosen or not 0 <= chosen[0] <= chosen[-1] < len(self.tiers) or (
+                self.write_policy == "write_back" and chosen[0] != 0):
+            raise HurrayError(f"a put into tiers {list(chosen)} of {self.url}: they are "
+                              f"some of 0 to {len(self.tiers) - 1}, the first of them 0 "
+                              f"under write_back", field="tiers", value=list(chosen),
+                              rule="tiers of the stack; the first under write_back")
+        name, top = segment_name(keys, first), chosen[0]
         self._discarded.discard(name)  # computed again: stored again
-        self.tiers[0].put(keys, first, snapshot, metadata)
-        self.counts["writes"][0] += 1
-        self.counts["stored_bytes"][0] += snapshot.nbytes
-        self._remember(name, 0)
+        self.tiers[top].put(keys, first, snapshot, metadata)
+        self.counts["writes"][top] += 1
+        self.counts["stored_bytes"][top] += snapshot.nbytes
+        self._remember(name, top)
         if self.write_policy == "write_through":
             keys, metadata = list(keys), dict(metadata)
 
@@ -286,7 +298,7 @@ class StackedChunks(ChunkStore):
                 store.put(keys, first, snapshot, metadata)
                 return snapshot.nbytes
 
-            for tier in range(1, len(self.tiers)):
+            for tier in chosen[1:]:
                 self._enqueue(tier, copy, "writes")
 
     def _written_back(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot

@@ -243,7 +243,7 @@ def test_store_threshold_stores_a_chunk_the_second_time_it_is_computed(side):
     sched, _ = side
     sched.ctx.config = dataclasses.replace(sched.ctx.config, store_threshold=2,
                                           max_tracker_size=4)
-    sched.save_planner.admission = type(sched.save_planner.admission)(2, 4)
+    sched.save_planner.admission = type(sched.save_planner.admission)((2,), 4)
 
     def computed(req_id: str, tokens: list[int]) -> list[tuple[int, int]]:
         req = request(req_id, tokens)

@@ -160,3 +160,121 @@ def test_tiers_are_read_once_and_a_wrong_one_is_refused_naming_it(tmp_path):
         with pytest.raises(ConfigError, match=why) as e:
             ConnectorConfig.from_extra(extra)
         assert e.value.field == field, (extra, e.value)
+
+
+# ---------------------------------------------------------------- store_threshold per tier
+def test_a_tiers_store_threshold_is_read_and_write_back_refuses_one_below_the_first(
+        tmp_path):
+    kv = (tmp_path / "kv").as_uri()
+    conf = ConnectorConfig.from_extra({"tiers": [
+        {"url": "mem://", "max_bytes": "8G"},
+        {"url": kv, "max_bytes": "500G", "store_threshold": 2},
+        {"url": (tmp_path / "kv2").as_uri(), "store_threshold": "1"}], "store_threshold": 3})
+    assert conf.thresholds() == (3, 2, 1)  # the connector's where a tier has none
+    assert conf.tiers[1].options == {"max_bytes": 500 << 30}  # not a store option
+    assert ConnectorConfig.from_extra({"url": kv, "store_threshold": 2}).thresholds() == (2,)
+    first_only = ConnectorConfig.from_extra({"tiers": [
+        {"url": "mem://", "max_bytes": "8G", "store_threshold": 2}, {"url": kv}],
+        "write_policy": "write_back"})
+    assert first_only.thresholds() == (2, 1)
+    for tier, policy, field, why in [
+        ({"url": kv, "store_threshold": 0}, "write_through", "tiers[1].store_threshold",
+         r"\['tiers\[1\].store_threshold'\] is 0; it is a positive int"),
+        ({"url": kv, "store_threshold": "twice"}, "write_through",
+         "tiers[1].store_threshold", "positive int"),
+        ({"url": kv, "store_threshold": 2}, "write_back", "tiers[1].store_threshold",
+         r"\['tiers'\]\[1\]\['store_threshold'\] is 2 with write_policy 'write_back': a "
+         "lower tier receives only what the first tier drops"),
+    ]:
+        with pytest.raises(ConfigError, match=why) as e:
+            ConnectorConfig.from_extra({"tiers": [{"url": "mem://", "max_bytes": "8G"}, tier],
+                                        "write_policy": policy})
+        assert e.value.field == field, (tier, e.value)
+
+
+def _computed(sched: SchedulerSide, w, req_id: str, prompt: list[int], blocks: list[int]):
+    """``req_id`` computes ``prompt`` whole (its lookup misses): the step's plan, run on
+    the worker ``w`` (its saves written, the stack's queue drained)."""
+    req = request(req_id, prompt)
+    assert match(sched, req, 0) == (0, False)
+    alloc(sched, req, 0)
+    plan = sched.plan(step(new=[(req_id, blocks, 0)], scheduled={req_id: len(prompt)}))
+    for layer_name in LAYER_NAMES:  # the forward pass's layers copied out
+        w.save_kv_layer(layer_name, plan)
+    assert run_step(w, plan) == set()
+    w.ctx.saves.call("settle", lambda stack: stack.settle(), None)
+    sched.output(SimpleNamespace(invalid_block_ids=set(), kv_cache_events=w.saved.take()))
+    sched.requests.pop(req_id)
+    return plan
+
+
+def test_each_tier_stores_a_chunk_once_its_own_threshold_admits_it(tiers, tmp_path):
+    """``mem://`` at 1, ``file://`` at 2: a prompt computed once is kept in memory only;
+    evicted from there and computed again, it lands in both.  The scheduler counts each
+    chunk's computations once, and what each tier kept out."""
+    pool = f"tiers-{next(_pools)}"
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M", "store_threshold": 1},
+             {"url": (tmp_path / "kv").as_uri(), "max_bytes": "1G", "store_threshold": 2}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack), HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+    memory, below = MemoryChunks(pool, max_bytes=1 << 26), open_store((tmp_path / "kv").as_uri())
+    prompt = list(range(1, 101))  # 3 whole chunks before the last token
+    keys = ChunkKeys(sched.ctx.seed, CHUNK).upto(prompt, 3)
+    fill(w, list(range(1, 7)), 5.0)
+
+    plan = _computed(sched, w, "a", prompt, list(range(1, 8)))
+    assert [(s.first_chunk, len(s.keys), s.tiers) for s in plan.saves] == [(0, 3, (0,))]
+    name = memory.locate(keys)[0]
+    assert name is not None and below.locate(keys) == [None] * 3  # memory only
+    assert w.ctx.tier_counts["writes"] == [1, 0]
+    assert sched.ctx.tier_counts["unadmitted"] == [0, 3]
+    assert sched.ctx.stats["chunks_unadmitted"] == 0  # a tier took every chunk
+
+    assert memory.remove(name)  # dropped from memory: the next request computes it again
+    plan = _computed(sched, w, "b", prompt, list(range(1, 8)))
+    assert [(s.first_chunk, len(s.keys), s.tiers) for s in plan.saves] == [(0, 3, None)]
+    assert memory.locate(keys) == [name] * 3 and below.locate(keys) == [name] * 3
+    assert below.get_verified(name).equal(memory.get_verified(name))
+    assert w.ctx.tier_counts["writes"] == [2, 1]
+    assert sched.ctx.tier_counts["unadmitted"] == [0, 3]
+
+
+def test_a_run_breaks_where_its_tiers_change_and_a_promotion_is_not_admitted(
+        tiers, tmp_path):
+    """``mem://`` at 2 under ``file://`` at 1: a chunk computed once goes to the disk
+    alone, written before the save is done (the first tier that admits it); a prompt whose
+    first chunk is computed the second time is stored in two segments, the first in both
+    tiers; and a hit from the disk is promoted into memory whatever memory's threshold (a
+    hit is a reuse)."""
+    pool = f"tiers-{next(_pools)}"
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M", "store_threshold": 2},
+             {"url": (tmp_path / "kv").as_uri(), "max_bytes": "1G"}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack), HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+    memory, below = MemoryChunks(pool, max_bytes=1 << 26), open_store((tmp_path / "kv").as_uri())
+    one = list(range(1, 41))  # 1 whole chunk before the last token
+    fill(w, list(range(1, 7)), 9.0)
+    plan = _computed(sched, w, "a", one, [1, 2, 3])
+    assert [(s.first_chunk, s.tiers) for s in plan.saves] == [(0, (1,))]
+    first = ChunkKeys(sched.ctx.seed, CHUNK).upto(one, 1)
+    name = below.locate(first)[0]
+    assert name is not None and memory.locate(first) == [None]
+    assert w.ctx.tier_counts["writes"] == [0, 1]
+
+    assert below.remove(name)
+    longer = one[:CHUNK] + [7] * 68  # chunk 0 computed the second time, then 2 new ones
+    plan = _computed(sched, w, "b", longer, list(range(1, 8)))
+    assert [(s.first_chunk, len(s.keys), s.tiers) for s in plan.saves] == [
+        (0, 1, None), (1, 2, (1,))]
+    assert sched.ctx.tier_counts["unadmitted"] == [1 + 2, 0]
+
+    # the lower tier's hit of chunks 1-2 promoted into memory, which never admitted them
+    req = request("c", longer)
+    assert match(sched, req, 0) == (96, False)
+    alloc(sched, req, 96)
+    plan = sched.plan(step(new=[("c", range(10, 17), 0)], scheduled={"c": 100}))
+    assert run_step(w, plan) == set()
+    w.get_finished(set())
+    rest = ChunkKeys(sched.ctx.seed, CHUNK).upto(longer, 3)[1:]
+    assert until(lambda: memory.locate(rest)[0] is not None)
+    assert w.ctx.tier_counts["promotions"] == [1, 0]

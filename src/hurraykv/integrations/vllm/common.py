@@ -53,6 +53,9 @@ class Transfer:
     # a load's, with tiers: each segment's chunk keys, from its first, where the request's
     # lookup had them all (a lower tier's hit is promoted under them: chunks/stack.py)
     promote: dict[str, list[str]] = field(default_factory=dict)
+    # a save's, with tiers: the tiers whose store_threshold admits it (None: every tier);
+    # the stack writes the first of them before the save is done, the others after
+    tiers: tuple[int, ...] | None = None
 
     @property
     def segment_id(self) -> str:
@@ -124,7 +127,7 @@ class Counters:
     saves_attempted: int = 0
     saves_pending: int = 0
     saves_deduplicated: int = 0  # runs of chunks another request of this engine stores
-    chunks_unadmitted: int = 0  # computed chunks not stored: below store_threshold
+    chunks_unadmitted: int = 0  # computed chunks below store_threshold (every tier's)
     bytes_saved: int = 0
     saves_dropped: int = 0
     evictions: int = 0

@@ -78,7 +78,8 @@ class ConnectorConfig:
     store_threshold: int = 1
     """Store a chunk the Nth time a request of this engine computes it (as vLLM's
     offloading connector's ``store_threshold``): 2 keeps one-off prompts out of the
-    store, so they do not evict what comes back.  1: every chunk, at once."""
+    store, so they do not evict what comes back.  1: every chunk, at once.  With
+    ``tiers``, the default of each tier's own ``store_threshold`` (``thresholds``)."""
     max_tracker_size: int = 64000
     """With ``store_threshold`` >= 2: chunk keys whose computations are counted (the
     least recently counted leaves the table)."""
@@ -94,9 +95,10 @@ class ConnectorConfig:
     tiers: tuple[Tier, ...] | None = None
     """Stores, fastest first, instead of ``url``: a list of objects, each a store URL and
     that store's own options (``[{"url": "mem://", "max_bytes": "8G"}, {"url":
-    "file:///nvme/kv", "max_bytes": "500G"}]``).  A lookup takes the longest prefix any
-    tier holds; a lower tier's hit is promoted into the tiers above, off the request's
-    path (``chunks/stack.py``)."""
+    "file:///nvme/kv", "max_bytes": "500G"}]``), and optionally the tier's own
+    ``store_threshold``.  A lookup takes the longest prefix any tier holds; a lower
+    tier's hit is promoted into the tiers above, off the request's path
+    (``chunks/stack.py``)."""
     write_policy: str = "write_through"
     """With ``tiers``: ``"write_through"`` (the first tier before the save is done, the
     others behind a bounded queue that drops under pressure) or ``"write_back"`` (a
@@ -158,6 +160,7 @@ class ConnectorConfig:
                               f"{config.write_policy!r}; it is one of {', '.join(POLICIES)}",
                               field="write_policy", value=config.write_policy,
                               rule=f"one of {', '.join(POLICIES)}")
+        config._check_tier_thresholds()
         config._check_url()
         config._check_store_options()
         config.accepted_formats()  # every store format now, not at the first request
@@ -189,6 +192,31 @@ class ConnectorConfig:
             if fmt not in out:
                 out.append(fmt)
         return out
+
+    def thresholds(self) -> tuple[int, ...]:
+        """Each tier's ``store_threshold`` (its own, else the connector's), fastest first;
+        one store: the connector's alone."""
+        if not self.tiers:
+            return (self.store_threshold,)
+        return tuple(self.store_threshold if t.store_threshold is None else t.store_threshold
+                     for t in self.tiers)
+
+    def _check_tier_thresholds(self) -> None:
+        """``write_back`` writes the first tier only, and a lower tier receives what the
+        first drops: that is no new computation to count, so a lower tier's threshold
+        would mean nothing; refused rather than ignored."""
+        if self.write_policy != "write_back":
+            return
+        for i, tier in enumerate(self.tiers or ()):
+            if i and tier.store_threshold is not None:
+                raise ConfigError(
+                    f"kv_connector_extra_config['tiers'][{i}]['store_threshold'] is "
+                    f"{tier.store_threshold} with write_policy 'write_back': a lower tier "
+                    "receives only what the first tier drops, so only the first tier (or "
+                    "the connector's store_threshold) admits; use write_through for a "
+                    "threshold per tier", field=f"tiers[{i}].store_threshold",
+                    value=tier.store_threshold,
+                    rule="store_threshold on the first tier only under write_back")
 
     def _check_url(self) -> None:
         """The URL's scheme and form now, not when the store first opens (after three

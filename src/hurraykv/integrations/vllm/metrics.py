@@ -165,6 +165,9 @@ TIER_METRICS: dict[str, tuple[str, str]] = {
                       "Writes into this tier that it refused or failed."),
     "outages": ("vllm:hurraykv_tier_outages",
                 "Calls this tier failed or answered past its deadline (the others served)."),
+    "unadmitted": ("vllm:hurraykv_tier_unadmitted_chunks",
+                   "Computed chunks this tier did not store: computed fewer times than its "
+                   "store_threshold."),
 }
 
 

@@ -1,7 +1,9 @@
 """Which chunks a step stores, the scheduler's part of saves (``SavePlanner``): of the
 chunks a scheduled request completes, those the store lacks, ``store_threshold`` admits
 and no other request of this engine is storing, one segment (a ``Transfer``) per run of
-consecutive chunks; the workers copy them out and store them (``saves.py``).  A chunk
+consecutive chunks; the workers copy them out and store them (``saves.py``).  With tiers
+of different thresholds a run also breaks where the tiers admitting it change, and each
+segment names its tiers (``Transfer.tiers``: the stack writes those only).  A chunk
 planned stays known as being stored until the workers report its segment written or
 dropped (``done``), or ``PLANNED_SECONDS`` pass.
 """
@@ -28,7 +30,7 @@ class SavePlanner:
 
     def __init__(self, ctx: Context, events: HurrayKVEvents) -> None:
         self.ctx, self.events = ctx, events
-        self.admission = Admission(ctx.config.store_threshold, ctx.config.max_tracker_size)
+        self.admission = Admission(ctx.config.thresholds(), ctx.config.max_tracker_size)
         # chunk key -> (step, time) it was planned for storing, oldest first
         self.planned: OrderedDict[str, tuple[int, float]] = OrderedDict()
         # segment id -> (its first chunk, its chunk keys), until written or dropped
@@ -63,7 +65,8 @@ class SavePlanner:
         now = time.monotonic()
         deduplicated, last = 0, -2  # runs of chunks another request is storing
         for c in range(first, chunks):
-            if not admitted[c - first]:
+            tiers = admitted[c - first]  # None: every tier
+            if tiers == ():
                 continue
             if (not mamba or not out) and self._planned_elsewhere(keys[c], rewrite, now, step):
                 deduplicated += last != c - 1
@@ -76,8 +79,10 @@ class SavePlanner:
             # its own name, not left beside its replacement
             boundary = rewrite and c < len(st.located) and segment_first(
                 st.located[c]) == c and not mamba
-            if not out or out[-1].first_chunk + len(out[-1].keys) != c or boundary:
-                out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite))
+            if not out or out[-1].first_chunk + len(out[-1].keys) != c or boundary or \
+                    out[-1].tiers != tiers:
+                out.append(Transfer(request.request_id, first_chunk=c, rewrite=rewrite,
+                                    tiers=tiers))
             out[-1].keys.append(keys[c])
             out[-1].blocks.append(st.blocks[c * per:(c + 1) * per])
         if ctx.hybrid:
@@ -101,19 +106,32 @@ class SavePlanner:
         return out
 
     def _admitted(self, keys: list[str], first: int, chunks: int, rewrite: bool,
-                  mamba: bool) -> list[bool]:
-        """Which of chunks ``[first, chunks)`` ``store_threshold`` lets in (all, when
-        storing again what failed to load).  A hit is a prefix: after a refused chunk,
-        none of this step's is stored (a later chunk is no use without it); a Mamba
-        segment ends on the step's last chunk (its state), so it is stored whole or not."""
+                  mamba: bool) -> list[tuple[int, ...] | None]:
+        """For each of chunks ``[first, chunks)``, the tiers whose ``store_threshold``
+        lets it in: None for every tier, () for none (every tier when storing again what
+        failed to load: it was stored, and asked for again).  A hit is a prefix: after a
+        chunk a tier refused, none of this step's is stored there (a later chunk is no
+        use without it); a Mamba segment ends on the step's last chunk (its state), so a
+        tier stores it whole or not at all."""
         offered = self.admission.offer(keys[first:chunks])
+        n, tiers = len(offered), len(self.admission.thresholds)
         if rewrite:
-            return [True] * len(offered)
-        refused = offered.index(False) if False in offered else len(offered)
-        if mamba and refused < len(offered):
-            refused = 0
-        self.ctx.stats.add(chunks_unadmitted=len(offered) - refused)
-        return [i < refused for i in range(len(offered))]
+            return [None] * n
+        runs = []  # per tier: how many of the step's chunks it admits, from the first
+        for t in range(tiers):
+            run = next((i for i, ok in enumerate(offered) if t not in ok), n)
+            runs.append(0 if mamba and run < n else run)
+        self.ctx.stats.add(chunks_unadmitted=n - max(runs))
+        counts = self.ctx.tier_counts if self.ctx.config.tiers else None
+        if counts is not None:
+            for t, run in enumerate(runs):
+                counts["unadmitted"][t] += n - run
+        every = tuple(range(tiers))
+        out: list[tuple[int, ...] | None] = []
+        for i in range(n):
+            chosen = tuple(t for t in every if i < runs[t])
+            out.append(None if chosen == every else chosen)
+        return out
 
     def _planned_elsewhere(self, key: str, rewrite: bool, now: float, step: int
                            ) -> bool:

@@ -10,7 +10,8 @@ whose queue is bounded in **bytes** (``max_pending_save_bytes``; and in segments
 makes the forward pass wait.  The writer asks the store first whether it holds the
 segment's chunks already (another request, or another engine, stored them meanwhile;
 the scheduler no longer asks on its own thread): such a segment is counted
-``saves_present`` and announced as stored, not written again.  A segment whose load
+``saves_present`` and announced as stored, not written again (with tiers: held by any
+tier, whichever tiers admit it now).  A segment whose load
 failed is stored again whatever the store says (``Transfer.rewrite``).
 
 A segment of whose chunks its request's lookup found one missing (``Transfer.absent``) is
@@ -244,10 +245,12 @@ class Saver:
             if not (save.rewrite or save.absent) and all(store.has(save.keys)):
                 return "present"
             before = store.evictions
+            # a stack of tiers writes those whose store_threshold admits it
+            tiers = {} if save.tiers is None else {"tiers": save.tiers}
             try:  # checksummed here, on the writer's thread: off the forward pass
                 store.put(save.keys, save.first_chunk, self._checksummed(segment, pools),
                           {"vllm.identity": ctx.identity, "vllm.tenant": save.tenant}
-                          if save.tenant else {"vllm.identity": ctx.identity})
+                          if save.tenant else {"vllm.identity": ctx.identity}, **tiers)
             finally:
                 evicted[0] = store.evictions - before
             return "stored"

@@ -1,7 +1,11 @@
 """``kv_connector_extra_config['tiers']``: the connector's stores, fastest first, each a
 store URL with that store's own options (``{"url": "mem://", "max_bytes": "8G"}``), read
 once into ``Tier``s.  ``url`` with its options at the top level stays the one-tier form;
-the two are never mixed, so no option is read for the wrong store."""
+the two are never mixed, so no option is read for the wrong store.
+
+A tier entry may also carry ``store_threshold`` (``TIER_KEYS``: the connector's own keys a
+tier takes), the computations of a chunk after which that tier stores it
+(``save_plans.py``); without it the tier takes the connector's ``store_threshold``."""
 
 from __future__ import annotations
 
@@ -12,11 +16,14 @@ from typing import Any
 from ... import chunks
 from ...errors import ConfigError
 
+TIER_KEYS = ("store_threshold",)  # the connector's keys a tier entry may carry
+
 
 @dataclass(frozen=True)
 class Tier:
     url: str
     options: dict[str, Any]
+    store_threshold: int | None = None  # None: the connector's
 
 
 def parse_tiers(value: Any, parse: Callable[[str, Any, Any], Any],
@@ -36,7 +43,7 @@ def parse_tiers(value: Any, parse: Callable[[str, Any, Any], Any],
                               "\"url\" and that store's options", field=f"tiers[{i}]",
                               value=repr(entry)[:80], rule="{\"url\": ..., options}")
         url = entry["url"]
-        given = [k for k in entry if k != "url"]
+        given = [k for k in entry if k != "url" and k not in TIER_KEYS]
         why = chunks.url_problem(url, given)
         if why:
             raise ConfigError(f"{where}['url'] is {url!r}: {why}", field=f"tiers[{i}].url",
@@ -52,8 +59,11 @@ def parse_tiers(value: Any, parse: Callable[[str, Any, Any], Any],
             raise ConfigError(f"{where}['url'] {url!r} is an earlier tier's too; each tier "
                               "is a store of its own", field=f"tiers[{i}].url", value=url,
                               rule="tiers of distinct URLs")
-        out.append(Tier(url, options))
+        threshold = None
+        if "store_threshold" in entry:
+            threshold = parse(f"tiers[{i}].store_threshold", "int", entry["store_threshold"])
+        out.append(Tier(url, options, threshold))
     return tuple(out)
 
 
-__all__ = ["Tier", "parse_tiers"]
+__all__ = ["TIER_KEYS", "Tier", "parse_tiers"]
