@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,12 +69,14 @@ def lines():
 
 
 def generate(eng: Engine, prompts_: list[list[int]], salts: list[str | None] | None = None,
-             kv_transfer_params: dict | None = None
+             kv_transfer_params: dict | None = None,
+             after_step: Callable[[], object] | None = None
              ) -> tuple[list[list[int]], list[int], float]:
     """(tokens, num_cached_tokens, seconds) of one batch of requests, in prompt order
     (``salts``: each request's ``cache_salt``; ``kv_transfer_params`` as the OpenAI server
     passes its top-level field: ``SamplingParams.extra_args``,
-    ``vllm/entrypoints/openai/completion/protocol.py:380``)."""
+    ``vllm/entrypoints/openai/completion/protocol.py:380``); ``after_step`` is called
+    once, after the engine's first step (its requests under way)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -92,6 +95,9 @@ def generate(eng: Engine, prompts_: list[list[int]], salts: list[str | None] | N
         for out in eng.llm.llm_engine.step():
             if out.finished:
                 done[out.request_id] = out
+        if after_step is not None:
+            after_step, call = None, after_step
+            call()
     return ([list(done[r].outputs[0].token_ids) for r in ids],
             [done[r].num_cached_tokens for r in ids], time.monotonic() - started)
 

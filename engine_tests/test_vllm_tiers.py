@@ -134,10 +134,11 @@ def hit_sources(eng: Engine, prompt: list[int]) -> dict[str, int]:
 
 def test_the_s3_tier_stopped_fails_no_request_and_serves_again_once_back(
         tiny_llama, tmp_path, want, monkeypatch):  # noqa: F811 - fixture
-    """``mem://`` > ``s3://``; the S3 server killed while the engine runs: every request
-    still succeeds with the same tokens, hits from memory go on, new prompts are stored
-    in memory; restarted (its data on disk), the tier's breaker lets it back by itself
-    and what it stored before is served from it again."""
+    """``mem://`` > ``s3://``; the S3 server killed while requests that only it can serve
+    are under way: every request still succeeds with the same tokens (loaded before it
+    went, or recomputed), hits from memory go on, new prompts are stored in memory;
+    restarted (its data on disk), the tier's breaker lets it back by itself and what it
+    stored before is served from it again."""
     server = SeaweedS3(tmp_path / "seaweed")
     server.start("stopped")
     for name, value in (("AWS_ACCESS_KEY_ID", ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY",
@@ -155,7 +156,10 @@ def test_the_s3_tier_stopped_fails_no_request_and_serves_again_once_back(
         assert generate(eng, both)[:2] == (want, [0, 0])
         settled(2)
 
-        server.kill()  # down, mid-run
+        emptied(mem["url"], max_bytes=1)  # in s3:// alone now
+        tokens, cached, _ = generate(eng, both, after_step=server.kill)  # down mid-run
+        assert tokens == want
+        generate(eng, both)  # what the kill kept out of memory (a promotion) is there now
         tokens, cached, _ = generate(eng, both)
         assert tokens == want and cached == BOTH  # memory serves
         tokens, cached, _ = generate(eng, [p[::-1] for p in both])  # new: stored above
