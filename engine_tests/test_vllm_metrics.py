@@ -17,6 +17,7 @@ import zmq
 from prometheus_client import REGISTRY
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
     MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
@@ -386,6 +387,82 @@ def test_zmq_subscriber_receives_hurraykv_events() -> None:
         sub.close(linger=0)
         pub.shutdown()
     assert not pub._thread.is_alive()
+
+
+def test_each_tier_is_announced_with_vllms_medium_once_every_rank_wrote_it(tmp_path
+                                                                          ) -> None:
+    """With tiers (issue 49): two tensor-parallel ranks' stacks over ``mem://`` >
+    ``file://``, opened as the connector opens them (``open_stack``: each tier behind its
+    guard, a rank's suffix), report into their ``WorkerSegments``; the scheduler's
+    ``TierKVEvents`` announces a ``BlockStored`` in a tier once both ranks wrote their part
+    there, with vLLM's ``MEDIUM_CPU`` for memory and ``MEDIUM_STORAGE`` for the directory
+    and ownership ``hurraykv:INDEX:SCHEME``; what a rank's memory drops to make room is a
+    ``BlockRemoved`` there, merged through vLLM's ``KVOutputAggregator``; a router
+    decodes them as vLLM's classes."""
+    from hurraykv.chunks.keys import segment_name
+    from hurraykv.chunks.memory import copied
+    from hurraykv.integrations.vllm.config import ConnectorConfig
+    from hurraykv.integrations.vllm.context import open_stack
+    from hurraykv.integrations.vllm.events import split_records
+    from hurraykv.integrations.vllm.tier_events import TierKVEvents, TierReports, tier_tags
+    from hurraykv.testing import keys, segment
+
+    one = copied(segment(6, 0).with_info(metadata={}))[1]  # a segment of 3 chunks
+    kv = (tmp_path / "kv").as_uri()
+    ranks = []
+    for r in range(2):  # each rank its own process, so its own memory pool
+        conf = ConnectorConfig.from_extra({"tiers": [
+            {"url": f"mem://events-{time.monotonic_ns()}-{r}", "max_bytes": one + one // 2},
+            {"url": kv}]})
+        reports = TierReports()
+        ranks.append((open_stack(conf, f".tp{r}", report=reports.add),
+                      WorkerSegments(reports)))
+    req = _request(list(range(100, 124)))  # 6 blocks of 4: 3 chunks of 8 tokens
+    ev = TierKVEvents(BLOCK, 8, ranks=2, tiers=tier_tags(["mem://", kv]))
+    held, other = keys(3), keys(3)
+    name = segment_name(held, 0)
+    ev.expect("r/held", req, 0, 3, name)
+
+    def step(stored: list[str]) -> list:
+        """Each rank stores ``stored``; their records merged as vLLM merges them."""
+        outs = []
+        for stack, recorder in ranks:
+            for k in stored:
+                stack.put(k, 0, segment(6, 1), {})
+            stack.settle()
+            outs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                        kv_connector_output=KVConnectorOutput(kv_cache_events=recorder.take())))
+        merged = KVOutputAggregator(expected_finished_count=2).aggregate(outs)
+        return split_records(merged.kv_connector_output.kv_cache_events.get_all_events())[3]
+
+    reports = step([held])
+    assert sorted(reports) == sorted([("stored", name, 0), ("stored", name, 1)] * 2)
+    for _, n, tier in reports[:2]:  # rank 0's first: not whole in any tier yet
+        assert not ev.tier_stored(n, tier)
+    assert ev.take_events() == []
+    for _, n, tier in reports[2:]:
+        assert ev.tier_stored(n, tier)
+    stored = ev.take_events()
+    assert [type(e) for e in stored] == [BlockStored, BlockStored]
+    assert [(e.medium, e.ownership, e.locality) for e in stored] == [
+        (MEDIUM_CPU, "hurraykv:0:mem", "LOCAL"), (MEDIUM_STORAGE, "hurraykv:1:file", "LOCAL")]
+    assert all(e.block_hashes == _published(req) and e.token_ids == list(range(100, 124))
+               for e in stored)
+
+    for kind, n, tier in step([other]):  # memory makes room for it on each rank
+        if kind == "removed":
+            ev.tier_removed(n, tier)
+        else:
+            assert not ev.tier_stored(n, tier) and n == segment_name(other, 0)  # not planned
+    removed, = ev.take_events()  # told once, by the first rank's report
+    assert isinstance(removed, BlockRemoved)
+    assert (removed.medium, removed.ownership, removed.block_hashes) == (
+        MEDIUM_CPU, "hurraykv:0:mem", _published(req))
+    batch = KVEventBatch(ts=time.time(), events=[*stored, removed])
+    assert msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        msgspec.msgpack.Encoder().encode(batch)).events == [*stored, removed]
+    for stack, _ in ranks:
+        stack.close()
 
 
 @pytest.mark.parametrize("bad", [3, 6])

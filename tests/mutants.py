@@ -930,7 +930,7 @@ MUTANTS = [
            ("tests/store/test_memory_store.py::test_a_segment_is_a_copy_of_what_was_put",),
            "chunks/memory.py: a segment is copied at put (the saver reuses its buffers)"),
     Mutant("stack-promotion-never-queued", "hurraykv/chunks/stack.py",
-           'queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]',
+           'queued = [self._enqueue(t, copy, "promotions", name) for t in range(tier)]',
            "queued = []",
            ("tests/store/test_stack.py::test_a_lower_tiers_hit_is_promoted_and_the_next_"
             "comes_from_the_top",),
@@ -987,6 +987,36 @@ MUTANTS = [
             "change_and_a_promotion_is_not_admitted",),
            "docs/vllm.md, Tiers: a step's run of chunks is cut where the tiers admitting them "
            "change"),
+    Mutant("stack-evictions-not-reported", "hurraykv/chunks/stack.py",
+           '        self._told("removed", name, tier)\n        if tier or self.write_policy',
+           "        if tier or self.write_policy",
+           ("tests/store/test_stack.py::test_the_stack_reports_each_tiers_writes_and_what_it_"
+            "learns_each_dropped",
+            "tests/integrations/vllm/test_vllm_tiers.py::test_each_tier_announces_what_it_"
+            "holds_and_what_it_dropped"),
+           "docs/vllm.md, KV events: what a mem:// tier drops is announced removed there at "
+           "once"),
+    Mutant("tier-events-one-medium", "hurraykv/integrations/vllm/tier_events.py",
+           '"CPU" if in_process(url) else "STORAGE"', '"STORAGE"',
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_each_tier_announces_what_it_"
+            "holds_and_what_it_dropped",),
+           "docs/vllm.md, KV events: a mem:// tier is vLLM's CPU medium"),
+    Mutant("tier-watch-asks-the-whole-stack", "hurraykv/integrations/vllm/retention.py",
+           "asked = store if tier is None else store.tiers[tier]", "asked = store",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_each_tier_announces_what_it_"
+            "holds_and_what_it_dropped",),
+           "docs/vllm.md, KV events: the watch checks each (segment, tier) in its own tier"),
+    Mutant("tier-promotion-payload-not-kept", "hurraykv/integrations/vllm/scheduler.py",
+           "                    self.events.known(st.request, segment_first(name), len(keys), "
+           "name)\n", "",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_a_promotion_is_announced_in_"
+            "the_tier_it_reached_and_a_reset_in_each",),
+           "docs/vllm.md, KV events: a promotion is announced in the tier it reached"),
+    Mutant("suffixed-evictions-untold", "hurraykv/chunks/suffixed.py",
+           'watch = getattr(self.inner, "watch_evictions", None)', "watch = None",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_a_ranks_memory_tier_tells_its_"
+            "evictions_by_the_plain_names",),
+           "docs/vllm.md, KV events: a rank's mem:// tier tells what it drops"),
     Mutant("memory-pages-read-whole", "hurraykv/chunks/memory.py",
            "        held = self._used(name)\n        if held.held_as and ",
            "        return None\n        held = self._used(name)\n        if held.held_as and ",

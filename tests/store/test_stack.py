@@ -306,3 +306,45 @@ def test_a_hung_tier_costs_its_deadline_only_and_its_breaker_recovers(tmp_path):
     assert until(lambda: stack.locate(top_keys)[0] is not None, 10)  # back by itself
     assert not hung.guard.down
     stack.close()
+
+
+def test_the_stack_reports_each_tiers_writes_and_what_it_learns_each_dropped(tmp_path):
+    """``report(kind, name, tier)`` (the connector's KV events per tier): a write once
+    that tier's put returned, a copy through the queue once it is made, a promotion, a
+    write-back; what a memory tier drops to make room, a discard and a removal in each
+    tier."""
+    size = copied(segment(2, 0).with_info(metadata={}))[1]
+    told: list[tuple[str, str, int]] = []
+    top, below = mem(2 * size), Gate(f"stack-{next(_pools)}", max_bytes=1 << 30)
+    stack = StackedChunks([top, below], report=lambda *r: told.append(r))
+    k = [keys(2) for _ in range(3)]
+    n = [segment_name(ks, 0) for ks in k]
+    stack.put(k[0], 0, segment(2, 20), {})
+    assert told == [("stored", n[0], 0)]  # the lower tier's copy waits
+    below.gate.set()
+    stack.settle()
+    assert told[1:] == [("stored", n[0], 1)]
+    stack.put(k[1], 0, segment(2, 21), {}, tiers=(0,))
+    stack.put(k[2], 0, segment(2, 22), {}, tiers=(0,))  # memory drops the oldest
+    assert told[2:] == [("stored", n[1], 0), ("removed", n[0], 0), ("stored", n[2], 0)]
+    del told[:]
+    assert stack.locate(k[0])[0] == n[0] and stack.get(n[0]) is not None  # from below
+    assert stack.promote(n[0], k[0])
+    stack.settle()
+    assert told == [("removed", n[1], 0), ("stored", n[0], 0)]  # room made for it
+    del told[:]
+    stack.discard(n[0])
+    assert told == [("removed", n[0], 0), ("removed", n[0], 1)]
+    del told[:]
+    assert stack.remove(n[2]) and told == [("removed", n[2], 0)]  # where it was
+    stack.close()
+
+    told.clear()
+    back = StackedChunks([mem(2 * size), open_store((tmp_path / "kv").as_uri())],
+                         write_policy="write_back", report=lambda *r: told.append(r))
+    for i, ks in enumerate(k):
+        back.put(ks, 0, segment(2, 30 + i), {})
+    back.settle()
+    assert told[:3] == [("stored", n[0], 0), ("stored", n[1], 0), ("removed", n[0], 0)]
+    assert sorted(told[3:]) == sorted([("stored", n[0], 1), ("stored", n[2], 0)])  # any order
+    back.close()

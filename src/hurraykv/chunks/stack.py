@@ -29,10 +29,19 @@ a stack whose lower tiers must hold what it stored when ``put`` returns.
 
 The catalog is every tier's, each segment once (the first tier that holds it), and
 ``remove``, ``retain`` and ``clear`` act on every tier.
+
+*Reports* (``report(kind, name, tier)``, for the connector's KV events per tier): each
+tier's ``put`` that returned (a save's first tier, a write-through, write-back or
+promotion copy) is ``"stored"``, and what the stack learns a tier no longer holds is
+``"removed"``: what a tier that tells of its evictions dropped (``watch_evictions``: a
+``mem://`` pool making room), and ``discard``/``remove`` in each tier.  What a tier drops
+without telling (a ``file://`` or ``s3://`` cap, a lifetime) the connector's removal
+watch finds.  ``report`` is called on the thread that did the work: it must not block.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -65,7 +74,8 @@ class StackedChunks(ChunkStore):
     REMEMBERED = 65536  # segments whose tier the stack remembers from lookups and reads
 
     def __init__(self, tiers: Sequence[ChunkStore], *, write_policy: str = "write_through",
-                 queue_depth: int = 64, counts: dict[str, list[int]] | None = None) -> None:
+                 queue_depth: int = 64, counts: dict[str, list[int]] | None = None,
+                 report: Callable[[str, str, int], None] | None = None) -> None:
         if not tiers:
             raise HurrayError("a stack of stores has no tier", field="tiers", value=[],
                               rule="one tier or more")
@@ -80,12 +90,15 @@ class StackedChunks(ChunkStore):
         self._lock = threading.Lock()
         self.counts = counts if counts is not None else tier_counts(len(self.tiers))
         self.inline = queue_depth == 0  # the lower tiers written before put returns
-        self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], int | None], str] | None] \
-            = queue.Queue(max(queue_depth, 1))
+        self._queue: queue.Queue[tuple[int, Callable[[ChunkStore], int | None], str, str]
+                                 | None] = queue.Queue(max(queue_depth, 1))
+        self._report = report
         self._discarded: set[str] = set()  # damaged: queued copies of them are not made
         self._worker: threading.Thread | None = None
-        if write_policy == "write_back" and len(self.tiers) > 1 and not getattr(
-                self.tiers[0], "watch_evictions", lambda _: False)(self._written_back):
+        # every tier that tells of what it drops tells the stack (reports, write_back)
+        watched = [getattr(t, "watch_evictions", lambda _: False)(
+            functools.partial(self._evicted, i)) for i, t in enumerate(self.tiers)]
+        if write_policy == "write_back" and len(self.tiers) > 1 and not watched[0]:
             raise HurrayError(f"write_policy write_back needs a first tier whose evictions "
                               f"the stack sees (mem://), not {self.tiers[0].url}",
                               field="write_policy", value=write_policy,
@@ -207,25 +220,28 @@ class StackedChunks(ChunkStore):
         source = self.tiers[tier]
         got: list[KVCacheSnapshot] = []  # read once for all the tiers above
 
-        def copy(store: ChunkStore) -> int:
+        def copy(store: ChunkStore) -> int | None:
             if name in self._discarded:
-                return 0
+                return None
             if not got:
                 got.append(source.get_verified(name))
             store.put(keys, first, got[0], dict(got[0].metadata))
             self._remember(name, self.tiers.index(store), set())  # next read from there
             return got[0].nbytes
 
-        queued = [self._enqueue(t, copy, "promotions") for t in range(tier)]
+        queued = [self._enqueue(t, copy, "promotions", name) for t in range(tier)]
         return any(queued)
 
-    def _enqueue(self, tier: int, work: Callable[[ChunkStore], int | None], kind: str) -> bool:
+    def _enqueue(self, tier: int, work: Callable[[ChunkStore], int | None], kind: str,
+                 name: str) -> bool:
+        """``work(tier's store)`` (segment ``name``'s copy: its bytes stored, None when
+        it was not made) now, or on the stack's thread."""
         if self.inline:
-            self._done(self.tiers[tier], work, kind, tier)
+            self._done(self.tiers[tier], work, kind, tier, name)
             return True
         self._start()
         try:
-            self._queue.put_nowait((tier, work, kind))
+            self._queue.put_nowait((tier, work, kind, name))
         except queue.Full:
             self.counts["promotions_skipped" if kind == "promotions" else
                         "writes_dropped"][tier] += 1
@@ -233,9 +249,9 @@ class StackedChunks(ChunkStore):
         return True
 
     def _done(self, store: ChunkStore, work: Callable[[ChunkStore], int | None], kind: str,
-              tier: int) -> None:
+              tier: int, name: str) -> None:
         try:
-            stored = work(store) or 0
+            stored = work(store)
         except HurrayError as e:  # no room (pins fill it), refused: counted
             self.counts["promotions_refused" if kind == "promotions" else
                         "writes_failed"][tier] += 1
@@ -245,8 +261,11 @@ class StackedChunks(ChunkStore):
                         "writes_failed"][tier] += 1
             self._outage(tier, kind[:-1], e)
         else:
+            if stored is None:  # not made (its segment was discarded meanwhile)
+                return
             self.counts[kind][tier] += 1
             self.counts["stored_bytes"][tier] += stored
+            self._told("stored", name, tier)
 
     def _start(self) -> None:
         with self._lock:
@@ -261,8 +280,7 @@ class StackedChunks(ChunkStore):
             try:
                 if item is None:
                     return
-                tier, work, kind = item
-                self._done(self.tiers[tier], work, kind, tier)
+                self._done(self.tiers[item[0]], item[1], item[2], item[0], item[3])
             finally:
                 self._queue.task_done()
 
@@ -289,28 +307,38 @@ class StackedChunks(ChunkStore):
         self.counts["writes"][top] += 1
         self.counts["stored_bytes"][top] += snapshot.nbytes
         self._remember(name, top)
+        self._told("stored", name, top)
         if self.write_policy == "write_through":
             keys, metadata = list(keys), dict(metadata)
 
-            def copy(store: ChunkStore) -> int:
+            def copy(store: ChunkStore) -> int | None:
                 if name in self._discarded:
-                    return 0
+                    return None
                 store.put(keys, first, snapshot, metadata)
                 return snapshot.nbytes
 
             for tier in chosen[1:]:
-                self._enqueue(tier, copy, "writes")
+                self._enqueue(tier, copy, "writes", name)
 
-    def _written_back(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot
-                      ) -> None:
-        """The first tier dropped a segment: it goes down to the second."""
+    def _evicted(self, tier: int, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot
+                 ) -> None:
+        """``tier`` dropped a segment to make room (reported); under ``write_back``, what
+        the first tier dropped goes down to the second."""
+        name = segment_name(keys, first)
+        self._told("removed", name, tier)
+        if tier or self.write_policy != "write_back" or len(self.tiers) < 2:
+            return
         keys, metadata = list(keys), dict(snapshot.metadata)
 
         def copy(store: ChunkStore) -> int:
             store.put(keys, first, snapshot, metadata)
             return snapshot.nbytes
 
-        self._enqueue(1, copy, "writes")
+        self._enqueue(1, copy, "writes", name)
+
+    def _told(self, kind: str, name: str, tier: int) -> None:
+        if self._report is not None:
+            self._report(kind, name, tier)
 
     # -- what is stored -------------------------------------------------------------------
     def catalog(self) -> list[Stored]:
@@ -330,8 +358,10 @@ class StackedChunks(ChunkStore):
 
     def remove(self, name: str) -> bool:
         removed = False
-        for store in self.tiers:
-            removed = store.remove(name) or removed
+        for tier, store in enumerate(self.tiers):
+            if store.remove(name):
+                removed = True
+                self._told("removed", name, tier)
         return removed
 
     def exists(self, names: Sequence[str]) -> list[bool]:
@@ -363,8 +393,9 @@ class StackedChunks(ChunkStore):
         """Out of every tier (its copies are the same bytes), and no queued copy of it
         made."""
         self._discarded.add(name)
-        for store in self.tiers:
+        for tier, store in enumerate(self.tiers):
             store.discard(name)
+            self._told("removed", name, tier)
 
     def connect(self) -> None:
         for store in self.tiers:

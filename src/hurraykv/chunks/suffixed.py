@@ -65,6 +65,17 @@ class Suffixed(ChunkStore):
 
         return self.inner.removals(mine, stop)
 
+    def watch_evictions(self, callback: Callable[[list[str], int, KVCacheSnapshot], None]
+                        ) -> bool:
+        """The inner store's evictions (a ``mem://`` pool's), told with the plain keys: a
+        stack of one rank's tiers writes a segment back, and reports it, by them."""
+        watch = getattr(self.inner, "watch_evictions", None)
+        if watch is None:
+            return False
+        suffix = self.suffix
+        return bool(watch(lambda keys, first, snapshot: callback(
+            [k.removesuffix(suffix) for k in keys], first, snapshot)))
+
     def retain(self, names: Sequence[str], *, pin: bool | None, ttl_s: float | None,
                extend: bool = False) -> list[str]:
         done = self.inner.retain([self._named(n) for n in names], pin=pin, ttl_s=ttl_s,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from hurraykv.chunks.guard import Guarded
 from hurraykv.chunks.keys import ChunkKeys, identity_digest
 from hurraykv.chunks.memory import MemoryChunks
-from hurraykv.chunks.stack import tier_counts
+from hurraykv.chunks.stack import StackedChunks, tier_counts
 from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError
 from hurraykv.integrations.vllm.common import Context
@@ -23,6 +24,7 @@ from hurraykv.integrations.vllm.config import ConnectorConfig
 from hurraykv.integrations.vllm.context import open_stack
 from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
+from hurraykv.integrations.vllm.tier_events import TierKVEvents, TierReports, tier_tags
 from hurraykv.io import scatter
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match, request, step
 from tests.integrations.vllm.test_vllm_worker import (
@@ -47,13 +49,19 @@ class Tiers(Side):
     def context(self, tiers, open_one=None, **extra) -> Context:
         conf = ConnectorConfig.from_extra({"tiers": tiers, **extra})
         counts = tier_counts(len(conf.tiers))  # one connector's stacks share them
-        guards = [Guarded(lambda: open_stack(conf, counts=counts), url=conf.url, what=what,
-                          timeout=5.0, log=logging.getLogger("test"))
+        reports = TierReports()  # and report into one place (KV events per tier)
+
+        def opened(ranked: bool = True) -> StackedChunks:
+            return open_stack(conf, counts=counts, report=reports.add)
+
+        guards = [Guarded(opened, url=conf.url, what=what, timeout=5.0,
+                          log=logging.getLogger("test"))
                   for what in ("lookup", "load", "save")]
         self.guards += guards
         return Context(conf, BLOCK, CHUNK, IDENTITY, identity_digest(IDENTITY),
                        can_load=True, can_save=True, lookups=guards[0], loads=guards[1],
-                       saves=guards[2], tier_counts=counts)
+                       saves=guards[2], tier_counts=counts, open=opened,
+                       tier_reports=reports)
 
 
 @pytest.fixture
@@ -192,10 +200,13 @@ def test_a_tiers_store_threshold_is_read_and_write_back_refuses_one_below_the_fi
         assert e.value.field == field, (tier, e.value)
 
 
-def _computed(sched: SchedulerSide, w, req_id: str, prompt: list[int], blocks: list[int]):
+def _computed(sched: SchedulerSide, w, req_id: str, prompt: list[int], blocks: list[int],
+              hashes: list[bytes] | None = None):
     """``req_id`` computes ``prompt`` whole (its lookup misses): the step's plan, run on
-    the worker ``w`` (its saves written, the stack's queue drained)."""
+    the worker ``w`` (its saves written, the stack's queue drained); ``hashes``: its
+    blocks' hashes (vLLM's ``request.block_hashes``), for its KV events."""
     req = request(req_id, prompt)
+    req.block_hashes = hashes or []
     assert match(sched, req, 0) == (0, False)
     alloc(sched, req, 0)
     plan = sched.plan(step(new=[(req_id, blocks, 0)], scheduled={req_id: len(prompt)}))
@@ -278,3 +289,133 @@ def test_a_run_breaks_where_its_tiers_change_and_a_promotion_is_not_admitted(
     rest = ChunkKeys(sched.ctx.seed, CHUNK).upto(longer, 3)[1:]
     assert until(lambda: memory.locate(rest)[0] is not None)
     assert w.ctx.tier_counts["promotions"] == [1, 0]
+
+
+# ---------------------------------------------------------------- KV events per tier
+def _told(sched: SchedulerSide) -> list[tuple]:
+    """The events vLLM would publish now, as (kind, medium, ownership, locality, hashes)."""
+    return [(e.kind, e.medium, e.ownership, e.locality, tuple(e.block_hashes))
+            for e in sched.take_events()]
+
+
+def _hashes(tag: str) -> tuple[bytes, ...]:
+    return tuple(f"{tag}{b}".encode() for b in range(6))  # a prompt's 6 whole blocks
+
+
+def test_each_tier_announces_what_it_holds_and_what_it_dropped(tiers, tmp_path):
+    """``mem://`` (vLLM's CPU medium) over ``file://`` (STORAGE), each tier named by its
+    ownership: a save is announced in each tier once that tier holds it (the lower one
+    through the stack's queue); what memory drops to make room is announced removed
+    there, at once (the worker's stack reports it); what the directory loses behind the
+    engine's back is found by the removal watch, in that tier alone (memory still holds
+    it)."""
+    from tests.integrations.vllm.test_vllm_retention import EVENTS
+
+    pool, kv = f"tiers-{next(_pools)}", (tmp_path / "kv").as_uri()
+    stack = [{"url": f"mem://{pool}", "max_bytes": 150_000},  # one segment of 3 chunks
+             {"url": kv, "max_bytes": "1G"}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack, removal_check_s=0.05), TierKVEvents(
+        BLOCK, CHUNK, tiers=tier_tags([t["url"] for t in stack]), api=EVENTS))
+    mem, disk = ("CPU", "hurraykv:0:mem", "LOCAL"), ("STORAGE", "hurraykv:1:file", "LOCAL")
+    below = open_store(kv)
+    a, b = list(range(1, 101)), list(range(201, 301))
+    fill(w, list(range(1, 7)), 4.0)
+    try:
+        _computed(sched, w, "a", a, list(range(1, 8)), list(_hashes("a")))
+        got = sched.events.take_events()
+        assert [(e.kind, e.medium, e.ownership, e.locality) for e in got] == [
+            ("stored", *mem), ("stored", *disk)]
+        assert all(e.block_hashes == list(_hashes("a")) and e.token_ids == a[:96]
+                   and e.parent_block_hash is None for e in got)
+
+        _computed(sched, w, "b", b, list(range(1, 8)), list(_hashes("b")))
+        assert _told(sched) == [("removed", *mem, _hashes("a")), ("stored", *mem, _hashes("b")),
+                                ("stored", *disk, _hashes("b"))]
+        name = below.locate(ChunkKeys(sched.ctx.seed, CHUNK).upto(b, 3))[0]
+        assert below.remove(name)  # another engine's cap, an operator: memory holds it
+        seen: list[tuple] = []
+        assert until(lambda: seen.extend(_told(sched)) or seen, 10)
+        assert seen == [("removed", *disk, _hashes("b"))]
+        time.sleep(0.2)
+        assert _told(sched) == []  # told once; a on disk and b in memory still held
+    finally:
+        sched.close()
+
+
+def test_a_promotion_is_announced_in_the_tier_it_reached_and_a_reset_in_each(tiers,
+                                                                          tmp_path):
+    """A segment this scheduler never planned (stored by another engine into the
+    directory) is not announced; a hit of it promoted into memory is, in memory, with
+    the payload of the request whose load promoted it; a reset announces removed what
+    each tier was told to hold."""
+    from tests.integrations.vllm.test_vllm_retention import EVENTS
+
+    pool, kv = f"tiers-{next(_pools)}", (tmp_path / "kv").as_uri()
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M"}, {"url": kv, "max_bytes": "1G"}]
+    w = tiers.worker(stack, async_save=False)
+    sched = SchedulerSide(tiers.context(stack), TierKVEvents(
+        BLOCK, CHUNK, tiers=tier_tags([t["url"] for t in stack]), api=EVENTS))
+    prompt = list(range(1, 101))
+    keys = ChunkKeys(sched.ctx.seed, CHUNK).upto(prompt, 3)
+    memory = MemoryChunks(pool, max_bytes=1 << 26)
+
+    def reported() -> None:
+        for guard in (w.ctx.saves, w.ctx.loads):
+            guard.call("settle", lambda stack: stack.settle(), None)
+        sched.output(SimpleNamespace(invalid_block_ids=set(), kv_cache_events=w.saved.take()))
+
+    try:
+        fill(w, list(range(1, 7)), 6.0)
+        save(w, "elsewhere", keys, 0, list(range(1, 7)))
+        reported()
+        assert _told(sched) == [] and sched.events.unknown == 2  # not this one's to tell
+        name = memory.locate(keys)[0]
+        assert memory.remove(name)  # only the directory holds it now
+
+        req = request("c", prompt)
+        req.block_hashes = list(_hashes("c"))
+        assert match(sched, req, 0) == (96, False)
+        alloc(sched, req, 96)
+        plan = sched.plan(step(new=[("c", range(10, 17), 0)], scheduled={"c": 100}))
+        assert run_step(w, plan) == set()
+        reported()
+        w.get_finished(set())
+        assert until(lambda: memory.locate(keys)[0] == name)
+        reported()
+        got = sched.events.take_events()
+        assert [(e.kind, e.medium, e.ownership) for e in got] == [
+            ("stored", "CPU", "hurraykv:0:mem")]
+        assert got[0].block_hashes == list(_hashes("c")) and got[0].token_ids == prompt[:96]
+        assert sched.reset() is True
+        assert _told(sched) == [("removed", "CPU", "hurraykv:0:mem", "LOCAL", _hashes("c"))]
+    finally:
+        sched.close()
+
+
+def test_a_ranks_memory_tier_tells_its_evictions_by_the_plain_names(tmp_path):
+    """A tensor-parallel rank's stack (its tiers behind the rank's suffix, as
+    ``open_stack`` opens them): the memory tier opens, tells the stack what it drops by
+    the names callers know, and under ``write_back`` sends it down under the rank's own
+    names."""
+    from hurraykv.chunks.keys import segment_name
+    from hurraykv.chunks.memory import copied
+    from hurraykv.testing import keys, segment
+
+    one = copied(segment(2, 0).with_info(metadata={}))[1]
+    kv = (tmp_path / "kv").as_uri()
+    conf = ConnectorConfig.from_extra({"tiers": [
+        {"url": f"mem://tiers-{next(_pools)}", "max_bytes": one + one // 2}, {"url": kv}],
+        "write_policy": "write_back"})
+    reports = TierReports()
+    stack = open_stack(conf, ".tp1", report=reports.add)
+    first, second = keys(2), keys(2)
+    stack.put(first, 0, segment(2, 1), {})
+    stack.put(second, 0, segment(2, 2), {})  # the first dropped to make room
+    stack.settle()
+    name = segment_name(first, 0)
+    assert ("removed", name, 0) in reports.take() and stack.counts["outages"] == [0, 0]
+    rank = open_store(kv, suffix=".tp1")
+    assert rank.locate(first) == [name] * 2 and open_store(kv).locate(first) == [None] * 2
+    assert rank.get_verified(name).equal(segment(2, 1))
+    stack.close()

@@ -187,6 +187,9 @@ class Context:
     stats: Counters = field(default_factory=Counters)
     # with tiers: what every stack of this connector counted, per tier (chunks/stack.py)
     tier_counts: dict[str, list[int]] | None = None
+    # with tiers: where its stacks report each tier's writes and removals, for the KV
+    # events per tier (tier_events.TierReports)
+    tier_reports: Any = None
 
     @property
     def url(self) -> str:

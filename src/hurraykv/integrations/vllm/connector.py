@@ -47,7 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...chunks.registry import is_local, store_class
 from . import events as kv_events
-from . import metrics
+from . import metrics, tier_events
 from .common import FP8_NAMES, Plan, log
 from .context import build_context, spec_of
 from .groups import SPEC_KINDS
@@ -101,10 +101,14 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             ctx.lookups.warm()
-            # KV events for routers (events.py): announced once every worker wrote a segment
+            # KV events for routers (events.py): announced once every worker wrote a
+            # segment; with tiers, in each tier that holds it (tier_events.py)
             wanted = getattr(vllm_config, "kv_events_config", None)
-            self.scheduler = SchedulerSide(ctx, kv_events.HurrayKVEvents(
-                ctx.block_size, chunk_size,
+            per_tier = {"tiers": tier_events.tier_tags([t.url for t in conf.tiers])} \
+                if conf.tiers else {}
+            events = tier_events.TierKVEvents if conf.tiers else kv_events.HurrayKVEvents
+            self.scheduler = SchedulerSide(ctx, events(
+                ctx.block_size, chunk_size, **per_tier,
                 hash_block_size=getattr(kv_cache_config, "hash_block_size", None),
                 ranks=tp, locality=kv_events.locality_of(conf.url),
                 enabled=bool(wanted and wanted.enable_kv_cache_events),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ...chunks.guard import Guarded
@@ -22,6 +23,7 @@ from .common import Context, log
 from .config import ConnectorConfig
 from .groups import FULL, MAMBA, SLIDING, GroupLayout, layout_of
 from .store_format import StoreFormat, check_cache_dtype
+from .tier_events import TierReports
 
 
 def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> Context:
@@ -47,6 +49,11 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
     # objects; the scheduler looks for rank 0's (every rank saves the same chunks).
 
     counts = tier_counts(len(conf.tiers)) if conf.tiers else None
+    # the stacks' reports of each tier's writes and removals, for the KV events per tier:
+    # none when vLLM publishes no events (nothing to carry to the scheduler each step)
+    wanted = getattr(vllm_config, "kv_events_config", None)
+    reports = TierReports() if conf.tiers and getattr(
+        wanted, "enable_kv_cache_events", False) else None
 
     def open_one(ranked: bool = True) -> Any:
         """A new connection; ``ranked``: to this rank's objects, else to every rank's;
@@ -54,7 +61,7 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         suffix = f".tp{rank}" if tp > 1 and ranked else ""
         timeout = conf.load_timeout_ms / 1000 + 5
         if conf.tiers:
-            return open_stack(conf, suffix, timeout, counts)
+            return open_stack(conf, suffix, timeout, counts, reports and reports.add)
         return open_store(conf.url, suffix=suffix, timeout=timeout, **conf.store_options)
 
     # Stores open lazily, each behind its own deadline and breaker (guard.py): an
@@ -80,14 +87,16 @@ def build_context(vllm_config: Any, kv_cache_config: Any, *, rank: int = 0) -> C
         loads=Guarded(open_one, what="load", timeout=conf.load_timeout_ms / 1000, **guard),
         saves=Guarded(open_one, what="save", timeout=conf.save_timeout_ms / 1000, **guard),
         disabled=disabled, formats=identities, layout=layout, open=open_one,
-        tier_counts=counts)
+        tier_counts=counts, tier_reports=reports)
 
 
 def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = None,
-               counts: dict[str, list[int]] | None = None) -> StackedChunks:
+               counts: dict[str, list[int]] | None = None,
+               report: Callable[[str, str, int], None] | None = None) -> StackedChunks:
     """A stack of ``conf.tiers``, each tier behind its own deadline and breaker
     (``chunks/guarded_tier.py``): a call asks the tiers in turn, so each gets a share of
-    the connector's deadline (saves excepted: the first tier's is the save's)."""
+    the connector's deadline (saves excepted: the first tier's is the save's);
+    ``report``: told each tier's writes and removals (``chunks/stack.py``)."""
     share = len(conf.tiers or ()) + 1
     deadlines = {"lookup": conf.lookup_timeout_ms / 1000 / share,
                  "load": conf.load_timeout_ms / 1000 / share,
@@ -96,7 +105,7 @@ def open_stack(conf: ConnectorConfig, suffix: str = "", timeout: float | None = 
         lambda t=t: open_store(t.url, suffix=suffix, timeout=timeout, **t.options),
         url=t.url, timeouts=deadlines, log=log, failures=conf.failures_before_down,
         max_backoff=conf.max_backoff_s) for t in conf.tiers or ()],
-        write_policy=conf.write_policy, counts=counts)
+        write_policy=conf.write_policy, counts=counts, report=report)
 
 
 def identity_of(vllm_config: Any, kv_cache_config: Any, conf: ConnectorConfig,

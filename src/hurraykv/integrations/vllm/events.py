@@ -39,10 +39,13 @@ the offloading connector publishes for its CPU/storage tiers
 The same worker-to-scheduler channel carries ``("loaded", request id)`` for each request
 whose load a worker ran in the step (``WorkerSegments.loaded``): vLLM hands the scheduler
 a step's records together with the blocks whose load failed, from every worker at once,
-so the scheduler counts a load's tokens as hit or failed exactly (``split_records``).
+so the scheduler counts a load's tokens as hit or failed exactly (``split_records``);
+and, with tiers, ``("tier", kind, segment name, tier)`` for each write a tier
+acknowledged and each removal a stack learned of (``tier_events.py``: events per tier).
 
 ``medium`` is vLLM's ``MEDIUM_STORAGE`` ("STORAGE", the tier the offloading connector's
-file/object tiers use) so routers that score tiers by medium understand it;
+file/object tiers use) so routers that score tiers by medium understand it (with tiers,
+each tier's: ``tier_events.py``);
 ``ownership`` (vLLM: "Secondary offloading tier identifier") says "hurraykv", and
 ``locality`` is "REMOTE" for a shared store (``hurray://``, ``redis://``) or "LOCAL" for
 one on this host, whose store class says ``LOCAL`` (``file://``;
@@ -219,6 +222,16 @@ class HurrayKVEvents:
         for segment in segments:
             self._pending.pop(segment, None)
 
+    # with tiers, what tier_events.TierKVEvents announces per tier; one store has none
+    def known(self, request: Any, first_chunk: int, chunks: int, name: str) -> None:
+        return None
+
+    def tier_stored(self, name: str, tier: int) -> bool:
+        return False
+
+    def tier_removed(self, name: str, tier: int) -> int:
+        return 0
+
     def removed(self, request: Any, first_chunk: int, chunks: int) -> int:
         """Chunks of ``request`` found gone from the store: a ``BlockRemoved`` for those
         of their blocks announced stored before.  Returns how many blocks."""
@@ -264,14 +277,18 @@ def _connector_kv_events_base() -> type:
 
 LOADED = "loaded"  # the tag of a load record: (LOADED, request id)
 DROPPED = "dropped"  # a worker's record of a segment not stored: (DROPPED, segment id)
+TIER = "tier"  # a stack's report: (TIER, "stored" or "removed", segment name, tier)
 
 
-def split_records(records: Iterable[Any]) -> tuple[list[str], set[str], list[str]]:
+def split_records(records: Iterable[Any]) -> tuple[list[str], set[str], list[str],
+                                                   list[tuple[str, str, int]]]:
     """A step's worker records: the ids of the segments written, the ids of the requests
-    whose load ran, and the ids of the segments the writer dropped."""
+    whose load ran, the ids of the segments the writer dropped, and the tiers' reports
+    (kind, segment name, tier)."""
     segments: list[str] = []
     loaded: set[str] = set()
     dropped: list[str] = []
+    tiers: list[tuple[str, str, int]] = []
     for r in records:
         if isinstance(r, str):
             segments.append(r)
@@ -279,7 +296,9 @@ def split_records(records: Iterable[Any]) -> tuple[list[str], set[str], list[str
             loaded.add(r[1])
         elif isinstance(r, tuple) and len(r) == 2 and r[0] == DROPPED:
             dropped.append(r[1])
-    return segments, loaded, dropped
+        elif isinstance(r, tuple) and len(r) == 4 and r[0] == TIER:
+            tiers.append((r[1], r[2], r[3]))
+    return segments, loaded, dropped, tiers
 
 
 class SavedSegments:
@@ -334,13 +353,15 @@ class WorkerSegments:
     """Worker-side recorder, fed from the writer thread: ``saved(id)`` after a segment is
     written, and from the engine's: ``loaded(request id)`` when a request's load runs;
     ``take()`` (what ``get_kv_connector_kv_cache_events`` returns) hands them over as a
-    ``SavedSegments``, or None when there are none."""
+    ``SavedSegments``, or None when there are none.  ``tiers``: where this worker's stacks
+    report (``tier_events.TierReports``), read at each ``take``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiers: Any = None) -> None:
         import threading
 
         self._lock = threading.Lock()
         self._saved: list[Any] = []
+        self._tiers = tiers
 
     def saved(self, segment: str) -> None:
         with self._lock:
@@ -357,8 +378,10 @@ class WorkerSegments:
     def take(self) -> SavedSegments | None:
         with self._lock:
             saved, self._saved = self._saved, []
+        if self._tiers is not None:
+            saved += [(TIER, *report) for report in self._tiers.take()]
         return SavedSegments(saved) if saved else None
 
 
-__all__ = ["DROPPED", "LOADED", "MEDIUM", "OWNERSHIP", "EventAPI", "HurrayKVEvents",
+__all__ = ["DROPPED", "LOADED", "MEDIUM", "OWNERSHIP", "TIER", "EventAPI", "HurrayKVEvents",
            "SavedSegments", "WorkerSegments", "locality_of", "split_records", "vllm_api"]

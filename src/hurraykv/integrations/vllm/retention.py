@@ -36,7 +36,9 @@ memory or persist budget, by Redis's ``maxmemory``, removed by an operator - is 
 to the scheduler thread, which announces its blocks removed at the next
 ``take_events``.  A router therefore sees a prefix that is gone for at most
 ``removal_check_s`` plus one check (the staleness window, measured by
-``benchmarks/bench_vllm.py --only removals``).
+``benchmarks/bench_vllm.py --only removals``).  With tiers it watches each (segment,
+tier) announced and asks that tier alone (``tier_events.py``), a tier that fails
+skipped for that pass.
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ def rank_names(name: str, ranks: int) -> list[str]:
 
 class Watch:
     """The segments announced stored (at most ``limit``, the oldest dropped), checked
-    every ``every`` seconds over a connection of its own (``open_store()``)."""
+    every ``every`` seconds over a connection of its own (``open_store()``); a name, or
+    with a stack of tiers a ``(name, tier)``, checked in that tier."""
 
     def __init__(self, open_store: Callable[[], Any], every: float,
                  limit: int = 100_000) -> None:
@@ -253,15 +256,26 @@ class Watch:
         return gone
 
     def check(self, store: Any) -> None:
-        """One pass: every name watched asked about, those gone moved to ``take_gone``."""
+        """One pass: every name watched asked about, those gone moved to ``take_gone``;
+        a tier that fails is skipped (its error raised after the others were asked)."""
         with self._lock:
             seen = dict(self._names)
-        names = list(seen)
-        gone: list[str] = []
-        for at in range(0, len(names), BATCH):
-            batch = names[at:at + BATCH]
-            gone += [n for n, alive in zip(batch, store.exists(batch), strict=True)
-                     if not alive]
+        by_tier: dict[int | None, list[Any]] = {}
+        for entry in seen:
+            by_tier.setdefault(entry[1] if isinstance(entry, tuple) else None,
+                               []).append(entry)
+        gone: list[Any] = []
+        failed: Exception | None = None
+        for tier, entries in by_tier.items():
+            asked = store if tier is None else store.tiers[tier]
+            names = [e[0] if isinstance(e, tuple) else e for e in entries]
+            try:
+                for at in range(0, len(names), BATCH):
+                    alive = asked.exists(names[at:at + BATCH])
+                    gone += [e for e, ok in zip(entries[at:at + BATCH], alive, strict=True)
+                             if not ok]
+            except Exception as e:  # the other tiers are still asked
+                failed = e
         with self._lock:
             for name in gone:
                 # neither forgotten nor watched again (stored again) meanwhile
@@ -269,6 +283,8 @@ class Watch:
                     del self._names[name]
                     self._gone.append(name)
         self.checks += 1
+        if failed is not None:
+            raise failed
 
     def _run(self) -> None:
         store, subscribed, wait = None, False, 0.0  # the first look at once

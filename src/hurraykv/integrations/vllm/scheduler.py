@@ -43,6 +43,7 @@ from .request_keys import passed_through, request_seed
 from .request_state import RequestState
 from .retention import Retainer, Watch, keep_of
 from .save_plans import SavePlanner
+from .tier_events import REMOVED, STORED, in_process
 
 
 class SchedulerSide:
@@ -69,6 +70,10 @@ class SchedulerSide:
         self.watch = Watch(ctx.open or (lambda: None), ctx.config.removal_check_s
                            if events.enabled and ctx.open else 0.0, events.max_tracked)
         self.retainer = Retainer(lambda: ctx.open(ranked=False), events.ranks, ctx.stats)
+        # with tiers: those the watch checks (a mem:// pool is a worker process's own
+        # with tensor parallelism: its workers report what it drops)
+        self.polled = {t for t, tier in enumerate(ctx.config.tiers or ())
+                       if events.ranks == 1 or not in_process(tier.url)}
 
     def state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
@@ -314,6 +319,8 @@ class SchedulerSide:
                 keys = segment_keys(name, st.keys.known())
                 if keys:
                     out.promote[name] = keys
+                    # the tiers it is promoted into announce it with this payload
+                    self.events.known(st.request, segment_first(name), len(keys), name)
         if self.ctx.hybrid:
             out.first_block = first_block
             out.groups = [g[first_block:last_block] for g in st.groups]
@@ -322,7 +329,8 @@ class SchedulerSide:
         """Chunks whose load failed are stored again once recomputed (the damaged object
         is replaced), instead of failing every later request that finds them."""
         saved = getattr(connector_output, "kv_cache_events", None)
-        segments, loaded, dropped = split_records(saved.get_all_events() if saved else ())
+        segments, loaded, dropped, tiers = split_records(
+            saved.get_all_events() if saved else ())
         for sid in dict.fromkeys(s for s in segments if s in self.stale):
             self.retainer.remove(sid, self.stale[sid])  # off this thread; a miss till then
         segments = [s for s in segments if s not in self.stale]
@@ -330,6 +338,7 @@ class SchedulerSide:
             self.stale.pop(sid, None)
         if segments:
             self.watch.watch(self.events.confirm(segments))
+        self._tier_reports(tiers)
         self.save_planner.done((*segments, *dropped))  # their chunks may be planned again
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
@@ -369,11 +378,28 @@ class SchedulerSide:
             hit = tokens if bad is None else min(tokens, bad * block)
             stats.add(tokens_hit=hit, tokens_failed=tokens - hit)
 
+    def _tier_reports(self, reports: list[tuple[str, str, int]]) -> None:
+        """What the stacks reported per tier (``tier_events.py``): a write there announced
+        once every rank's part is (and watched there), a removal there announced."""
+        stale = self._stale_names() if reports else set()
+        for kind, name, tier in reports:
+            if kind == STORED and name not in stale:
+                if self.events.tier_stored(name, tier) and tier in self.polled:
+                    self.watch.watch([(name, tier)])
+            elif kind == REMOVED:
+                self.events.tier_removed(name, tier)
+
     def take_events(self) -> list[Any]:
-        """The KV events since the last call, with the segments the watch found gone."""
+        """The KV events since the last call, with the segments the watch found gone (a
+        stack's: in a tier) and what this side's own stacks reported."""
+        if self.ctx.tier_reports is not None:
+            self._tier_reports(self.ctx.tier_reports.take())
         gone = self.watch.take_gone()
         if gone:
-            self.events.removed_segments(gone)
+            self.events.removed_segments(n for n in gone if isinstance(n, str))
+            for entry in gone:
+                if isinstance(entry, tuple):
+                    self.events.tier_removed(*entry)
         return self.events.take_events()
 
     def reset(self) -> bool:

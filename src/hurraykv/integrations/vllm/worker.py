@@ -41,7 +41,7 @@ class WorkerSide:
         self.model_dtype, self.kv_cache_dtype = model_dtype, kv_cache_dtype
         self.segment_dtype = segment_dtype  # the cache's dtype in a segment of format auto
         self.format: StoreFormat = ctx.formats.get(ctx.identity, StoreFormat())  # saves
-        self.saved = WorkerSegments()
+        self.saved = WorkerSegments(ctx.tier_reports)  # with tiers: their reports too
         self.saver = Saver(ctx, self.format, self.saved)
         self.target: Target | None = None
         self.step: StepLoads | None = None
