@@ -170,7 +170,7 @@ def test_a_pool_holds_keys_as_the_engine_does_and_hands_segments_on_as_they_came
     held_bytes = copied(snap.with_info(metadata={}))[1]
     store = open_store(url, max_bytes=held_bytes * 3 // 2)  # room for one
     evicted = []
-    store.watch_evictions(lambda ks, first, s: evicted.append(s))
+    store.watch_evictions(lambda ks, first, s: evicted.append(s()))
     store.put(k, 0, snap, {})
     name = store.locate(k)[0]
     held = store._pool.segments[name].snapshot.tensor(1, "key").page_pool

@@ -348,3 +348,25 @@ def test_the_stack_reports_each_tiers_writes_and_what_it_learns_each_dropped(tmp
     assert told[:3] == [("stored", n[0], 0), ("stored", n[1], 0), ("removed", n[0], 0)]
     assert sorted(told[3:]) == sorted([("stored", n[0], 1), ("stored", n[2], 0)])  # any order
     back.close()
+
+
+def test_a_segment_past_its_lifetime_in_memory_is_reported_gone_and_not_written_down(
+        tmp_path):
+    """A ``mem://`` tier drops a segment whose lifetime ended at its next put: reported
+    removed from that tier, and under ``write_back`` not sent down (its lifetime is over;
+    only what is dropped to make room goes down)."""
+    size = copied(segment(2, 0).with_info(metadata={}))[1]
+    told: list[tuple[str, str, int]] = []
+    below = open_store((tmp_path / "kv").as_uri())
+    stack = StackedChunks([mem(4 * size), below], write_policy="write_back",
+                          report=lambda *r: told.append(r))
+    k = [keys(2) for _ in range(2)]
+    n = [segment_name(ks, 0) for ks in k]
+    stack.put(k[0], 0, segment(2, 40), {})
+    assert stack.retain([n[0]], pin=None, ttl_s=0.05) == [n[0]]
+    time.sleep(0.1)
+    stack.put(k[1], 0, segment(2, 41), {})
+    stack.settle()
+    assert told == [("stored", n[0], 0), ("removed", n[0], 0), ("stored", n[1], 0)]
+    assert below.exists(n) == [False, False]
+    stack.close()

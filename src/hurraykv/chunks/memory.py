@@ -111,6 +111,11 @@ def _pool(name: str) -> _Pool:
         return _POOLS.setdefault(name, _Pool())
 
 
+# what a watch of a pool's evictions is handed: makes the segment as it came (None: one
+# whose lifetime ended)
+Evicted = Callable[[], KVCacheSnapshot] | None
+
+
 def hold_as(url: str, forms: dict[str, tuple[int, int, int, int]]) -> None:
     """The pool of ``url`` (nothing, for another scheme) holds the page pools of each
     role of ``forms`` in that ``scatter.engine_form`` from its next ``put`` on (an empty
@@ -233,7 +238,7 @@ class MemoryChunks(ChunkStore):
         self._pool = _pool(name)
         self.evictions = 0
         self.evicted_bytes = 0
-        self._evicted: Callable[[tuple[str, ...], int, KVCacheSnapshot], None] | None = None
+        self._evicted: Callable[[tuple[str, ...], int, Evicted], None] | None = None
 
     @classmethod
     def url_problem(cls, parsed: ParseResult) -> str:
@@ -257,10 +262,12 @@ class MemoryChunks(ChunkStore):
              **options: Any) -> MemoryChunks:
         return cls(unquote(parsed.netloc), **options)
 
-    def watch_evictions(self, callback: Callable[[tuple[str, ...], int, KVCacheSnapshot],
-                                                  None]) -> bool:
-        """Tell ``callback`` of each segment this store drops to make room (its keys, its
-        first chunk, the segment: a stack's ``write_back`` sends it down a tier)."""
+    def watch_evictions(self, callback: Callable[[tuple[str, ...], int, Evicted], None]
+                        ) -> bool:
+        """Tell ``callback`` of each segment this store drops (its keys, its first chunk,
+        and ``Evicted``: what makes the segment as it came, for a stack's ``write_back`` to
+        send down a tier, made only if called; None for one whose lifetime ended, gone for
+        good), after the put that dropped it."""
         self._evicted = callback
         return True
 
@@ -361,21 +368,26 @@ class MemoryChunks(ChunkStore):
             pool.total += nbytes
             pool.aliases.update((key, name) for key in keys)
         if self._evicted is not None:  # outside the pool's lock
-            for held, victim in dropped:
-                self._evicted(held.keys, int(victim.rsplit("-", 1)[1]), held.segment())
+            for held, victim, expired in dropped:
+                self._evicted(held.keys, int(victim.rsplit("-", 1)[1]),
+                              None if expired else held.segment)
 
-    def _make_room(self, nbytes: int, keep: str, now: float) -> list[tuple[_Held, str]]:
+    def _make_room(self, nbytes: int, keep: str, now: float
+                   ) -> list[tuple[_Held, str, bool]]:
         """Drop what is past its lifetime, then the least recently used unpinned
         segments, until ``nbytes`` more fit (under the pool's lock); those dropped to
         make room."""
         pool = self._pool
+        dropped = []  # (segment, name, past its lifetime)
         for name in [n for n, k in pool.kept.items() if k.expired(now) and n != keep]:
+            if name in pool.segments:
+                dropped.append((pool.segments[name], name, True))
             self._drop(name)
             del pool.kept[name]
         replaced = pool.segments[keep].nbytes if keep in pool.segments else 0
         need = pool.total - replaced + nbytes - self.max_bytes
         if need <= 0:
-            return []
+            return dropped
         victims, freed = [], 0
         for name, held in pool.segments.items():  # oldest use first
             k = pool.kept.get(name)
@@ -390,9 +402,8 @@ class MemoryChunks(ChunkStore):
                               f"{self.max_bytes}: pinned segments hold the rest; not stored",
                               field="max_bytes", value=nbytes,
                               rule="pinned segments and a new one fit in max_bytes")
-        dropped = []
         for name in victims:
-            dropped.append((pool.segments[name], name))
+            dropped.append((pool.segments[name], name, False))
             self.evicted_bytes += pool.segments[name].nbytes
             self._drop(name)
             self.evictions += 1

@@ -320,14 +320,17 @@ class StackedChunks(ChunkStore):
             for tier in chosen[1:]:
                 self._enqueue(tier, copy, "writes", name)
 
-    def _evicted(self, tier: int, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot
-                 ) -> None:
-        """``tier`` dropped a segment to make room (reported); under ``write_back``, what
-        the first tier dropped goes down to the second."""
+    def _evicted(self, tier: int, keys: Sequence[str], first: int,
+                 segment: Callable[[], KVCacheSnapshot] | None) -> None:
+        """``tier`` dropped a segment (reported): to make room (``segment`` makes it), or
+        past its lifetime (None); under ``write_back``, what the first tier dropped to make
+        room goes down to the second."""
         name = segment_name(keys, first)
         self._told("removed", name, tier)
-        if tier or self.write_policy != "write_back" or len(self.tiers) < 2:
+        if tier or self.write_policy != "write_back" or len(self.tiers) < 2 or \
+                segment is None:
             return
+        snapshot = segment()
         keys, metadata = list(keys), dict(snapshot.metadata)
 
         def copy(store: ChunkStore) -> int:

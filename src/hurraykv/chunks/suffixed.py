@@ -65,8 +65,7 @@ class Suffixed(ChunkStore):
 
         return self.inner.removals(mine, stop)
 
-    def watch_evictions(self, callback: Callable[[list[str], int, KVCacheSnapshot], None]
-                        ) -> bool:
+    def watch_evictions(self, callback: Callable[[list[str], int, Any], None]) -> bool:
         """The inner store's evictions (a ``mem://`` pool's), told with the plain keys: a
         stack of one rank's tiers writes a segment back, and reports it, by them."""
         watch = getattr(self.inner, "watch_evictions", None)
