@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +81,12 @@ class PageSource:
     0, the bytes of a page, the stored digest of every page).  Or, with ``fd`` -1, in
     ``memory`` (uint8; the offsets its, every page checked to lie inside it): a segment
     held in this process; ``verify`` false places its pages unhashed (``memory_source``
-    says when)."""
+    says when).  ``fill``, where the file holds only what was fetched of a remote
+    segment (``s3://``): ``fill(offsets, lengths)`` writes those byte ranges into ``fd``;
+    ``Scatter.run`` calls it before any page is read, with the merged ranges of every
+    page added from this source.  A range it leaves unwritten reads as zeros, fails its
+    digest and is never placed; an error it raises ends the run before any page is
+    read."""
 
     fd: int
     name: str
@@ -91,6 +96,7 @@ class PageSource:
     # members whose pages are held as an engine's blocks hold them (``engine_form``):
     # each head's [dims, rows], copied head by head, never transposed on the way
     held_as: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    fill: Callable[[np.ndarray, np.ndarray], None] | None = None
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -187,6 +193,7 @@ class _Group:
     band)."""
 
     def __init__(self, source: PageSource, dest: Destination) -> None:
+        self.owner = source
         self.fd, self.memory, self.typed = source.fd, dest.memory, dest.typed
         self.source, self.verify = source.memory, source.verify
         self.tasks: list[tuple[int, int, int, int]] = []
@@ -260,11 +267,39 @@ class Scatter:
     def run(self) -> dict[Hashable, tuple[str, int]]:
         """Read, verify and place every page added (over the cores); the runs (by tag)
         with a page not placed, and the member and page of their first such page."""
+        _fill(list(self._groups.values()))
         failed: dict[Hashable, tuple[str, int]] = {}
         for group in self._groups.values():
             for tag, where in _place(group).items():
                 failed.setdefault(tag, where)
         return failed
+
+
+def _fill(groups: list[_Group]) -> None:
+    """Each source with a ``fill`` asked once, before any page is read, for the byte
+    ranges of every page added from it (its groups of every destination together,
+    overlapping and adjacent ranges merged): one round of fetches for the run, however
+    many destinations its pages go to."""
+    spans: dict[int, tuple[Callable[[np.ndarray, np.ndarray], None], list[np.ndarray]]] = {}
+    for group in groups:
+        source = group.owner
+        if source.fill is None or not group.tasks:
+            continue
+        if source._closed:  # its descriptor may be another file's by now
+            raise LayoutError.at("source", None, source.name, "an open segment file")
+        tasks = np.array(group.tasks, np.int64).reshape(-1, 4)
+        sizes = np.array([g[0] * g[1] * g[2] for g in group.geoms], np.int64)[tasks[:, 3]]
+        spans.setdefault(id(source), (source.fill, []))[1].append(
+            np.stack([tasks[:, 0], tasks[:, 0] + tasks[:, 2] * sizes], axis=1))
+    for fill, parts in spans.values():
+        both = np.concatenate(parts)
+        both = both[np.argsort(both[:, 0], kind="stable")]
+        ends = np.maximum.accumulate(both[:, 1])
+        # a merged range starts where a range begins past the end of every one before it
+        first = np.concatenate([[True], both[1:, 0] > ends[:-1]])
+        last = np.concatenate([np.flatnonzero(first)[1:] - 1, [len(both) - 1]])
+        starts = both[first, 0]
+        fill(starts, ends[last] - starts)
 
 
 def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
