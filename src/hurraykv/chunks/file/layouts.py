@@ -273,21 +273,26 @@ class Layouts:
         self.remember(structure_key(snap), FileLayout.learn(data, snap, f))
         return snap
 
-    def structure_only(self, fd: int, label: str, members: frozenset[str]
+    def structure_only(self, fd: int, label: str, members: frozenset[str],
+                       layout: FileLayout | None = None
                        ) -> tuple[KVCacheSnapshot, checksums.ReadPlan, memoryview] | None:
         """The snapshot of file ``fd`` over memory holding every byte but the page pools
         of ``members`` (read with small reads; those pools' memory untouched), and its
-        read plan; None when it has none (no checksums) or does not parse."""
+        read plan; None when it has none (no checksums) or does not parse.  With
+        ``layout`` (a file that holds only what that layout puts outside those pools, the
+        rest holes: a fetched ``s3://`` segment), None unless it matches ``layout``."""
         size = os.fstat(fd).st_size
         data = memoryview(alloc.sparse(size)) if size else memoryview(b"")
-        known = self.planned(size)
-        if known is not None:
+        known = self.planned(size) if layout is None else layout
+        if known is not None and known.size == size:
             pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2
                      and member_name(*r[2]) in members]
             for off, piece in complement(data, pools):
                 whole(label, len(piece), read_bands(fd, data[off:off + len(piece)], off))
             if known.matches(data):
                 return known.read(data), known.plan, data  # type: ignore[return-value]
+        if layout is not None:  # parsed, its holes would read as a structure's bytes
+            return None
         try:
             f = HrryFile.over(fd, data, label)
             pools = [r for r in pools_of(f) if member_name(*r[2]) in members]
@@ -303,14 +308,16 @@ class Layouts:
         self.remember(structure_key(snap), FileLayout.learn(data, snap, f, plan))
         return snap, plan, data
 
-    def pages(self, fd: int, name: str, label: str, members: frozenset[str]
+    def pages(self, fd: int, name: str, label: str, members: frozenset[str],
+              layout: FileLayout | None = None
               ) -> tuple[KVCacheSnapshot, PageSource, float] | None:
         """Segment ``name`` (file ``fd``, called ``label`` in errors) with the pages of
         ``members`` left in the file: a ``PageSource`` over ``fd`` (which it then owns),
         everything else read with small reads and verified now (the seconds that took
         returned).  None where that cannot be (no checksums, a pool that is not one whole
-        member's pages): the caller reads the segment whole; ``fd`` is then still its."""
-        got = self.structure_only(fd, label, members)
+        member's pages, a file that does not match ``layout``: ``structure_only``): the
+        caller reads the segment whole; ``fd`` is then still its."""
+        got = self.structure_only(fd, label, members, layout)
         if got is None:
             return None
         snap, plan, data = got
