@@ -18,6 +18,8 @@ only from the standard chain (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   same chunks finds it there and stores nothing); one past ``MULTIPART`` bytes goes up
   as a multipart upload (parts in parallel; S3 shows it only once complete), after a
   HEAD that finds it absent.
+  A load fetches only the structure and the pages it places, in ranged GETs, once this
+  process knows the layout of segments of that size (``s3_pages.py``).
 * ``aliases/KEY``: a chunk key's alias, its body the segment's name, written after the
   segment (an alias never names a segment that is not whole yet).
 * ``index/NAME/ID``: the keys a segment's aliases were written for (its body) and its
@@ -56,6 +58,7 @@ from ..io.snapshots import save_snapshot, snapshot_from_file
 from ..snapshot import KVCacheSnapshot
 from .keys import SEGMENT_NAME, check_name, identity_key, segment_name, valid_name
 from .registry import ChunkStore, Stored
+from .s3_pages import RangedReads, memory_file
 from .settings import Option
 
 T = TypeVar("T")
@@ -65,7 +68,7 @@ SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 NO_ID = "-"
 
 
-class S3Chunks(ChunkStore):
+class S3Chunks(ChunkStore, RangedReads):
     """``s3://BUCKET/PREFIX`` (the module docstring)."""
 
     SCHEMES = ("s3",)
@@ -133,6 +136,7 @@ class S3Chunks(ChunkStore):
         self._count: tuple[float, int] | None = None  # (listed at, bytes) for max_bytes
         self.evictions = 0
         self.evicted_bytes = 0
+        self._init_pages()
 
     # -- the URL --------------------------------------------------------------------------
     @classmethod
@@ -234,6 +238,7 @@ class S3Chunks(ChunkStore):
             meta = self._head(name)
             if meta is None:
                 return name, None
+            self._saw(name, meta)
             k = self._kept(name)
             return name, None if k is not None and k.expired(time.time()) else meta
 
@@ -253,6 +258,7 @@ class S3Chunks(ChunkStore):
         if data is None:
             raise HurrayError(f"segment {name} is not in {self.url}", field="segment",
                               value=name, rule="a stored segment")
+        self._received(len(data))
         snap = snapshot_from_file(HrryFile.from_bytes(memoryview(data), f"{self.url}/{key}"))
         self._touch(name)
         return snap
@@ -292,7 +298,7 @@ class S3Chunks(ChunkStore):
             metadata: dict[str, Any]) -> None:
         name = check_name(segment_name(keys, first))
         key = self._key("segments", name)
-        fd = _memory_file(name)
+        fd = memory_file(name)
         try:
             # the saver hashed the segment already (checksums.with_checksums)
             save_snapshot(snapshot, f"{self.url}/{key}", metadata=metadata, fsync=False,
@@ -500,15 +506,6 @@ def _first_line(e: BaseException) -> str:
         if secret:
             text = text.replace(secret, "***")
     return text
-
-
-def _memory_file(name: str) -> int:
-    if hasattr(os, "memfd_create"):
-        return os.memfd_create(f"hurraykv:{name}", os.MFD_CLOEXEC)
-    import tempfile
-
-    with tempfile.TemporaryFile() as f:  # unlinked already: gone with its last descriptor
-        return os.dup(f.fileno())
 
 
 __all__ = ["S3Chunks"]
