@@ -12,6 +12,7 @@ objects are stood in for by what the worker reads of them, ``attn_backend.get_na
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,11 +33,13 @@ from tests.integrations.vllm.test_vllm_worker import (
     HEADS,
     IDENTITY,
     LAYER_NAMES,
+    PER,
     Side,
     load_of,
     run_step,
     save,
 )
+from tests.store.test_s3_store import own_server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
 
@@ -211,3 +214,72 @@ def test_an_engine_started_after_segments_were_stored_knows_their_layout(side, t
     later = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16)
     sizes = later.ctx.loads.call("sizes", lambda store: sorted(store.layouts.by_size), None)
     assert sizes == [p.stat().st_size for p in (tmp_path / "kv").glob("*.hrry")]
+
+
+@pytest.mark.parametrize(("backend", "layout", "dtype"), [CASES[0], CASES[2]])
+def test_an_s3_hit_fetches_only_the_pages_it_places_and_loads_them_in_one_pass(
+        side, tmp_path, s3_url, backend, layout, dtype):
+    """``s3://`` (issue 49 item 3): vLLM's prefix cache holds a hit's first chunk, so
+    the load fetches the segment's structure and the pages of the other two, in ranged
+    GETs into a memory file, and places them bit for bit in one pass."""
+    store = open_store(s3_url)
+    store.GAP = 0  # pages of 2 KiB: under the default's 1 MiB gaps, every range is joined
+    w = worker(side, s3_url, backend, layout, dtype, open_one=lambda: store)
+    src, dst = list(range(3, 9)), [40, 41, 20, 21, 50, 51]
+    names = store_one(side, w, tmp_path, src)
+    assert run_step(w, Plan(loads=[load_of("first", names, 0, dst)])) == set()  # learns
+    (stored,) = store.catalog()
+    for name in LAYER_NAMES:
+        w.caches[name][dst] = 0
+    before = store.bytes_fetched
+    assert run_step(w, Plan(loads=[load_of("hit", names[1:], 1, dst[PER:])])) == set()
+    for name in LAYER_NAMES:
+        cache = w.caches[name]
+        assert torch.equal(cache[dst[PER:]].view(torch.int8), cache[src[PER:]].view(torch.int8))
+        assert (cache[dst[:PER]] == 0).all()  # held by vLLM: neither fetched nor written
+    page = BLOCK * HEADS * HEAD * torch.empty(0, dtype=dtype).element_size()
+    members = 2 * len(LAYER_NAMES)
+    assert store.bytes_fetched - before == stored.nbytes - members * 6 * page + \
+        members * 4 * page
+    stats = w.ctx.stats
+    assert stats["bytes_loaded"] == stats["bytes_loaded_direct"] > 0
+
+
+@pytest.mark.slow
+def test_an_s3_server_killed_while_a_hit_fetches_its_pages_fails_the_load_not_the_segment(
+        side, tmp_path, own_server):  # noqa: F811 - the fixture imported above
+    """The pages are fetched when the first layer is placed: the server dying then is a
+    failed load (every block recomputed, none written from what did not come), never a
+    damaged segment; once it is back the segment loads."""
+    server, proxy = own_server
+    url = "s3://killed/connector"
+    store = open_store(url, endpoint=proxy.endpoint, timeout=3)
+    store.GAP = 0
+    w = worker(side, url, "CPU_ATTN", "LBHNC", torch.bfloat16, open_one=lambda: store)
+    src, dst = list(range(3, 9)), [40, 41, 20, 21, 50, 51]
+    random_blocks(w, src, 1)
+    keys = ChunkKeys(identity_digest(IDENTITY), CHUNK).upto(list(range(3 * CHUNK)), 3)
+    save(w, "r", keys, 0, src)
+    names = store.locate(keys)
+    assert run_step(w, Plan(loads=[load_of("first", names, 0, dst)])) == set()  # learns
+    for name in LAYER_NAMES:
+        w.caches[name][dst] = 7
+    plan = Plan(loads=[load_of("hit", names, 0, dst)])
+    w.start_load(plan)  # the structure fetched and verified
+    proxy.arm(upstream=False, after=0, cut=server.kill)  # dies as the pages come
+    for name in LAYER_NAMES:
+        w.wait_for_layer_load(name)
+    w.wait_for_save(plan)
+    assert w.load_errors() == set(dst)
+    for name in LAYER_NAMES:
+        assert (w.caches[name][dst] == 7).all()
+    assert proxy.cut_done.wait(10)
+    server.start("killed")
+    deadline = time.monotonic() + 30
+    while run_step(w, Plan(loads=[load_of("again", names, 0, dst)])):
+        # the client's pooled connections died with the server: failed loads until gone
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for name in LAYER_NAMES:
+        cache = w.caches[name]
+        assert torch.equal(cache[dst].view(torch.int8), cache[src].view(torch.int8))
