@@ -45,6 +45,8 @@ ONE_PASS = "docs/vllm.md, How a request flows (3: one pass), docs/reliability.md
 CAPACITY = "docs/vllm.md, Capacity and eviction"
 WRONG = "docs/vllm.md, When things go wrong"
 RETAIN = "docs/vllm.md, Running it in production"
+S3P, S3T = "hurraykv/chunks/s3_pages.py", "tests/store/test_s3_pages.py"
+S3_LOADS = "docs/vllm.md, What is stored where (s3://: a load fetches what it places)"
 
 
 @dataclass(frozen=True)
@@ -1041,6 +1043,21 @@ MUTANTS = [
            ("tests/integrations/vllm/test_vllm_direct_loads.py::test_a_damaged_page_never_"
             "reaches_its_block_and_its_blocks_are_recomputed",),
            f"{ONE_PASS}: a file's page is hashed before it is placed (only mem:// skips it)"),
+    # --- s3:// loads in ranges (chunks/s3_pages.py) ----------------------------------
+    Mutant("s3-fill-nothing", S3P,
+           "        asked = self.asked(offsets, offsets + lengths)\n",
+           "        return\n",
+           (f"{S3T}::test_a_load_of_the_last_pages_fetches_them_and_the_structure_only",),
+           f"{S3_LOADS}: a load's pages are fetched when they are placed"),
+    Mutant("s3-load-fetches-whole", S3P,
+           "got, known = None, self.layouts.planned(size)", "got, known = None, None",
+           (f"{S3T}::test_a_load_of_the_last_pages_fetches_them_and_the_structure_only",),
+           f"{S3_LOADS}: a load fetches the structure and its pages, not the whole object"),
+    Mutant("s3-ranges-of-any-version", S3P,
+           'options: dict[str, Any] = {} if etag is None else {"if_match": etag}',
+           "options: dict[str, Any] = {}",
+           (f"{S3T}::test_an_object_stored_again_while_it_is_loaded_is_a_miss_not_damage",),
+           f"{S3_LOADS}: the bytes of two versions of an object are never put together"),
 ]
 
 
