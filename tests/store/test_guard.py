@@ -34,6 +34,7 @@ def guarded(tmp_path, caplog):
     g = Guarded(open_, url="file:///kv", what="lookup", timeout=0.05, failures=3,
                 backoff=1.0, max_backoff=4.0, log=logging.getLogger("test.guard"),
                 clock=clock)
+    g.warm()  # opened before the first call's deadline, as the connector does at start
     yield g, clock, opened, caplog
     g.close(wait=0.1)
 
@@ -118,3 +119,35 @@ def test_calls_from_several_threads_queue_and_none_fails_for_another(guarded):
         t.join()
     assert results == [[None]] * 20
     assert g.stats["failures"] == 0 and g.stats["skipped"] == 0 and not g.down
+
+
+def test_a_bounded_store_is_called_on_the_callers_thread_and_its_errors_still_count(
+        tmp_path):
+    """A store whose calls return within their deadlines by themselves (``BOUNDED``: a
+    ``mem://`` pool, a stack whose every tier is behind a guard of its own) is called on
+    the caller's thread, no hand-over to the guard's and back (a hit from memory is a
+    few hundred microseconds); an error is still the default and still counts; a store
+    that may hang (a directory) is called on the guard's thread."""
+    from hurraykv.chunks.guarded_tier import GuardedTier
+    from hurraykv.chunks.stack import StackedChunks
+
+    log = logging.getLogger("test.guard")
+    file_url = (tmp_path / "kv").as_uri()
+    cases = {"mem://bounded-guard": True, file_url: False}
+    for url, bounded in cases.items():
+        g = Guarded(lambda u=url: open_store(u, **({"max_bytes": 1 << 20} if u.startswith(
+            "mem") else {})), url=url, what="load", timeout=1.0, failures=2, log=log)
+        g.warm()
+        g.call("warm", lambda s: None, None)  # the first waits for the opening
+        here = threading.get_ident()
+        assert (g.call("get", lambda s: threading.get_ident(), None) == here) is bounded
+
+        def broken(store):
+            raise OSError("gone")
+
+        assert g.call("get", broken, "miss") == "miss" and g.stats["failures"] == 1
+        g.close()
+    tiers = [GuardedTier(lambda: open_store(file_url), url=file_url,
+                         timeouts={"lookup": 1, "load": 1, "save": 1}, log=log)]
+    assert StackedChunks(tiers).BOUNDED and not StackedChunks([open_store(file_url)]).BOUNDED
+    tiers[0].close()

@@ -5,7 +5,11 @@ The connector's lookups, loads and saves run on threads of their own (a lookup t
 a loader, a writer; a synchronous load on the engine's), and a store that hangs must
 hold none of them for long, nor one that raises kill anything.  ``Guarded`` runs each
 store call on its own thread, one at a time in the order asked, and waits at most
-``timeout`` for it (waiting behind an earlier call included):
+``timeout`` for it (waiting behind an earlier call included).  A store whose calls
+return within their deadlines by themselves (``ChunkStore.BOUNDED``: a ``mem://`` pool,
+nothing to wait on; a stack of tiers each behind a guard of its own) is called on the
+caller's thread instead, its answers and errors taken as below: two thread hand-overs
+cost more than a hit from memory, and under the engine's own threads far more.
 
 * an answer in time is the answer;
 * a call that raises anything (a ``HurrayError``, redis-py's ``ConnectionError`` or
@@ -118,6 +122,17 @@ class Guarded:
             self._failed(op, f"a call has not returned for {now - hung[0]:.1f} s")
         if skip:
             return default
+        store = self._store
+        if getattr(store, "BOUNDED", False):  # no thread to hand over to and back
+            with self._lock:
+                self.stats["calls"] += 1
+            try:
+                result = fn(store)
+            except Exception as exc:
+                self._failed(op, f"{type(exc).__name__}: {exc}")
+                return default
+            self._succeeded()
+            return result
         with self._lock:
             self.stats["calls"] += 1
             future = self._thread.submit(self._run, fn)

@@ -28,6 +28,8 @@ class GuardedTier(ChunkStore):
     """``open_store()`` opens the tier (again, after a failure); ``timeouts``: seconds per
     operation, ``lookup``, ``load`` and ``save`` (the rest take ``save``'s)."""
 
+    BOUNDED = True  # its guard's deadline
+
     def __init__(self, open_store: Callable[[], ChunkStore], *, url: str,
                  timeouts: Mapping[str, float], log: logging.Logger, failures: int = 3,
                  max_backoff: float = 30.0) -> None:

@@ -217,6 +217,7 @@ class MemoryChunks(ChunkStore):
     FORM = "mem://[NAME]"
     LOCAL = True
     IN_PROCESS = True
+    BOUNDED = True
     OPTIONS = (
         Option("max_bytes", "size", "Capacity of a ``mem://`` tier (``\"8G\"`` or bytes), "
                "required: past it the least recently used segments are dropped."),

@@ -49,6 +49,9 @@ class ChunkStore(ABC):
     FORM: ClassVar[str] = ""  # the URL's form, for messages: "file:///DIR"
     LOCAL: ClassVar[bool] = False  # a path on this host (no HOST:PORT)
     IN_PROCESS: ClassVar[bool] = False  # this process's memory: SCHEME://[NAME]
+    # its calls return within their deadlines by themselves (nothing to wait on, or
+    # every wait behind a deadline of its own): a guard calls it on the caller's thread
+    BOUNDED: ClassVar[bool] = False
     SOCKET_PATHS: ClassVar[bool] = False  # also SCHEME:///path of a Unix socket
     # the open_store keywords (and connector config keys) it takes besides timeout, each
     # an Option (a plain name is an Option of kind "str")

@@ -84,6 +84,9 @@ class StackedChunks(ChunkStore):
                               f"{', '.join(POLICIES)}", field="write_policy",
                               value=write_policy, rule=" or ".join(POLICIES))
         self.tiers = list(tiers)
+        # bounded when each tier is (the connector's: each behind a deadline and breaker
+        # of its own, a share of the connector's deadline each, ``GuardedTier``)
+        self.BOUNDED = all(getattr(t, "BOUNDED", False) for t in self.tiers)
         self.url = " > ".join(t.url for t in self.tiers)
         self.write_policy = write_policy
         self._where: OrderedDict[str, int] = OrderedDict()
