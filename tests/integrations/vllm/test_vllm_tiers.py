@@ -184,7 +184,7 @@ def test_a_tiers_store_threshold_is_read_and_write_back_refuses_one_below_the_fi
     first_only = ConnectorConfig.from_extra({"tiers": [
         {"url": "mem://", "max_bytes": "8G", "store_threshold": 2}, {"url": kv}],
         "write_policy": "write_back"})
-    assert first_only.thresholds() == (2, 1)
+    assert first_only.thresholds() == (2, 2)  # what the first admits, each is given
     for tier, policy, field, why in [
         ({"url": kv, "store_threshold": 0}, "write_through", "tiers[1].store_threshold",
          r"\['tiers\[1\].store_threshold'\] is 0; it is a positive int"),
@@ -248,6 +248,28 @@ def test_each_tier_stores_a_chunk_once_its_own_threshold_admits_it(tiers, tmp_pa
     assert below.get_verified(name).equal(memory.get_verified(name))
     assert w.ctx.tier_counts["writes"] == [2, 1]
     assert sched.ctx.tier_counts["unadmitted"] == [0, 3]
+
+
+def test_under_write_back_the_first_tiers_threshold_admits_for_the_stack(tiers, tmp_path):
+    """``write_back`` with ``mem://`` at 2 over ``file://``: a prompt computed once is
+    stored nowhere (not planned for the lower tier alone, which the stack would refuse:
+    refused saves declared the saves' store down); computed again, it is stored in
+    memory, and no save failed."""
+    pool = f"tiers-{next(_pools)}"
+    stack = [{"url": f"mem://{pool}", "max_bytes": "64M", "store_threshold": 2},
+             {"url": (tmp_path / "kv").as_uri()}]
+    w = tiers.worker(stack, async_save=False, write_policy="write_back")
+    sched = SchedulerSide(tiers.context(stack, write_policy="write_back"),
+                          HurrayKVEvents(BLOCK, CHUNK, enabled=False))
+    memory = MemoryChunks(pool, max_bytes=1 << 26)
+    prompt = list(range(1, 101))
+    keys = ChunkKeys(sched.ctx.seed, CHUNK).upto(prompt, 3)
+    fill(w, list(range(1, 7)), 5.0)
+    for req_id, planned in (("a", []), ("b", [(0, 3, None)])):
+        plan = _computed(sched, w, req_id, prompt, list(range(1, 8)))
+        assert [(s.first_chunk, len(s.keys), s.tiers) for s in plan.saves] == planned
+    assert memory.locate(keys)[0] is not None
+    assert w.ctx.stats["saves_dropped"] == 0 and w.ctx.saves.stats["failures"] == 0
 
 
 def test_a_run_breaks_where_its_tiers_change_and_a_promotion_is_not_admitted(

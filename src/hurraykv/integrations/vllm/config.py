@@ -195,11 +195,15 @@ class ConnectorConfig:
 
     def thresholds(self) -> tuple[int, ...]:
         """Each tier's ``store_threshold`` (its own, else the connector's), fastest first;
-        one store: the connector's alone."""
+        under ``write_back`` the first tier's for every tier; one store: the
+        connector's alone."""
         if not self.tiers:
             return (self.store_threshold,)
-        return tuple(self.store_threshold if t.store_threshold is None else t.store_threshold
-                     for t in self.tiers)
+        own = tuple(self.store_threshold if t.store_threshold is None else t.store_threshold
+                    for t in self.tiers)
+        if self.write_policy == "write_back":  # the stack writes the first tier alone:
+            return (own[0],) * len(own)  # what it admits is what every tier is given
+        return own
 
     def _check_tier_thresholds(self) -> None:
         """``write_back`` writes the first tier only, and a lower tier receives what the
