@@ -151,3 +151,24 @@ def test_a_bounded_store_is_called_on_the_callers_thread_and_its_errors_still_co
                          timeouts={"lookup": 1, "load": 1, "save": 1}, log=log)]
     assert StackedChunks(tiers).BOUNDED and not StackedChunks([open_store(file_url)]).BOUNDED
     tiers[0].close()
+
+
+def test_a_call_the_stores_objects_make_later_counts_toward_its_breaker(guarded):
+    """``watched``: a call made outside ``call`` (an ``s3://`` load's page fetch) raises
+    as it did, and its failures take the store down like a call's; a return ends the
+    run of failures."""
+    g, _, _, _ = guarded
+
+    def fetch(fail: bool) -> str:
+        if fail:
+            raise ConnectionError("reset by peer")
+        return "fetched"
+
+    watched = g.watched("fill", fetch)
+    with pytest.raises(ConnectionError):
+        watched(True)
+    assert watched(False) == "fetched" and g.stats["failures"] == 1 and not g.down
+    for _ in range(3):
+        with pytest.raises(ConnectionError):
+            watched(True)
+    assert g.down and g.call("locate", lambda s: 1, "skipped") == "skipped"

@@ -249,3 +249,44 @@ def test_a_server_killed_mid_fetch_is_a_store_error_then_the_segment_is_served_a
     assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
     source.close()
     store.close()
+
+
+@pytest.mark.slow
+def test_a_server_that_hangs_mid_fetch_costs_the_deadline_and_nothing_is_written_late(
+        own_server):  # noqa: F811 - the fixture imported above
+    """The page fetch runs on a load's thread, outside any guard: a server that stops
+    answering (SIGSTOP) costs the store's deadline, a ``TransportError`` naming it, and
+    what it sends once it answers again is dropped, never written into the memory file
+    (whose descriptor's number may be another file's by then); the guard of the tier
+    (``GuardedTier``, ``Guarded.watched``) counts the failure."""
+    import signal
+
+    from hurraykv.chunks.guarded_tier import GuardedTier
+
+    server, _ = own_server
+    url = "s3://killed/hung"
+    endpoint = f"http://127.0.0.1:{server.ports['s3.port']}"
+    store = open_store(url, endpoint=endpoint, timeout=1)
+    k, snap = keys(N), big(N, 7)
+    store.put(k, 0, snap, {})
+    name = store.locate(k)[-1]
+    tier = GuardedTier(lambda: store, url=url, timeouts={"lookup": 1, "load": 1, "save": 1},
+                       log=__import__("logging").getLogger("test"))
+    tier.get_pages(name, MEMBERS)[1].close()  # the layout learned
+    _, source = tier.get_pages(name, MEMBERS)
+    first = source.members[member_name(0, "key")]
+    page = first[1]
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"unanswered within 1\.0 s"):
+            place(source, N - K, K)
+        assert time.monotonic() - started < 2.5
+        assert tier.guard.stats["failures"] == 1
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    time.sleep(1.5)  # the requests under way answered by now (their bytes dropped)
+    at = first[0] + (N - K) * page
+    assert os.pread(source.fd, K * page, at) == bytes(K * page)  # nothing written late
+    source.close()
+    tier.close()

@@ -153,6 +153,21 @@ class Guarded:
         self._succeeded()
         return result
 
+    def watched(self, op: str, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` whose errors count as this store's failures, and its returns as
+        successes: a call the store's own objects make later, outside ``call`` (an
+        ``s3://`` load's page fetch, bounded by the store's own deadline)."""
+        def run(*args: Any) -> T:
+            try:
+                out = fn(*args)
+            except Exception as exc:
+                self._failed(op, f"{type(exc).__name__}: {exc}")
+                raise
+            self._succeeded()
+            return out
+
+        return run
+
     def _run(self, fn: Callable[[Any], T]) -> T:
         try:
             if self._store is None:

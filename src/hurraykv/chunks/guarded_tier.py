@@ -89,8 +89,11 @@ class GuardedTier(ChunkStore):
         return self._call("get", "load", lambda s: self.checked_from(s, name, later))
 
     def get_pages(self, name: str, members: frozenset[str]) -> Any:
-        return self._call("get", "load", lambda s: s.get_pages(name, members)
-                          if hasattr(s, "get_pages") else None)
+        got = self._call("get", "load", lambda s: s.get_pages(name, members)
+                         if hasattr(s, "get_pages") else None)
+        if got is not None and getattr(got[1], "fill", None) is not None:
+            got[1].fill = self.guard.watched("fill", got[1].fill)  # this tier's breaker
+        return got
 
     def put(self, keys: Sequence[str], first: int, snapshot: KVCacheSnapshot,
             metadata: dict[str, Any]) -> None:

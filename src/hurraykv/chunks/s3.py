@@ -110,6 +110,7 @@ class S3Chunks(ChunkStore, RangedReads):
         region = region or os.environ.get("AWS_REGION") or os.environ.get(
             "AWS_DEFAULT_REGION") or "us-east-1"
         wait = timeout if timeout is not None else 30.0
+        self._deadline = wait  # a load's page fetch too (s3_pages), outside any guard
         config: dict[str, Any] = {"region": region, "virtual_hosted_style_request": False}
         if endpoint:
             _check_endpoint(endpoint)

@@ -71,6 +71,7 @@ class RangedReads:
     _key: Callable[[str, str], str]
     _head: Callable[[str], Any]
     _touch: Callable[[str], None]
+    _deadline: float
 
     def _init_pages(self) -> None:
         self.bytes_fetched = 0
@@ -146,8 +147,10 @@ class RangedReads:
         """Bytes ``[offsets[i], offsets[i] + lengths[i])`` of segment ``name`` (the
         version ``etag``) written at their offsets into memory file ``fd``, and the
         ranges written (``[starts, ends)``: those, with the gaps under ``GAP`` between
-        them).  Every request has ended when this returns or raises (none writes into
-        ``fd`` after: its caller may close it)."""
+        them).  Waits at most the store's deadline (a page fetch runs outside any guard,
+        on a load's thread): past it, a ``TransportError``.  Nothing writes into ``fd``
+        once this returned or raised (its caller may close it, and the descriptor's
+        number be another file's): a request answering later drops its bytes."""
         from obstore.exceptions import PreconditionError
 
         key = self._key("segments", name)
@@ -166,18 +169,31 @@ class RangedReads:
                 raise HurrayError(f"segment {name} in {self.url}: bytes {start}-{end - 1} "
                                   f"asked, {len(data)} received", field="segment",
                                   value=name, rule="an object of the size its HEAD gave")
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], start + done)
+            with writing:
+                if not wanted:
+                    return
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], start + done)
             self._received(len(data))
 
+        writing, wanted = threading.Lock(), [True]
         try:
             futures = [self._pool.submit(one, int(a), int(b))
                        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         except RuntimeError:  # the store was closed
             raise TransportError(f"{self.url}: closed", field="url", value=self.url,
                                  rule="an open store") from None
-        wait(futures)
+        late = wait(futures, timeout=self._deadline).not_done
+        if late:
+            with writing:
+                wanted.clear()
+            for future in late:
+                future.cancel()
+            raise TransportError(f"{self.url}: {len(late)} of {len(futures)} ranged GETs of "
+                                 f"segment {name} unanswered within {self._deadline:.1f} s",
+                                 field="timeout", value=self._deadline,
+                                 rule="a load's fetch within the store's deadline")
         for future in futures:
             error = future.exception()
             if isinstance(error, PreconditionError | HurrayError):

@@ -137,6 +137,9 @@ class Target:
                 got = store.get_pages(name, self.pools)
             if got is not None:
                 snap, source = got
+                if source.fill is not None and not hasattr(store, "tiers"):
+                    # its pages come later, outside the guard: their failures its too
+                    source.fill = self.ctx.loads.watched("fill", source.fill)
                 fmt = self.format_of(snap)
                 if fmt is None or not fmt.auto:  # decoded on the way: read it whole
                     source.close()
