@@ -283,3 +283,30 @@ def test_an_s3_server_killed_while_a_hit_fetches_its_pages_fails_the_load_not_th
     for name in LAYER_NAMES:
         cache = w.caches[name]
         assert torch.equal(cache[dst].view(torch.int8), cache[src].view(torch.int8))
+
+
+def test_a_jobs_layer_that_fails_to_write_fails_that_job_only(side, tmp_path, monkeypatch):
+    """Two requests loaded in one synchronous step; writing a layer of one raises (an
+    ``s3://`` page fetch that failed, a file changed underneath): that request's blocks
+    are reported failed and recomputed, the other's load, bit for bit."""
+    from hurraykv.integrations.vllm.load_job import LoadJob
+
+    url = (tmp_path / "kv").as_uri()
+    w = worker(side, url, *CASES[2])
+    src = list(range(3, 9))
+    names = store_one(side, w, tmp_path, src)
+    good, bad = [40, 41, 20, 21, 50, 51], [30, 31, 32, 33, 34, 35]
+    write = LoadJob.write_layer
+
+    def failing(job, target, layer, *args):
+        if job.transfer.req_id == "bad" and layer == 1:
+            raise TimeoutError("a page fetch unanswered")
+        return write(job, target, layer, *args)
+
+    monkeypatch.setattr(LoadJob, "write_layer", failing)
+    failed = run_step(w, Plan(loads=[load_of("good", names, 0, good),
+                                     load_of("bad", names, 0, bad)]))
+    assert failed == set(bad)
+    for name in LAYER_NAMES:
+        cache = w.caches[name]
+        assert torch.equal(cache[good].view(torch.int8), cache[src].view(torch.int8)), name

@@ -107,15 +107,19 @@ class StepLoads:
         try:
             ahead = self._checks.pop(layer, None)
             checked = ahead.result() if ahead is not None else {}
-            target.ctx.stats.add(verify_seconds=time.perf_counter() - started)
+        except Exception as e:  # the checks of every job: every loaded block again
             for job in self.jobs:
-                if job.ok:
-                    nbytes += job.write_layer(target, layer, self._buffers,
-                                              checked.get(id(job)))
-        except Exception as e:  # e.g. a file changed underneath: every loaded block again
-            for job in self.jobs:
-                job.fail(0, f"writing layer {layer} failed ({type(e).__name__}: {e})")
+                job.fail(0, f"checking layer {layer} failed ({type(e).__name__}: {e})")
             return
+        target.ctx.stats.add(verify_seconds=time.perf_counter() - started)
+        for job in self.jobs:
+            if not job.ok:
+                continue
+            try:
+                nbytes += job.write_layer(target, layer, self._buffers, checked.get(id(job)))
+            except Exception as e:  # a file changed underneath, a page fetch that failed
+                # (s3://): that job's blocks again, not the step's other jobs'
+                job.fail(0, f"writing layer {layer} failed ({type(e).__name__}: {e})")
         target.ctx.stats.add(bytes_loaded=nbytes, layers_written=1,
                              load_seconds=time.perf_counter() - started)
 
