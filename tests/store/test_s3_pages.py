@@ -117,6 +117,32 @@ def test_a_load_of_the_last_pages_fetches_them_and_the_structure_only(s3_url):
     store.close()
 
 
+def test_a_segment_of_another_tenant_of_the_same_size_is_fetched_in_ranges_too(s3_url):
+    """Two tenants' segments differ in their metadata only (``cache_salt``'s digest), so
+    in size not at all: the second is read over the first's layout in ranges (its
+    structure parsed from what was fetched, its pools where that layout's are), not
+    fetched whole at every load; its bytes are its own."""
+    store = open_store(s3_url)
+    segs = []
+    for tenant, seed in (("a" * 16, 11), ("b" * 16, 12)):
+        k, snap = keys(N), big(N, seed)
+        store.put(k, 0, snap, {"tenant": tenant})
+        segs.append((store.locate(k)[-1], snap))
+    (first, _), (second, snap) = segs
+    store.get_pages(first, MEMBERS)[1].close()  # the layout of that size learned
+    size = int(store._head(second)["size"])
+    pools = 4 * snap.tensor(0, "key").page_pool.nbytes
+    for _ in range(2):
+        before = store.bytes_fetched
+        got, source = store.get_pages(second, MEMBERS)
+        assert store.bytes_fetched - before == size - pools  # its structure only
+        assert got.metadata["tenant"] == "b" * 16
+        memory, failed = place(source, N - K, K)
+        assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
+        source.close()
+    store.close()
+
+
 def test_a_page_nothing_was_fetched_for_is_never_placed(s3_url):
     """The memory file's holes read as zeros: their pages fail their digests (no fill
     at all, or one that fetched half of what it was asked) and nothing is written."""

@@ -231,6 +231,13 @@ def structure_key(snapshot: KVCacheSnapshot) -> bytes:
     return snapshot.with_info(metadata={checksums.KEY: "#" * len(text)}).structure()
 
 
+def _pools(regions: list[tuple[int, int, Any]], members: frozenset[str]
+           ) -> list[tuple[int, int, Any]]:
+    """The regions of ``regions`` that are the page pools of ``members``, in file order."""
+    return sorted(r for r in regions if isinstance(r[2], tuple) and len(r[2]) == 2
+                  and member_name(*r[2]) in members)
+
+
 def whole(label: str, size: int, got: int) -> None:
     """``got`` bytes of ``size`` read from file ``label``: ``HurrayError`` unless all."""
     if got != size:
@@ -280,22 +287,34 @@ class Layouts:
         of ``members`` (read with small reads; those pools' memory untouched), and its
         read plan; None when it has none (no checksums) or does not parse.  With
         ``layout`` (a file that holds only what that layout puts outside those pools, the
-        rest holes: a fetched ``s3://`` segment), None unless it matches ``layout``."""
+        rest holes: a fetched ``s3://`` segment), None unless its pools are where
+        ``layout``'s are: then its structure is that layout's, another known one of those
+        pools (another tenant's metadata), or parsed from what was fetched (and
+        learned)."""
         size = os.fstat(fd).st_size
         data = memoryview(alloc.sparse(size)) if size else memoryview(b"")
         known = self.planned(size) if layout is None else layout
+        fetched = None  # with ``layout``: the pools its bytes were fetched around
         if known is not None and known.size == size:
-            pools = [r for r in known.regions if isinstance(r[2], tuple) and len(r[2]) == 2
-                     and member_name(*r[2]) in members]
+            pools = _pools(known.regions, members)
             for off, piece in complement(data, pools):
                 whole(label, len(piece), read_bands(fd, data[off:off + len(piece)], off))
             if known.matches(data):
                 return known.read(data), known.plan, data  # type: ignore[return-value]
-        if layout is not None:  # parsed, its holes would read as a structure's bytes
+            if layout is not None:
+                fetched = pools
+                for other in self.by_size.get(size, ()):  # another tenant's, seen before
+                    if other.plan is not None and _pools(other.regions, members) == pools \
+                            and other.matches(data):
+                        return other.read(data), other.plan, data
+        elif layout is not None:
             return None
         try:
             f = HrryFile.over(fd, data, label)
-            pools = [r for r in pools_of(f) if member_name(*r[2]) in members]
+            pools = _pools(pools_of(f), members)
+            if fetched is not None and pools != fetched:
+                # its structure lies where holes are: parsed, they would read as its bytes
+                return None
             for off, piece in complement(data, pools):
                 whole(label, len(piece), read_bands(fd, data[off:off + len(piece)], off))
             snap = snapshot_from_file(f)
