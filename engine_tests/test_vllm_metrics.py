@@ -199,7 +199,8 @@ def test_each_tier_has_its_counters_labelled_with_its_url() -> None:
 
 def test_the_docs_metrics_table_names_every_metric() -> None:
     docs = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
-    table = docs[docs.index("**Metrics.**"):docs.index("**KV events")]
+    start = docs.index("**Metrics.**")
+    table = docs[start:docs.index("**KV events", start)]
     # a row names its first metric whole, then suffixes
     for name, _ in [*METRICS.values(), *vllm_metrics.TIER_METRICS.values()]:
         suffix = name.removeprefix("vllm:hurraykv")
