@@ -154,7 +154,7 @@ class RangedReads:
         from obstore.exceptions import PreconditionError
 
         key = self._key("segments", name)
-        joined = join(offsets, offsets + lengths, self.GAP)
+        joined = scatter.merged(offsets, offsets + lengths, self.GAP)
         starts, ends = pieces(*joined, self.PIECE)
         options: dict[str, Any] = {} if etag is None else {"if_match": etag}
 
@@ -273,18 +273,6 @@ def structure(layout: FileLayout, members: frozenset[str]) -> tuple[np.ndarray, 
     return edges[:, 0], edges[:, 1] - edges[:, 0]
 
 
-def join(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ranges ``[starts, ends)`` sorted, those less than ``gap`` apart joined."""
-    if not len(starts):
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    reach = np.maximum.accumulate(ends)
-    new = np.concatenate([[True], starts[1:] >= reach[:-1] + gap])
-    last = np.concatenate([np.flatnonzero(new)[1:] - 1, [len(starts) - 1]])
-    return starts[new], reach[last]
-
-
 def pieces(starts: np.ndarray, ends: np.ndarray, piece: int
            ) -> tuple[np.ndarray, np.ndarray]:
     """Each range ``[starts, ends)`` cut into parts of at most ``piece`` bytes."""
@@ -310,4 +298,4 @@ def _absent(url: str, name: str) -> HurrayError:
                        rule="a stored segment")
 
 
-__all__ = ["PageFill", "RangedReads", "join", "memory_file", "pieces", "structure"]
+__all__ = ["PageFill", "RangedReads", "memory_file", "pieces", "structure"]

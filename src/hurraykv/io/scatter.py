@@ -293,13 +293,22 @@ def _fill(groups: list[_Group]) -> None:
             np.stack([tasks[:, 0], tasks[:, 0] + tasks[:, 2] * sizes], axis=1))
     for fill, parts in spans.values():
         both = np.concatenate(parts)
-        both = both[np.argsort(both[:, 0], kind="stable")]
-        ends = np.maximum.accumulate(both[:, 1])
-        # a merged range starts where a range begins past the end of every one before it
-        first = np.concatenate([[True], both[1:, 0] > ends[:-1]])
-        last = np.concatenate([np.flatnonzero(first)[1:] - 1, [len(both) - 1]])
-        starts = both[first, 0]
-        fill(starts, ends[last] - starts)
+        starts, ends = merged(both[:, 0], both[:, 1])
+        fill(starts, ends - starts)
+
+
+def merged(starts: np.ndarray, ends: np.ndarray, gap: int = 0
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The byte ranges ``[starts, ends)`` sorted and merged: a range that begins at most
+    ``gap`` bytes past the end of every one before it joins them."""
+    if not len(starts):
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends)
+    first = np.concatenate([[True], starts[1:] > reach[:-1] + gap])
+    last = np.concatenate([np.flatnonzero(first)[1:] - 1, [len(starts) - 1]])
+    return starts[first], reach[last]
 
 
 def _place(group: _Group) -> dict[Hashable, tuple[str, int]]:
