@@ -318,3 +318,25 @@ def test_a_server_that_hangs_mid_fetch_costs_the_deadline_and_nothing_is_written
     assert os.pread(source.fd, K * page, at) == bytes(K * page)  # nothing written late
     source.close()
     tier.close()
+
+
+def test_a_load_needs_no_head_where_a_lookup_of_this_process_made_one(s3_url):
+    """The scheduler's lookups and the worker's loads are stores of their own: the size
+    and ETag a lookup's HEAD gave serve a load by any store of the URL in the process
+    (no HEAD on the load's path); a segment removed is asked again."""
+    k, snap, name, _ = stored(s3_url, seed=21)
+    lookups, loads = open_store(s3_url), open_store(s3_url)
+    assert lookups.locate(k)[-1] == name
+
+    def no_head(_name):
+        raise AssertionError("a HEAD on the load's path")
+
+    loads._head = no_head
+    got, source = loads.get_pages(name, MEMBERS)
+    assert got.tensor(0, "key").page_pool.shape == snap.tensor(0, "key").page_pool.shape
+    source.close()
+    assert lookups.remove(name)
+    with pytest.raises(AssertionError, match="HEAD on the load's path"):
+        loads.get_pages(name, MEMBERS)
+    lookups.close()
+    loads.close()

@@ -447,6 +447,7 @@ class S3Chunks(ChunkStore, RangedReads):
     def _remove(self, name: str) -> None:
         """Delete segment ``name`` (its aliases then reach nothing), then what belongs to
         it: its aliases that still name it, its index, last use and pin."""
+        self._forget(name)  # a segment stored again under the name is another version
         self._delete([self._key("segments", name)])
         index = [m["path"] for m in self._list("index", f"{name}/")]
         for path in index:

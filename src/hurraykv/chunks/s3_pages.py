@@ -48,6 +48,9 @@ from .file.layouts import FileLayout, Layouts
 from .keys import check_name
 
 Fetch = Callable[[np.ndarray, np.ndarray], None]
+# (store URL, segment) -> its size and ETag, from a HEAD of any store of this process
+_HEADS: dict[tuple[str, str], tuple[int, str | None]] = {}
+_HEADS_LOCK = threading.Lock()
 
 
 class RangedReads:
@@ -76,23 +79,25 @@ class RangedReads:
     def _init_pages(self) -> None:
         self.bytes_fetched = 0
         self.layouts = Layouts(self.LAYOUTS)
-        self._heads: dict[str, tuple[int, str | None]] = {}
 
     def _saw(self, name: str, meta: Any) -> None:
-        """A HEAD's answer for segment ``name``: its size and ETag, kept for its load (the
-        newest half kept when full)."""
-        with self._lock:
-            self._heads[name] = (int(meta["size"]), meta.get("e_tag"))
-            if len(self._heads) > self.HEADS:
-                self._heads = dict(list(self._heads.items())[self.HEADS // 2:])
+        """A HEAD's answer for segment ``name``: its size and ETag, kept for its load by
+        any store of this URL in the process (the scheduler's lookups and the worker's
+        loads are stores of their own; the newest half kept when full)."""
+        global _HEADS
+        with _HEADS_LOCK:
+            _HEADS[(self.url, name)] = (int(meta["size"]), meta.get("e_tag"))
+            if len(_HEADS) > self.HEADS:
+                _HEADS = dict(list(_HEADS.items())[self.HEADS // 2:])
 
     def _received(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_fetched += nbytes
 
     def _forget(self, name: str) -> None:
-        with self._lock:
-            self._heads.pop(name, None)
+        """Segment ``name`` stored again or gone: its size and ETag asked again."""
+        with _HEADS_LOCK:
+            _HEADS.pop((self.url, name), None)
 
     def get_pages(self, name: str, members: frozenset[str]
                   ) -> tuple[KVCacheSnapshot, PageSource] | None:
@@ -106,8 +111,8 @@ class RangedReads:
         check_name(name)
         if not scatter.available():
             return None
-        with self._lock:
-            head = self._heads.get(name)
+        with _HEADS_LOCK:
+            head = _HEADS.get((self.url, name))
         if head is None:
             meta = self._head(name)
             if meta is None:
