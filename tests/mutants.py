@@ -1037,6 +1037,34 @@ MUTANTS = [
            ("tests/store/test_memory_store.py::test_a_pool_holds_keys_as_the_engine_does_and_"
             "hands_segments_on_as_they_came",),
            "docs/vllm.md, Tiers: a segment leaves a mem:// pool as it came in"),
+    Mutant("guard-bounded-on-its-thread", GUARD,
+           'if getattr(store, "BOUNDED", False):', "if False:",
+           ("tests/store/test_guard.py::test_a_bounded_store_is_called_on_the_callers_thread_"
+            "and_its_errors_still_count",),
+           "docs/vllm.md, Tiers: a pool's calls are made on the caller's thread"),
+    Mutant("s3-page-fetch-waits-forever", "hurraykv/chunks/s3_pages.py",
+           "late = wait(futures, timeout=self._deadline).not_done",
+           "late = wait(futures).not_done",
+           ("tests/store/test_s3_pages.py::test_a_server_that_hangs_mid_fetch_costs_the_"
+            "deadline_and_nothing_is_written_late",),
+           "docs/operations.md: an s3:// load's ranged GETs are each within the store's "
+           "deadline"),
+    Mutant("s3-heads-per-store", "hurraykv/chunks/s3_pages.py",
+           "            head = _HEADS.get((self.url, name))", "            head = None",
+           ("tests/store/test_s3_pages.py::test_a_load_needs_no_head_where_a_lookup_of_this_"
+            "process_made_one",),
+           "docs/operations.md: no HEAD where a lookup in this process found the segment"),
+    Mutant("s3-another-tenant-whole", FL,
+           "            if layout is not None:\n                fetched = pools\n",
+           "            if layout is not None:\n                return None\n",
+           ("tests/store/test_s3_pages.py::test_a_segment_of_another_tenant_of_the_same_size_"
+            "is_fetched_in_ranges_too",),
+           "docs/operations.md: a segment of another tenant of that size is read in ranges"),
+    Mutant("write-back-lower-thresholds-own", "hurraykv/integrations/vllm/config.py",
+           "            return (own[0],) * len(own)", "            return own",
+           ("tests/integrations/vllm/test_vllm_tiers.py::test_under_write_back_the_first_"
+            "tiers_threshold_admits_for_the_stack",),
+           "docs/vllm.md, Tiers: under write_back the first tier's threshold is the stack's"),
     Mutant("file-pages-placed-unhashed", "hurraykv/io/scatter.py",
            "    memory: np.ndarray | None = None\n    verify: bool = True\n",
            "    memory: np.ndarray | None = None\n    verify: bool = False\n",
