@@ -56,6 +56,15 @@ def pages(snap, first: int, n: int) -> np.ndarray:
                       np.uint8).reshape(n, -1) for role in ROLES]) for layer in (0, 1)])
 
 
+def loads_last_pages(store, name: str, snap) -> None:
+    """A load of the last ``K`` pages of segment ``name`` from ``store`` places exactly
+    ``snap``'s."""
+    _, source = store.get_pages(name, MEMBERS)
+    memory, failed = place(source, N - K, K)
+    assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
+    source.close()
+
+
 def raw(url: str):
     """The bucket of ``url`` as a plain obstore client, and the key of a segment in it:
     objects written around the store (damaged, stored again)."""
@@ -228,10 +237,7 @@ def test_an_object_stored_again_while_it_is_loaded_is_a_miss_not_damage(s3_url):
     with pytest.raises(HurrayError, match="stored again while it was read"):
         store.get_pages(name, MEMBERS)  # the size and ETag remembered are the second's
     assert store.locate(k)[-1] == name
-    _, source = store.get_pages(name, MEMBERS)
-    memory, failed = place(source, N - K, K)
-    assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
-    source.close()
+    loads_last_pages(store, name, snap)
     store.close()
 
 
@@ -272,10 +278,7 @@ def test_a_server_killed_mid_fetch_is_a_store_error_then_the_segment_is_served_a
             time.sleep(0.2)
     assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
     source.close()
-    _, source = store.get_pages(name, MEMBERS)
-    memory, failed = place(source, N - K, K)
-    assert failed == {} and np.array_equal(memory, pages(snap, N - K, K))
-    source.close()
+    loads_last_pages(store, name, snap)
     store.close()
 
 
