@@ -37,6 +37,9 @@ def run_job(job: LoadJob, target: Target, buffers: DecodeBuffers,
     try:
         job.fetch(target, {} if segments is None else segments)
         stats.add(fetch_seconds=time.perf_counter() - started)
+        # nothing left to verify (pages placed from a file or a pool, hashed as they go
+        # or not at all): no hand-over to the verifier and back at every layer
+        verifier = verifier if job.pending else None
         ahead = verifier.submit(job.verify_layer, 0) if verifier and job.ok else None
         for layer in range(layers):
             if job.cancelled or not job.ok:
