@@ -41,6 +41,7 @@ from hurraykv.integrations.vllm.events import HurrayKVEvents
 from hurraykv.integrations.vllm.scheduler import SchedulerSide
 from tests.integrations.vllm.test_vllm_scheduler import alloc, match, request, step
 from tests.integrations.vllm.test_vllm_worker import BLOCK, CHUNK, LAYER_NAMES, Side, fill
+from tests.support.waits import until
 
 OUTCOMES = ("segments_saved", "saves_present", "saves_dropped", "saves_deduplicated",
             "saves_pending")
@@ -134,6 +135,8 @@ def test_every_save_attempted_lands_in_one_counted_outcome_at_every_scrape(side,
             assert {k: during[k] for k in ("saves_attempted", *OUTCOMES)} == {
                 "saves_attempted": 9, "segments_saved": 0, "saves_present": 0,
                 "saves_dropped": 3, "saves_deduplicated": 2, "saves_pending": 4}, during
+            seen = scrapes[0]  # scraped while the saves wait, however loaded the machine
+            assert until(lambda: scrapes[0] >= seen + 5, 10)
         finally:
             os.close(lock)  # released: the writer stores what waits
         w.drain(10.0)
