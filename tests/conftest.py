@@ -12,7 +12,7 @@ from hypothesis import settings
 
 from tests.support.paths import REFERENCE
 from tests.support.redis_fixtures import redis_cluster_url, redis_url  # noqa: F401 - fixtures
-from tests.support.s3_fixtures import s3_server, s3_url  # noqa: F401 - fixtures
+from tests.support.s3_fixtures import own_server, s3_server, s3_url  # noqa: F401 - fixtures
 
 # CI (CI=true) replays a fixed set of examples so a run is reproducible; local runs keep
 # exploring new ones.  No deadlines: a loaded 2-core machine is slow, not wrong.

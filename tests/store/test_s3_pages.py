@@ -17,7 +17,7 @@ from hurraykv.errors import HurrayError, TransportError
 from hurraykv.io import checksums, scatter
 from hurraykv.snapshot_members import member_name
 from hurraykv.testing import keys
-from tests.store.test_s3_store import big, own_server  # noqa: F401 - a fixture
+from tests.store.test_s3_store import big
 from tests.support.s3_servers import REGION
 
 pytestmark = pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
@@ -243,7 +243,7 @@ def test_an_object_stored_again_while_it_is_loaded_is_a_miss_not_damage(s3_url):
 
 @pytest.mark.slow
 def test_a_server_killed_mid_fetch_is_a_store_error_then_the_segment_is_served_again(
-        own_server):  # noqa: F811 - the fixture imported above
+        own_server):
     server, proxy = own_server
     url = "s3://killed/pages"
     store = open_store(url, endpoint=proxy.endpoint, timeout=3)
@@ -284,7 +284,7 @@ def test_a_server_killed_mid_fetch_is_a_store_error_then_the_segment_is_served_a
 
 @pytest.mark.slow
 def test_a_server_that_hangs_mid_fetch_costs_the_deadline_and_nothing_is_written_late(
-        own_server):  # noqa: F811 - the fixture imported above
+        own_server):
     """The page fetch runs on a load's thread, outside any guard: a server that stops
     answering (SIGSTOP) costs the store's deadline, a ``TransportError`` naming it, and
     what it sends once it answers again is dropped, never written into the memory file

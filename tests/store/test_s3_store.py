@@ -17,7 +17,7 @@ from hurraykv.chunks.urls import open_store
 from hurraykv.errors import ConfigError, HurrayError, TransportError
 from hurraykv.io import checksums
 from hurraykv.testing import CHUNK, keys, segment
-from tests.support.s3_servers import SECRET_KEY, CuttingProxy, SeaweedS3, free_ports
+from tests.support.s3_servers import SECRET_KEY, free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,17 +94,6 @@ def test_a_large_segment_goes_up_in_parts_and_a_second_write_stores_nothing(s3_u
     store.put(k, 0, snap, {})  # a HEAD finds it: no second upload
     assert {x.name: x.version for x in store.catalog()} == before
     store.close()
-
-
-@pytest.fixture(scope="module")
-def own_server(s3_server, tmp_path_factory):
-    """A server of this module's own (the tests kill it), behind a proxy that cuts."""
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed-killed"))
-    server.start("killed")
-    proxy = CuttingProxy(server.ports["s3.port"])
-    yield server, proxy
-    proxy.close()
-    server.stop()
 
 
 @pytest.mark.slow

@@ -11,7 +11,14 @@ import uuid
 
 import pytest
 
-from tests.support.s3_servers import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3, seaweed
+from tests.support.s3_servers import (
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    CuttingProxy,
+    SeaweedS3,
+    seaweed,
+)
 
 BUCKET = "hurraykv-tests"
 _prefixes = itertools.count()
@@ -37,6 +44,19 @@ def s3_server(tmp_path_factory):
                     os.environ.pop(n, None)
                 else:
                     os.environ[n] = v
+
+
+@pytest.fixture(scope="session")
+def own_server(s3_server, tmp_path_factory):
+    """A second server, bucket ``killed``, that tests kill, stop and restart (each leaves
+    it running), behind a proxy that cuts; one a session (its start costs seconds), and
+    killed at the end (its data is the session's)."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed-killed"))
+    server.start("killed")
+    proxy = CuttingProxy(server.ports["s3.port"])
+    yield server, proxy
+    proxy.close()
+    server.kill()
 
 
 def s3_prefix_url(server: SeaweedS3) -> str:

@@ -39,7 +39,6 @@ from tests.integrations.vllm.test_vllm_worker import (
     run_step,
     save,
 )
-from tests.store.test_s3_store import own_server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not scatter.available(), reason="no compiled reader")
 
@@ -247,7 +246,7 @@ def test_an_s3_hit_fetches_only_the_pages_it_places_and_loads_them_in_one_pass(
 
 @pytest.mark.slow
 def test_an_s3_server_killed_while_a_hit_fetches_its_pages_fails_the_load_not_the_segment(
-        side, tmp_path, own_server):  # noqa: F811 - the fixture imported above
+        side, tmp_path, own_server):
     """The pages are fetched when the first layer is placed: the server dying then is a
     failed load (every block recomputed, none written from what did not come), never a
     damaged segment; once it is back the segment loads."""
