@@ -52,7 +52,7 @@ LONGEST = ["test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[file
            "test_vllm_serve.py::test_the_quickstart_runs_as_written",
            "test_vllm_faults.py::test_tensor_parallel_ranks_store_and_reuse[redis]",
            "test_vllm_preemption.py::", "test_vllm_serve.py::"]
-FIRST = ["test_vllm_hybrid", "test_vllm_faults", "test_vllm_store_dtype",
+FIRST = ["test_vllm_hybrid", "test_vllm_faults", "test_vllm_tiers", "test_vllm_store_dtype",
          "test_vllm_connector", "test_vllm_retention"]
 
 
